@@ -1,0 +1,152 @@
+"""The ``edge-fl`` command line. Heavy imports happen inside commands so ``--help`` stays instant."""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from typing import Any
+
+import click
+
+from edge_fl import __version__
+
+
+def _fail(message: str) -> None:
+    click.echo(f"edge-fl: error: {message}", err=True)
+    sys.exit(2)
+
+
+def _load(config: str | None, overrides: dict[str, Any]):
+    from edge_fl.config import ConfigError, load_config
+
+    try:
+        return load_config(config, overrides)
+    except ConfigError as exc:
+        _fail(str(exc))
+
+
+def _common_job_options(f):
+    """Flags shared by simulate / aggregator / fleet / device; they override the config file."""
+    options = [
+        click.option("--config", "config", type=click.Path(dir_okay=False), help="YAML or TOML"),
+        click.option("--job", help="job id (topic segment)"),
+        click.option("--broker", "broker_url", help="mqtt[s]://[user:pass@]host:port"),
+        click.option("--devices", type=int, help="number of devices in the fleet"),
+        click.option("--rounds", type=int, help="number of rounds"),
+        click.option("--clients-per-round", type=float, help="count, or a fraction in (0, 1)"),
+        click.option("--dataset", help="digits | synthetic | femnist | mnist"),
+        click.option("--data-dir", type=click.Path(file_okay=False), help="for femnist/mnist"),
+        click.option("--model", "model_name", help="logreg | mlp | lenet | cnn"),
+        click.option("--partition", help="iid | dirichlet"),
+        click.option("--alpha", type=float, help="Dirichlet concentration"),
+        click.option("--deadline", type=float, help="round deadline in seconds"),
+        click.option("--min-updates", type=int, help="updates needed to close a round"),
+        click.option("--seed", type=int),
+        click.option(
+            "--reproducible",
+            is_flag=True,
+            default=None,
+            help="seeded, NON-cryptographic noise (tests and reproducibility only)",
+        ),
+        click.option("-v", "--verbose", count=True),
+    ]
+    for option in reversed(options):
+        f = option(f)
+    return f
+
+
+def _overrides(kw: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "job": kw.get("job"),
+        "seed": kw.get("seed"),
+        "reproducible": kw.get("reproducible"),
+        "broker.url": kw.get("broker_url"),
+        "data.devices": kw.get("devices"),
+        "data.dataset": kw.get("dataset"),
+        "data.data_dir": kw.get("data_dir"),
+        "data.partition": kw.get("partition"),
+        "data.alpha": kw.get("alpha"),
+        "model.name": kw.get("model_name"),
+        "rounds.rounds": kw.get("rounds"),
+        "rounds.clients_per_round": kw.get("clients_per_round"),
+        "rounds.deadline_s": kw.get("deadline"),
+        "rounds.min_updates": kw.get("min_updates"),
+    }
+
+
+def _logging(verbose: int) -> None:
+    level = logging.WARNING - 10 * min(verbose, 2)
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+@click.group()
+@click.version_option(__version__, prog_name="edge-fl")
+def main() -> None:
+    """edge-fl: private, bandwidth-frugal federated learning over MQTT."""
+
+
+@main.command()
+@_common_job_options
+@click.option("--out", type=click.Path(file_okay=False), help="write metrics.jsonl, summary.json")
+@click.option("--embedded-broker", type=click.Choice(["auto", "mosquitto", "amqtt"]))
+@click.option("--no-progress", is_flag=True, help="no live progress bar")
+@click.option("--json", "as_json", is_flag=True, help="print the summary as JSON")
+def simulate(out, embedded_broker, no_progress, as_json, verbose, config, **kw) -> None:
+    """Run a whole federated job (broker, aggregator, fleet) on this machine."""
+    _logging(verbose)
+    cfg = _load(config, {**_overrides(kw), "broker.embedded": embedded_broker})
+    from edge_fl.simulation import simulate as run
+
+    try:
+        summary = run(cfg, out, progress=not no_progress and sys.stderr.isatty())
+    except (ValueError, RuntimeError, OSError) as exc:
+        _fail(str(exc))
+    if as_json:
+        click.echo(json.dumps(summary, indent=2, default=str))
+    else:
+        acc = summary.get("final_accuracy")
+        click.echo(
+            f"rounds {summary['rounds_closed']}/{summary['rounds']} closed, final accuracy "
+            f"{acc if acc is None else round(acc, 4)}, bytes up {summary['total_bytes_up']:,}, "
+            f"bytes down {summary['total_bytes_down']:,}, "
+            f"total {summary['timings']['total_s']:.2f}s"
+            + (f" -> {out}" if out else "")
+        )
+
+
+@main.command()
+@click.option("--port", type=int, default=0, help="0 = a free port")
+@click.option("--kind", type=click.Choice(["auto", "mosquitto", "amqtt"]), default="auto")
+def broker(port: int, kind: str) -> None:
+    """Run the embedded broker alone (Ctrl-C to stop) and print its URL."""
+    import signal
+    import threading
+
+    from edge_fl.transport.broker import EmbeddedBroker
+
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    with EmbeddedBroker(kind=kind, port=port or None) as b:
+        click.echo(f"{b.kind} broker listening at {b.url}", err=False)
+        try:
+            stop.wait()
+        except KeyboardInterrupt:
+            pass
+
+
+def _register_optional() -> None:
+    from edge_fl.cli import runtime_cmds
+
+    main.add_command(runtime_cmds.aggregator)
+    main.add_command(runtime_cmds.fleet)
+    main.add_command(runtime_cmds.device)
+    try:
+        from edge_fl.cli.privacy_cmds import audit_group, privacy_group
+    except ImportError:  # pragma: no cover - written alongside
+        return
+    main.add_command(privacy_group, "privacy")
+    main.add_command(audit_group, "audit")
+
+
+_register_optional()

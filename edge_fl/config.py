@@ -1,0 +1,175 @@
+"""One validated configuration for a job (YAML or TOML file + command-line overrides).
+
+Every key has a domain; a bad file fails at load time with messages that name the key, the value and
+the allowed domain, never deep inside a round. Unknown keys are errors (a typo must not silently fall
+back to a default).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import tomllib
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot run, with one line per problem."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+PositiveInt = Annotated[int, Field(ge=1)]
+
+
+class BrokerConfig(_Section):
+    url: str | None = Field(None, description="mqtt[s]://[user:pass@]host:port; None = embedded")
+    prefix: str = "edgefl"
+    embedded: Literal["auto", "mosquitto", "amqtt"] = "auto"
+    connect_concurrency: int = Field(64, ge=1, le=100)  # Mosquitto's listen backlog is 100
+    keepalive_s: int = Field(60, ge=5, le=3600)
+
+
+class DataConfig(_Section):
+    dataset: Literal["digits", "synthetic", "femnist", "mnist"] = "digits"
+    devices: PositiveInt = 50
+    partition: Literal["iid", "dirichlet"] = "iid"
+    alpha: float = Field(0.5, gt=0, description="Dirichlet concentration")
+    data_dir: str | None = None
+    samples_per_device: PositiveInt = 50  # synthetic only: mean of the lognormal
+
+
+class ModelConfig(_Section):
+    name: Literal["logreg", "mlp", "lenet", "cnn"] = "mlp"
+    hidden: PositiveInt = 64
+    wire_dtype: Literal["f4", "f2"] = "f4"
+
+
+class TrainingConfig(_Section):
+    epochs: PositiveInt = 1
+    batch_size: PositiveInt = 16
+    lr: float = Field(0.1, gt=0, le=100)
+
+
+class RoundsConfig(_Section):
+    mode: Literal["sync", "fedbuff", "fedasync"] = "sync"
+    rounds: PositiveInt = 20
+    clients_per_round: float = Field(
+        20, gt=0, description="devices per round; a value in (0, 1) is a fraction of the fleet"
+    )
+    min_updates: int | None = Field(None, ge=1, description="default: half the target, at least 1")
+    deadline_s: float = Field(30.0, gt=0)
+    on_short_round: Literal["extend", "skip"] = "extend"
+    over_selection: float = Field(1.0, ge=1.0, le=3.0)
+    server_lr: float = Field(1.0, gt=0)
+    wait_for_devices_s: float = Field(60.0, gt=0)
+
+    def target(self, n_devices: int) -> int:
+        k = self.clients_per_round
+        count = math.ceil(k * n_devices) if k < 1 else int(k)
+        return max(1, min(count, n_devices))
+
+    def minimum(self, target: int) -> int:
+        return min(target, self.min_updates or max(1, math.ceil(target / 2)))
+
+    @model_validator(mode="after")
+    def _integral_count(self) -> RoundsConfig:
+        k = self.clients_per_round
+        if k >= 1 and k != int(k):
+            raise ValueError(
+                f"rounds.clients_per_round = {k}: use an integer count >= 1 or a fraction in (0, 1)"
+            )
+        return self
+
+
+class PrivacyConfig(_Section):
+    mechanism: Literal["none"] = "none"
+
+
+class JobConfig(_Section):
+    job: str = Field("edgefl", pattern=r"^[A-Za-z0-9_.\-]{1,64}$")
+    seed: int = 0
+    reproducible: bool = Field(
+        False, description="seeded (non-cryptographic) noise: tests and reproducibility runs only"
+    )
+    broker: BrokerConfig = BrokerConfig()
+    data: DataConfig = DataConfig()
+    model: ModelConfig = ModelConfig()
+    training: TrainingConfig = TrainingConfig()
+    rounds: RoundsConfig = RoundsConfig()
+    privacy: PrivacyConfig = PrivacyConfig()
+
+    def digest(self) -> str:
+        """Short hash of the settings devices must agree on (model, data, training, privacy)."""
+        shared = self.model_dump(include={"job", "model", "data", "training", "privacy"})
+        raw = json.dumps(shared, sort_keys=True, default=str).encode()
+        return hashlib.sha256(raw).hexdigest()[:12]
+
+
+def _describe(err: dict[str, Any]) -> str:
+    key = ".".join(str(p) for p in err["loc"]) or "(top level)"
+    value = err.get("input")
+    if err["type"] == "extra_forbidden":
+        return f"{key}: unknown key (value {value!r})"
+    if err["type"] == "missing":
+        return f"{key}: required key is missing"
+    msg = err["msg"].removeprefix("Value error, ")
+    if err["type"].startswith(("less", "greater", "literal", "string_pattern", "int", "float")):
+        return f"{key} = {value!r}: {msg}"
+    return f"{key}: {msg}"
+
+
+def validate_config(data: dict[str, Any], source: str = "config") -> JobConfig:
+    try:
+        return JobConfig.model_validate(data)
+    except ValidationError as exc:
+        lines = [_describe(e) for e in exc.errors()]
+        raise ConfigError(f"invalid {source}:\n  " + "\n  ".join(lines)) from None
+
+
+def read_config_file(path: str | Path) -> dict[str, Any]:
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ConfigError(f"cannot read config file {path}: {exc.strerror}") from None
+    try:
+        if path.suffix == ".toml":
+            data = tomllib.loads(text)
+        else:
+            data = yaml.safe_load(text)
+    except (yaml.YAMLError, tomllib.TOMLDecodeError) as exc:
+        raise ConfigError(f"config file {path} is not valid {path.suffix[1:] or 'YAML'}: {exc}")
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {path}: top level must be a mapping, got {type(data)}")
+    return data
+
+
+def set_path(data: dict[str, Any], dotted: str, value: Any) -> None:
+    """Apply a command-line override ``a.b.c = value`` onto raw config data."""
+    node = data
+    *parents, last = dotted.split(".")
+    for part in parents:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"cannot override {dotted}: {part} is not a section")
+        node = child
+    node[last] = value
+
+
+def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> JobConfig:
+    """File (optional) first, then overrides (``{"rounds.rounds": 5}``) on top, then validation."""
+    data = read_config_file(path) if path else {}
+    for key, value in (overrides or {}).items():
+        if value is not None:
+            set_path(data, key, value)
+    return validate_config(data, source=f"config {path}" if path else "configuration")

@@ -1,0 +1,157 @@
+"""The fleet runtime: thousands of device agents in one asyncio process, one MQTT session each.
+
+Each device keeps its own connection open across rounds (with its own last will, so the aggregator
+sees a crash as a real broker-published ``offline``), while the global model is received ONCE per
+process on a shared downlink connection and handed to every local agent: 10,000 simulated devices
+must not each decode a copy (``notes/mqtt.md``). Training runs in a worker thread so keepalives and
+acknowledgements keep flowing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
+
+import aiomqtt
+
+from edge_fl.device.agent import DeviceAgent
+from edge_fl.protocol import GlobalModel, PayloadRejected, Topics, decode_global
+from edge_fl.transport.url import BrokerSpec
+
+log = logging.getLogger("edge_fl.fleet")
+
+
+class Fleet:
+    def __init__(
+        self,
+        agents: list[DeviceAgent],
+        spec: BrokerSpec,
+        topics: Topics,
+        *,
+        connect_concurrency: int = 64,
+        train_workers: int = 1,
+        keepalive_s: int = 60,
+        client_prefix: str | None = None,
+    ) -> None:
+        self.agents = {a.device_id: a for a in agents}
+        self.spec = spec
+        self.topics = topics
+        self.connect_concurrency = connect_concurrency
+        self.keepalive_s = keepalive_s
+        self.client_prefix = client_prefix or f"edgefl-{topics.job}"
+        self.clients: dict[str, aiomqtt.Client] = {}
+        self.crashed: set[str] = set()
+        self.published = 0
+        self.publish_failures = 0
+        self.connected = asyncio.Event()
+        self._pool = ThreadPoolExecutor(max_workers=train_workers, thread_name_prefix="train")
+        self._tasks: set[asyncio.Task] = set()
+
+    # ------------------------------------------------------------ connections
+
+    def _client(self, agent: DeviceAgent) -> aiomqtt.Client:
+        will = aiomqtt.Will(
+            self.topics.status(agent.device_id), agent.status(online=False), qos=1, retain=True
+        )
+        return aiomqtt.Client(
+            **self.spec.aiomqtt_kwargs(),
+            identifier=f"{self.client_prefix}-{agent.device_id}",
+            will=will,
+            clean_session=True,
+            keepalive=self.keepalive_s,
+        )
+
+    async def _connect(self, agent: DeviceAgent, gate: asyncio.Semaphore) -> None:
+        async with gate:  # Mosquitto's listen backlog is 100: pace the connects
+            client = self._client(agent)
+            await client.__aenter__()
+            self.clients[agent.device_id] = client
+            await client.publish(
+                self.topics.status(agent.device_id), agent.status(online=True), qos=1, retain=True
+            )
+
+    async def connect_all(self) -> None:
+        gate = asyncio.Semaphore(self.connect_concurrency)
+        await asyncio.gather(*(self._connect(a, gate) for a in self.agents.values()))
+        self.connected.set()
+
+    async def disconnect_all(self) -> None:
+        async def leave(device: str, client: aiomqtt.Client) -> None:
+            with contextlib.suppress(Exception):
+                if device not in self.crashed:
+                    agent = self.agents[device]
+                    await client.publish(
+                        self.topics.status(device), agent.status(online=False), qos=1, retain=True
+                    )
+                await client.__aexit__(None, None, None)
+
+        await asyncio.gather(*(leave(d, c) for d, c in self.clients.items()))
+        self.clients.clear()
+
+    def crash(self, devices: Iterable[str]) -> None:
+        """Kill devices abruptly: the socket drops without DISCONNECT, so the broker sends the will."""
+        for device in devices:
+            self.crashed.add(device)
+            client = self.clients.get(device)
+            sock = client._client.socket() if client is not None else None  # paho's socket
+            if isinstance(sock, socket.socket):
+                with contextlib.suppress(OSError):
+                    sock.shutdown(socket.SHUT_RDWR)
+
+    # ------------------------------------------------------------ rounds
+
+    async def _serve(self, agent: DeviceAgent, msg: GlobalModel) -> None:
+        loop = asyncio.get_running_loop()
+        payload = await loop.run_in_executor(self._pool, agent.on_global, msg)
+        if payload is None or agent.device_id in self.crashed:
+            return
+        client = self.clients.get(agent.device_id)
+        if client is None:
+            return
+        try:
+            await client.publish(self.topics.update(agent.device_id), payload, qos=1)
+            self.published += 1
+        except aiomqtt.MqttError as exc:
+            self.publish_failures += 1
+            log.warning("device %s could not publish: %s", agent.device_id, exc)
+
+    def _on_global(self, msg: GlobalModel) -> None:
+        for agent in self.agents.values():
+            if agent.device_id not in self.crashed and agent.wants(msg):
+                task = asyncio.create_task(self._serve(agent, msg))
+                self._tasks.add(task)
+                task.add_done_callback(self._tasks.discard)
+
+    async def run(self) -> None:
+        """Connect every device, serve global models until the job is done, then leave cleanly."""
+        try:
+            await self.connect_all()
+            async with aiomqtt.Client(
+                **self.spec.aiomqtt_kwargs(), identifier=f"{self.client_prefix}-downlink"
+            ) as downlink:
+                await downlink.subscribe(self.topics.global_model, qos=1)
+                async for message in downlink.messages:
+                    payload = message.payload
+                    if not isinstance(payload, bytes | bytearray) or not payload:
+                        continue  # cleared retained message: no model yet
+                    try:
+                        msg = decode_global(bytes(payload))
+                    except PayloadRejected as exc:
+                        log.warning("ignoring a bad global model: %s", exc)
+                        continue
+                    if msg.job != self.topics.job:
+                        continue
+                    if msg.done:
+                        if message.retain:
+                            continue  # the end of an earlier run of this job id
+                        break
+                    self._on_global(msg)
+            if self._tasks:
+                await asyncio.gather(*self._tasks, return_exceptions=True)
+        finally:
+            await self.disconnect_all()
+            self._pool.shutdown(wait=False, cancel_futures=True)

@@ -1,0 +1,63 @@
+"""MQTT topic names. One place, so ACLs, the aggregator and devices cannot disagree."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+_SEGMENT = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
+
+
+def check_segment(kind: str, value: str) -> str:
+    """Job and device ids become topic levels: forbid wildcards, separators and empties."""
+    if not isinstance(value, str) or not _SEGMENT.match(value):
+        raise ValueError(
+            f"{kind} {value!r} is not a valid topic segment: use 1-64 characters from "
+            "A-Z a-z 0-9 _ . -"
+        )
+    return value
+
+
+@dataclass(frozen=True)
+class Topics:
+    job: str
+    prefix: str = "edgefl"
+
+    def __post_init__(self) -> None:
+        check_segment("job id", self.job)
+        for part in self.prefix.split("/"):
+            check_segment("topic prefix level", part)
+
+    @property
+    def base(self) -> str:
+        return f"{self.prefix}/{self.job}"
+
+    @property
+    def global_model(self) -> str:
+        return f"{self.base}/global"
+
+    @property
+    def metrics(self) -> str:
+        return f"{self.base}/metrics"
+
+    def update(self, device: str) -> str:
+        return f"{self.base}/up/{device}"
+
+    def status(self, device: str) -> str:
+        return f"{self.base}/status/{device}"
+
+    @property
+    def all_updates(self) -> str:
+        return f"{self.base}/up/+"
+
+    @property
+    def all_status(self) -> str:
+        return f"{self.base}/status/+"
+
+    def device_of(self, topic: str, kind: str) -> str | None:
+        """The device id of an ``up``/``status`` topic of this job, or None if it is not one."""
+        head = f"{self.base}/{kind}/"
+        if not topic.startswith(head):
+            return None
+        device = topic[len(head) :]
+        return device if _SEGMENT.match(device) else None
