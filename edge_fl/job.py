@@ -1,4 +1,4 @@
-"""Assemble a job's parts (data, model, device agents, aggregator core) from its configuration.
+"""Assemble a job's parts (data, model, device agents, aggregator core) from its config.
 
 Shared by ``simulate``, ``aggregator``, ``fleet`` and ``device`` so that every entry point builds the
 same thing from the same config; no I/O besides reading local dataset files.

@@ -1,4 +1,4 @@
-"""Run records on disk: ``metrics.jsonl`` (one object per closed round), ``summary.json``, ``run.json``.
+"""Run records on disk: ``metrics.jsonl`` (one object per round), ``summary.json``, ``run.json``.
 
 JSONL is the primary record: appended and flushed per round, so a run cut short still leaves every
 round it finished. CSV and plots are derived from it by ``edge-fl report``.

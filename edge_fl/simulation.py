@@ -155,8 +155,8 @@ def simulate(
             spec = parse_broker_url(broker.url)
             if broker.max_devices is not None and cfg.data.devices > broker.max_devices:
                 raise ValueError(
-                    f"data.devices = {cfg.data.devices} exceeds the {broker.kind} fallback broker's "
-                    f"cap of {broker.max_devices}; install mosquitto (apt-get install mosquitto) "
+                    f"data.devices = {cfg.data.devices} exceeds the {broker.kind} fallback "
+                    f"broker's cap of {broker.max_devices}; install mosquitto (apt-get install mosquitto) "
                     "or pass --broker mqtt://HOST:PORT"
                 )
             meta["broker"] = {"kind": f"embedded-{broker.kind}", "url": broker.url}

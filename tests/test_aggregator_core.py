@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import numpy as np
-import pytest
 
 from edge_fl.privacy.rng import seeded_generator
 from edge_fl.protocol import (

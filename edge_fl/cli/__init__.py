@@ -1,7 +1,8 @@
-"""The ``edge-fl`` command line. Heavy imports happen inside commands so ``--help`` stays instant."""
+"""The ``edge-fl`` command line. Heavy imports live inside commands: ``--help`` stays instant."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import sys
@@ -40,6 +41,9 @@ def _common_job_options(f):
         click.option("--model", "model_name", help="logreg | mlp | lenet | cnn"),
         click.option("--partition", help="iid | dirichlet"),
         click.option("--alpha", type=float, help="Dirichlet concentration"),
+        click.option("--epochs", type=int, help="local epochs per round"),
+        click.option("--lr", type=float, help="local learning rate"),
+        click.option("--batch-size", type=int, help="local minibatch size"),
         click.option("--deadline", type=float, help="round deadline in seconds"),
         click.option("--min-updates", type=int, help="updates needed to close a round"),
         click.option("--seed", type=int),
@@ -71,6 +75,9 @@ def _overrides(kw: dict[str, Any]) -> dict[str, Any]:
         "rounds.rounds": kw.get("rounds"),
         "rounds.clients_per_round": kw.get("clients_per_round"),
         "rounds.deadline_s": kw.get("deadline"),
+        "training.epochs": kw.get("epochs"),
+        "training.lr": kw.get("lr"),
+        "training.batch_size": kw.get("batch_size"),
         "rounds.min_updates": kw.get("min_updates"),
     }
 
@@ -110,8 +117,7 @@ def simulate(out, embedded_broker, no_progress, as_json, verbose, config, **kw) 
             f"rounds {summary['rounds_closed']}/{summary['rounds']} closed, final accuracy "
             f"{acc if acc is None else round(acc, 4)}, bytes up {summary['total_bytes_up']:,}, "
             f"bytes down {summary['total_bytes_down']:,}, "
-            f"total {summary['timings']['total_s']:.2f}s"
-            + (f" -> {out}" if out else "")
+            f"total {summary['timings']['total_s']:.2f}s" + (f" -> {out}" if out else "")
         )
 
 
@@ -129,10 +135,8 @@ def broker(port: int, kind: str) -> None:
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     with EmbeddedBroker(kind=kind, port=port or None) as b:
         click.echo(f"{b.kind} broker listening at {b.url}", err=False)
-        try:
+        with contextlib.suppress(KeyboardInterrupt):
             stop.wait()
-        except KeyboardInterrupt:
-            pass
 
 
 def _register_optional() -> None:

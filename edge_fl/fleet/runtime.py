@@ -93,7 +93,7 @@ class Fleet:
         self.clients.clear()
 
     def crash(self, devices: Iterable[str]) -> None:
-        """Kill devices abruptly: the socket drops without DISCONNECT, so the broker sends the will."""
+        """Kill devices abruptly: no DISCONNECT packet, so the broker publishes their last wills."""
         for device in devices:
             self.crashed.add(device)
             client = self.clients.get(device)

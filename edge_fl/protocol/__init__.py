@@ -1,4 +1,4 @@
-"""Wire protocol: topics, message types and the validating msgpack codec. Imports nothing of ours."""
+"""Wire protocol: topics, message types and the validating msgpack codec (imports nothing of ours)."""
 
 from edge_fl.protocol.codec import (
     UpdateLimits,

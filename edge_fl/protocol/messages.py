@@ -33,7 +33,7 @@ class Reject(StrEnum):
 
 
 class PayloadRejected(ValueError):
-    """A payload that must not touch aggregation state, with a counted reason and a precise detail."""
+    """A payload that must not touch aggregation state: a counted reason and a precise detail."""
 
     def __init__(self, reason: Reject, detail: str) -> None:
         super().__init__(f"{reason.value}: {detail}")

@@ -1,8 +1,8 @@
 """The aggregator service: the core's I/O edge over aiomqtt.
 
-It subscribes to updates and statuses, feeds payload bytes to :class:`AggregatorCore`, drives round
-deadlines with the event loop's clock, publishes the retained global model and one metrics record per
-round. If the broker vanishes it reconnects with a persistent session (QoS 1 updates queued by the
+It subscribes to updates and statuses, feeds payload bytes to :class:`AggregatorCore`, drives
+round deadlines with the event loop's clock, publishes the retained global model and one metrics
+record per round. If the broker vanishes it reconnects with a persistent session (QoS 1 updates queued by the
 broker meanwhile are delivered then) and republishes the open round; the core's state, and so every
 accepted update, survives the outage.
 """
@@ -10,6 +10,7 @@ accepted update, survives the outage.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import time
@@ -88,10 +89,8 @@ class AggregatorService:
         """Wait for a wake-up (update, status) or until ``deadline`` on the loop clock."""
         self._wake.clear()
         timeout = None if deadline is None else max(0.0, deadline - self._now())
-        try:
+        with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._wake.wait(), timeout)
-        except TimeoutError:
-            pass
 
     def _now(self) -> float:
         return asyncio.get_running_loop().time()

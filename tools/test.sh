@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# The project's test command (README, CI). On a fresh machine it installs what the tests need:
+# Mosquitto (apt-get, when missing), the package with its dev extras in .venv, and torch (CPU,
+# pinned) for the torch tests. Tests start their own brokers on free ports.
+#   tools/test.sh              # CI subset: everything not marked slow/bench
+#   EDGE_FL_SLOW=1 tools/test.sh   # also the slow tests
+#   EDGE_FL_TORCH=0 tools/test.sh  # skip installing torch (torch tests then skip)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+if ! command -v mosquitto >/dev/null 2>&1 && [ ! -x /usr/sbin/mosquitto ]; then
+    echo "== installing mosquitto (apt-get)"
+    SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
+    $SUDO apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq mosquitto mosquitto-clients openssl >/dev/null
+fi
+
+PY=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+    echo "== creating .venv"
+    "$PY" -m venv .venv
+fi
+echo "== installing edge-fl[dev]"
+.venv/bin/python -m pip install -q --disable-pip-version-check -e '.[dev]' 2>&1 | grep -v "is ignored" || true
+.venv/bin/python -c "import edge_fl, aiomqtt, dp_accounting, onnxruntime" # fail loudly if the install did not
+if [ "${EDGE_FL_TORCH:-1}" != "0" ] && ! .venv/bin/python -c "import torch" 2>/dev/null; then
+    echo "== installing torch==2.13.0 (CPU)"
+    .venv/bin/python -m pip install -q --disable-pip-version-check torch==2.13.0 2>&1 | grep -v "is ignored" || true
+fi
+
+echo "== ruff"
+.venv/bin/ruff check edge_fl tests tools
+.venv/bin/ruff format --check edge_fl tests tools
+
+echo "== pytest"
+MARKS="not slow and not bench"
+[ "${EDGE_FL_SLOW:-0}" = "1" ] && MARKS="not bench"
+exec .venv/bin/python -m pytest -m "$MARKS" "$@"
