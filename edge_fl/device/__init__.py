@@ -1,0 +1,1 @@
+"""Device agent: pure core (training, privatising, encoding) and its MQTT runtime."""

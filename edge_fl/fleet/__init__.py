@@ -1,0 +1,1 @@
+"""Fleet simulation: device profiles (pure) and the many-device runtime."""

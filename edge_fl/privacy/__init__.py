@@ -1,0 +1,1 @@
+"""Privacy mechanisms, SignDS/MagRR, accounting and audits (pure, numpy + dp-accounting)."""

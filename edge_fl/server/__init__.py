@@ -1,0 +1,1 @@
+"""Aggregator: pure round/aggregation cores and the MQTT service around them."""

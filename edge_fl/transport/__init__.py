@@ -1,0 +1,1 @@
+"""I/O edge to brokers: URL parsing and the embedded broker launcher."""

@@ -1,0 +1,241 @@
+"""Broker URLs: one string (`mqtts://user:pass@host:8883?ca=ca.pem`) configures every client.
+
+A single URL is what an operator pastes into a device config or a CLI flag, so every connection
+detail (credentials, TLS files, port) lives in it; this module turns it into the keyword arguments
+that aiomqtt and paho expect, and never lets the password reach a log line.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import ssl
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+from urllib.parse import quote, unquote, urlsplit
+
+if TYPE_CHECKING:  # paho is only needed by the light agent
+    import paho.mqtt.client
+
+DEFAULT_PORTS = {"mqtt": 1883, "mqtts": 8883}
+QUERY_KEYS = ("ca", "cert", "key", "insecure")
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off"}
+
+
+@dataclass(frozen=True)
+class BrokerSpec:
+    """Where and how to connect to an MQTT broker (parsed from a URL by `parse_broker_url`)."""
+
+    host: str
+    port: int
+    tls: bool = False
+    username: str | None = None
+    # repr=False: a spec printed in a traceback or a log must not leak the password.
+    password: str | None = field(default=None, repr=False)
+    ca_file: str | None = None
+    cert_file: str | None = None
+    key_file: str | None = None
+    insecure: bool = False
+
+    def to_url(self, *, redact: bool = False) -> str:
+        """Rebuild a URL that `parse_broker_url` maps back to this spec."""
+        scheme = "mqtts" if self.tls else "mqtt"
+        auth = ""
+        if self.username is not None:
+            auth = quote(self.username, safe="")
+            if self.password is not None:
+                auth += ":" + ("***" if redact else quote(self.password, safe=""))
+            auth += "@"
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        query = [
+            f"{name}={quote(value, safe='/~.-_')}"
+            for name, value in (
+                ("ca", self.ca_file),
+                ("cert", self.cert_file),
+                ("key", self.key_file),
+            )
+            if value is not None
+        ]
+        if self.insecure:
+            query.append("insecure=1")
+        tail = ("?" + "&".join(query)) if query else ""
+        return f"{scheme}://{auth}{host}:{self.port}{tail}"
+
+    def redacted(self) -> str:
+        """The URL with the password replaced by `***`, safe for logs and metrics files."""
+        return self.to_url(redact=True)
+
+    def __str__(self) -> str:
+        return self.redacted()
+
+    def tls_context(self) -> ssl.SSLContext | None:
+        """A client TLS context (None for plain `mqtt://`).
+
+        Without `ca=` the system trust store is used, which is right for a broker with a public
+        certificate; `insecure=1` disables verification and exists only for debugging.
+        """
+        if not self.tls:
+            return None
+        for option, path in (
+            ("ca", self.ca_file),
+            ("cert", self.cert_file),
+            ("key", self.key_file),
+        ):
+            if path is not None and not os.path.isfile(path):
+                raise ValueError(
+                    f"broker URL option {option}={path!r}: file does not exist "
+                    f"(broker {self.redacted()})"
+                )
+        context = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cafile=self.ca_file)
+        context.minimum_version = ssl.TLSVersion.TLSv1_2
+        if self.cert_file is not None:
+            context.load_cert_chain(self.cert_file, self.key_file)
+        if self.insecure:
+            context.check_hostname = False
+            context.verify_mode = ssl.CERT_NONE
+        return context
+
+    def aiomqtt_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments for `aiomqtt.Client(**kwargs, identifier=..., will=...)`."""
+        return {
+            "hostname": self.host,
+            "port": self.port,
+            "username": self.username,
+            "password": self.password,
+            "tls_context": self.tls_context(),
+        }
+
+    def configure_paho(self, client: paho.mqtt.client.Client) -> None:
+        """Apply credentials and TLS to a paho client; then `client.connect(host, port)`."""
+        if self.username is not None:
+            client.username_pw_set(self.username, self.password)
+        context = self.tls_context()
+        if context is not None:
+            client.tls_set_context(context)
+
+
+_PASSWORD_IN_URL = re.compile(r"(://[^/@?#]*?:)[^/@?#]*@")
+
+
+def _safe(url: str) -> str:
+    """The URL with any password masked, for error messages (they end up in logs)."""
+    return _PASSWORD_IN_URL.sub(r"\1***@", url)
+
+
+def _parse_bool(name: str, value: str, url: str) -> bool:
+    lowered = value.strip().lower()
+    if lowered in _TRUE:
+        return True
+    if lowered in _FALSE:
+        return False
+    raise ValueError(
+        f"broker URL option {name}={value!r} in {url!r}: expected one of {sorted(_TRUE | _FALSE)}"
+    )
+
+
+def _parse_query(query: str, url: str) -> dict[str, str]:
+    # Split by hand rather than parse_qsl: parse_qsl turns '+' into a space, which would
+    # silently corrupt file paths that contain '+'.
+    options: dict[str, str] = {}
+    for item in query.split("&"):
+        if not item:
+            continue
+        name, sep, value = item.partition("=")
+        name = unquote(name)
+        if name not in QUERY_KEYS:
+            raise ValueError(
+                f"broker URL {url!r}: unknown option {name!r}; "
+                f"allowed options are {list(QUERY_KEYS)}"
+            )
+        if name in options:
+            raise ValueError(f"broker URL {url!r}: option {name!r} given more than once")
+        if not sep or not value:
+            raise ValueError(f"broker URL {url!r}: option {name!r} needs a value ({name}=...)")
+        options[name] = unquote(value)
+    return options
+
+
+def parse_broker_url(url: str) -> BrokerSpec:
+    """Parse `mqtt://[user[:pass]@]host[:port]` or `mqtts://...[?ca=&cert=&key=&insecure=1]`.
+
+    Raises ValueError naming the offending part for anything else, so a typo in a device config
+    fails at start-up instead of as a connection timeout.
+    """
+    if not isinstance(url, str) or not url.strip():
+        raise ValueError(
+            f"broker URL must be a non-empty string like mqtt://host:1883, got {url!r}"
+        )
+    raw_url = url.strip()
+    url = _safe(raw_url)  # only the masked form appears in error messages
+    if "://" not in url:
+        raise ValueError(
+            f"broker URL {url!r} has no scheme; expected mqtt://host[:port] or mqtts://host[:port]"
+        )
+    try:
+        parts = urlsplit(raw_url)
+    except ValueError as exc:
+        raise ValueError(f"broker URL {url!r} is malformed: {exc}") from None
+    scheme = parts.scheme.lower()
+    if scheme not in DEFAULT_PORTS:
+        raise ValueError(
+            f"broker URL {url!r}: scheme {parts.scheme!r} is not supported; "
+            f"use one of {sorted(DEFAULT_PORTS)}"
+        )
+    if parts.path not in ("", "/"):
+        raise ValueError(
+            f"broker URL {url!r}: unexpected path {parts.path!r} (MQTT URLs have none)"
+        )
+    if parts.fragment:
+        raise ValueError(f"broker URL {url!r}: unexpected fragment #{parts.fragment}")
+    host = parts.hostname
+    if not host:
+        raise ValueError(f"broker URL {url!r}: missing host")
+    try:
+        port = parts.port
+    except ValueError:
+        raw = parts.netloc.rpartition("@")[2].rpartition(":")[2]
+        raise ValueError(
+            f"broker URL {url!r}: port {raw!r} is not an integer in 1..65535"
+        ) from None
+    if port is None:
+        if parts.netloc.endswith(":"):
+            raise ValueError(f"broker URL {url!r}: empty port after ':'")
+        port = DEFAULT_PORTS[scheme]
+    if not 1 <= port <= 65535:
+        raise ValueError(f"broker URL {url!r}: port {port} is not in 1..65535")
+
+    username = unquote(parts.username) if parts.username is not None else None
+    password = unquote(parts.password) if parts.password is not None else None
+    if username == "":
+        if password is not None:
+            raise ValueError(f"broker URL {url!r}: password given without a username")
+        username = None
+
+    options = _parse_query(parts.query, url)
+    tls = scheme == "mqtts"
+    tls_options = [name for name in QUERY_KEYS if name in options]
+    if tls_options and not tls:
+        raise ValueError(
+            f"broker URL {url!r}: options {tls_options} only apply to TLS; use mqtts:// instead"
+        )
+    if "key" in options and "cert" not in options:
+        raise ValueError(f"broker URL {url!r}: key= given without cert= (client certificate)")
+
+    def path(name: str) -> str | None:
+        value = options.get(name)
+        return os.path.expanduser(value) if value is not None else None
+
+    return BrokerSpec(
+        host=host,
+        port=port,
+        tls=tls,
+        username=username,
+        password=password,
+        ca_file=path("ca"),
+        cert_file=path("cert"),
+        key_file=path("key"),
+        insecure=_parse_bool("insecure", options["insecure"], url)
+        if "insecure" in options
+        else False,
+    )
