@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import importlib
 import json
 import logging
 import sys
@@ -87,7 +88,20 @@ def _logging(verbose: int) -> None:
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
 
-@click.group()
+class _LazyGroup(click.Group):
+    """Subcommands imported on use: ``edge-fl simulate`` must not pay for dp-accounting's import."""
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted([*super().list_commands(ctx), *_LAZY])
+
+    def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
+        if name in _LAZY:
+            module, attr = _LAZY[name]
+            return getattr(importlib.import_module(module), attr)
+        return super().get_command(ctx, name)
+
+
+@click.group(cls=_LazyGroup)
 @click.version_option(__version__, prog_name="edge-fl")
 def main() -> None:
     """edge-fl: private, bandwidth-frugal federated learning over MQTT."""
@@ -123,34 +137,22 @@ def simulate(out, embedded_broker, no_progress, as_json, verbose, config, **kw) 
 
 @main.command()
 @click.option("--port", type=int, default=0, help="0 = a free port")
+@click.option("--bind", default="127.0.0.1", show_default=True, help="listen address")
 @click.option("--kind", type=click.Choice(["auto", "mosquitto", "amqtt"]), default="auto")
-def broker(port: int, kind: str) -> None:
-    """Run the embedded broker alone (Ctrl-C to stop) and print its URL."""
-    import signal
-    import threading
-
+def broker(port: int, bind: str, kind: str) -> None:
+    """Run the embedded broker alone until Ctrl-C / SIGTERM, printing its URL."""
     from edge_fl.transport.broker import EmbeddedBroker
 
-    stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    with EmbeddedBroker(kind=kind, port=port or None) as b:
-        click.echo(f"{b.kind} broker listening at {b.url}", err=False)
-        with contextlib.suppress(KeyboardInterrupt):
-            stop.wait()
+    b = EmbeddedBroker(kind=kind, port=port or None, bind=bind)
+    b.start()
+    click.echo(f"{b.kind} broker listening at {b.url}")
+    sys.exit(b.run_forever())
 
 
-def _register_optional() -> None:
-    from edge_fl.cli import runtime_cmds
-
-    main.add_command(runtime_cmds.aggregator)
-    main.add_command(runtime_cmds.fleet)
-    main.add_command(runtime_cmds.device)
-    try:
-        from edge_fl.cli.privacy_cmds import audit_group, privacy_group
-    except ImportError:  # pragma: no cover - written alongside
-        return
-    main.add_command(privacy_group, "privacy")
-    main.add_command(audit_group, "audit")
-
-
-_register_optional()
+_LAZY = {
+    "aggregator": ("edge_fl.cli.runtime_cmds", "aggregator"),
+    "fleet": ("edge_fl.cli.runtime_cmds", "fleet"),
+    "device": ("edge_fl.cli.runtime_cmds", "device"),
+    "privacy": ("edge_fl.cli.privacy_cmds", "privacy_group"),
+    "audit": ("edge_fl.cli.privacy_cmds", "audit_group"),
+}
