@@ -96,6 +96,13 @@ class PrivacyConfig(_Section):
     mechanism: Literal["none"] = "none"
 
 
+class DeviceConfig(_Section):
+    """Only for ``edge-fl device``: which device this process is."""
+
+    id: str | None = Field(None, pattern=r"^[A-Za-z0-9_.\-]{1,64}$", description="= MQTT username")
+    index: int | None = Field(None, ge=0, description="this device's share of the dataset")
+
+
 class JobConfig(_Section):
     job: str = Field("edgefl", pattern=r"^[A-Za-z0-9_.\-]{1,64}$")
     seed: int = 0
@@ -108,6 +115,7 @@ class JobConfig(_Section):
     training: TrainingConfig = TrainingConfig()
     rounds: RoundsConfig = RoundsConfig()
     privacy: PrivacyConfig = PrivacyConfig()
+    device: DeviceConfig = DeviceConfig()
 
     def digest(self) -> str:
         """Short hash of the settings devices must agree on (model, data, training, privacy)."""

@@ -99,9 +99,12 @@ def device(device_index, device_id, verbose, config, **kw) -> None:
     cfg = _load(config, _overrides(kw))
     if not cfg.broker.url:
         _fail("a device needs --broker (or broker.url in the config)")
-    index = device_index if device_index is not None else 0
+    index = device_index if device_index is not None else cfg.device.index
+    if index is None:
+        _fail("which device is this? give --device-index (or device.index in the config)")
     if not 0 <= index < cfg.data.devices:
-        _fail(f"--device-index {index} outside [0, {cfg.data.devices})")
+        _fail(f"device index {index} is outside [0, data.devices = {cfg.data.devices})")
+    device_id = device_id or cfg.device.id
     from edge_fl.device.runtime import run_device
     from edge_fl.job import build_job
     from edge_fl.transport.url import parse_broker_url
@@ -111,7 +114,9 @@ def device(device_index, device_id, verbose, config, **kw) -> None:
     if device_id:
         agent.device_id = device_id
     try:
-        sent = asyncio.run(run_device(agent, parse_broker_url(cfg.broker.url), job.topics))
+        sent = asyncio.run(
+            run_device(agent, parse_broker_url(cfg.broker.url), job.topics, cfg.digest())
+        )
     except RuntimeError as exc:
         _fail(str(exc))
     click.echo(f"device {agent.device_id}: {sent} updates sent", err=True)

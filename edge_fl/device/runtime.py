@@ -19,7 +19,7 @@ from edge_fl.transport.url import BrokerSpec
 log = logging.getLogger("edge_fl.device")
 
 
-async def _session(agent: DeviceAgent, spec: BrokerSpec, topics: Topics) -> bool:
+async def _session(agent: DeviceAgent, spec: BrokerSpec, topics: Topics, digest: str) -> bool:
     """One connection; returns True when the job is done."""
     will = aiomqtt.Will(topics.status(agent.device_id), agent.status(False), qos=1, retain=True)
     async with aiomqtt.Client(
@@ -39,6 +39,15 @@ async def _session(agent: DeviceAgent, spec: BrokerSpec, topics: Topics) -> bool
                 continue
             if msg.job != topics.job:
                 continue
+            if digest and msg.config_digest and msg.config_digest != digest:
+                log.error(
+                    "round %d: the aggregator's config digest %s differs from this device's %s "
+                    "(model, data, training or privacy settings disagree); not training",
+                    msg.round,
+                    msg.config_digest,
+                    digest,
+                )
+                continue
             if msg.done:
                 if message.retain:
                     continue  # an earlier run's end marker
@@ -54,13 +63,17 @@ async def _session(agent: DeviceAgent, spec: BrokerSpec, topics: Topics) -> bool
 
 
 async def run_device(
-    agent: DeviceAgent, spec: BrokerSpec, topics: Topics, max_backoff_s: float = 60.0
+    agent: DeviceAgent,
+    spec: BrokerSpec,
+    topics: Topics,
+    digest: str = "",
+    max_backoff_s: float = 60.0,
 ) -> int:
     """Serve rounds until the job is done; returns the number of updates sent."""
     attempt = 0
     while True:
         try:
-            if await _session(agent, spec, topics):
+            if await _session(agent, spec, topics, digest):
                 return agent.state.updates_sent
             attempt = 0
         except aiomqtt.MqttError as exc:

@@ -1,0 +1,323 @@
+"""``edge-fl privacy ...`` (accounting, calibration) and ``edge-fl audit ...`` (empirical DP audit).
+
+Every number comes from the ledger / mechanism modules, never computed here by hand. ``--json``
+prints one object with at least ``epsilon``, ``delta`` and ``accountant``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable
+from typing import Any
+
+import click
+from rich.console import Console
+from rich.table import Table
+
+from edge_fl.privacy.accounting import (
+    DP_ACCOUNTING_VERSION,
+    PrivacyEvent,
+    compose_epsilon,
+    relation_name,
+)
+from edge_fl.privacy.audit import audit_gaussian, audit_laplace, audit_rr
+from edge_fl.privacy.dpsgd import DpSgdConfig, calibrate_dpsgd_noise_multiplier
+from edge_fl.privacy.gaussian import calibrate_central_noise_multiplier, central_privacy_event
+from edge_fl.privacy.laplace import LaplaceConfig
+from edge_fl.privacy.randomized_response import rr_privacy_event
+from edge_fl.privacy.rng import secure_generator, seeded_generator
+
+__all__ = ["audit_group", "privacy_group"]
+
+
+class _Real(click.ParamType):
+    """A finite real in an interval; the error names the value and the domain."""
+
+    name = "number"
+
+    def __init__(self, lo: float, hi: float, lo_open: bool, hi_open: bool) -> None:
+        self.lo, self.hi, self.lo_open, self.hi_open = lo, hi, lo_open, hi_open
+        left = "(" if lo_open else "["
+        right = ")" if hi_open else "]"
+        self.domain = f"{left}{lo:g}, {hi:g}{right}"
+
+    def convert(
+        self, value: Any, param: click.Parameter | None, ctx: click.Context | None
+    ) -> float:
+        try:
+            v = float(value)
+        except (TypeError, ValueError):
+            self.fail(f"{value!r} is not a number in {self.domain}", param, ctx)
+        ok = math.isfinite(v) or (math.isinf(self.hi) and v == math.inf and not self.hi_open)
+        ok = ok and (v > self.lo if self.lo_open else v >= self.lo)
+        ok = ok and (v < self.hi if self.hi_open else v <= self.hi)
+        if not ok:
+            self.fail(f"{value!r} is not in {self.domain}", param, ctx)
+        return v
+
+
+class _Int(click.ParamType):
+    name = "integer"
+
+    def __init__(self, lo: int) -> None:
+        self.lo = lo
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> int:
+        try:
+            v = int(str(value), 10)
+        except ValueError:
+            self.fail(f"{value!r} is not an integer >= {self.lo}", param, ctx)
+        if v < self.lo:
+            self.fail(f"{value!r} is not an integer >= {self.lo}", param, ctx)
+        return v
+
+
+POSITIVE = _Real(0.0, math.inf, True, True)
+PROBABILITY = _Real(0.0, 1.0, True, False)
+DELTA = _Real(0.0, 1.0, False, True)
+OPEN_DELTA = _Real(0.0, 1.0, True, True)
+COUNT = _Int(1)
+SEED = _Int(0)
+
+
+def _emit(as_json: bool, title: str, data: dict) -> None:
+    if as_json:
+        click.echo(json.dumps(data, default=str))
+        return
+    table = Table(title=title, show_header=False)
+    table.add_column("key", style="bold")
+    table.add_column("value")
+    for k, v in data.items():
+        table.add_row(str(k), f"{v:.7g}" if isinstance(v, float) else str(v))
+    Console().print(table)
+
+
+def _guarded(fn: Callable[[], Any]) -> Any:
+    """Library domain errors surface as click.BadParameter (message names value and domain)."""
+    try:
+        return fn()
+    except ValueError as err:
+        raise click.BadParameter(str(err)) from err
+
+
+def _accounting(events: list[PrivacyEvent], delta: float, accountant: str) -> dict:
+    res = _guarded(lambda: compose_epsilon(events, delta, accountant))  # type: ignore[arg-type]
+    out: dict = {
+        "epsilon": res.epsilon,
+        "delta": res.delta,
+        "accountant": accountant,
+        "accountant_impl": f"dp-accounting {DP_ACCOUNTING_VERSION}",
+        "neighbouring_relation": relation_name(res.relation) if res.relation else None,
+        "unit": res.unit,
+        "sampling": (
+            "poisson (secret, CSPRNG selection assumed)"
+            if any(e.poisson_sampled for e in events)
+            else "none"
+        ),
+    }
+    if res.optimal_order is not None:
+        out["rdp_optimal_order"] = res.optimal_order
+        out["rdp_order_at_grid_edge"] = res.order_at_grid_edge
+    return out
+
+
+_json_opt = click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+
+
+@click.group("privacy")
+def privacy_group() -> None:
+    """Privacy accounting and noise calibration (dp-accounting)."""
+
+
+@privacy_group.command("dpsgd")
+@click.option("--sigma", type=POSITIVE, required=True, help="Noise multiplier.")
+@click.option("--q", type=PROBABILITY, required=True, help="Poisson sampling rate.")
+@click.option("--steps", type=COUNT, required=True)
+@click.option("--delta", type=OPEN_DELTA, required=True)
+@click.option("--accountant", type=click.Choice(["rdp", "pld"]), default="rdp", show_default=True)
+@_json_opt
+def dpsgd_cmd(sigma: float, q: float, steps: int, delta: float, accountant: str, as_json: bool):
+    """Epsilon of DP-SGD: SelfComposed(PoissonSampled(q, Gaussian(sigma)), steps)."""
+    ev = _guarded(lambda: DpSgdConfig(1.0, sigma, q).privacy_event(steps))
+    out = _accounting([ev], delta, accountant)
+    out.update(sigma=sigma, q=q, steps=steps)
+    _emit(as_json, "DP-SGD", out)
+
+
+@privacy_group.command("laplace")
+@click.option("--eps-round", type=POSITIVE, required=True, help="Pure eps per release.")
+@click.option("--rounds", type=COUNT, required=True)
+@click.option("--delta", type=DELTA, required=True)
+@click.option(
+    "--accountant",
+    type=click.Choice(["basic", "advanced", "pld", "rdp"]),
+    default="pld",
+    show_default=True,
+)
+@_json_opt
+def laplace_cmd(eps_round: float, rounds: int, delta: float, accountant: str, as_json: bool):
+    """Epsilon of ``rounds`` Laplace output-perturbation releases at ``eps-round`` each."""
+    cfg = _guarded(lambda: LaplaceConfig(1.0, 1.0, eps_round * rounds, rounds))
+    events = [cfg.privacy_event(r) for r in range(rounds)]
+    out = _accounting(events, delta, accountant)
+    out.update(eps_round=eps_round, rounds=rounds, basic_epsilon=eps_round * rounds)
+    _emit(as_json, "Laplace output perturbation", out)
+
+
+@privacy_group.command("fedavg")
+@click.option("--z", type=POSITIVE, required=True, help="Noise multiplier (std / clip).")
+@click.option("--q", type=PROBABILITY, required=True, help="Expected participants / population.")
+@click.option("--rounds", type=COUNT, required=True)
+@click.option("--delta", type=OPEN_DELTA, required=True)
+@click.option("--accountant", type=click.Choice(["rdp", "pld"]), default="rdp", show_default=True)
+@_json_opt
+def fedavg_cmd(z: float, q: float, rounds: int, delta: float, accountant: str, as_json: bool):
+    """Epsilon of central DP-FedAvg (device level) over ``rounds`` rounds."""
+    ev = _guarded(lambda: central_privacy_event(z, q, rounds))
+    out = _accounting([ev], delta, accountant)
+    out.update(z=z, q=q, rounds=rounds)
+    _emit(as_json, "DP-FedAvg (central)", out)
+
+
+@privacy_group.command("rr")
+@click.option("--eps", type=POSITIVE, required=True, help="Pure eps per report.")
+@click.option("--rounds", type=COUNT, required=True)
+@click.option("--delta", type=DELTA, required=True)
+@click.option("--accountant", type=click.Choice(["rdp", "pld"]), default="pld", show_default=True)
+@_json_opt
+def rr_cmd(eps: float, rounds: int, delta: float, accountant: str, as_json: bool):
+    """Epsilon of ``rounds`` randomized-response reports (each composed individually)."""
+    ev = _guarded(lambda: rr_privacy_event(eps))
+    out = _accounting([ev] * rounds, delta, accountant)
+    out.update(eps_round=eps, rounds=rounds, basic_epsilon=eps * rounds)
+    _emit(as_json, "Randomized response", out)
+
+
+@privacy_group.group("calibrate")
+def calibrate_group() -> None:
+    """Smallest noise multiplier meeting a target (eps, delta)."""
+
+
+def _calibrated(kind: str, z: float, target: float, delta: float, accountant: str, **kw) -> dict:
+    return {
+        "noise_multiplier": z,
+        "target_epsilon": target,
+        "delta": delta,
+        "accountant": accountant,
+        "accountant_impl": f"dp-accounting {DP_ACCOUNTING_VERSION}",
+        "mechanism": kind,
+        **kw,
+    }
+
+
+@calibrate_group.command("dpsgd")
+@click.option("--target-eps", type=POSITIVE, required=True)
+@click.option("--delta", type=OPEN_DELTA, required=True)
+@click.option("--q", type=PROBABILITY, required=True)
+@click.option("--steps", type=COUNT, required=True)
+@click.option("--accountant", type=click.Choice(["rdp", "pld"]), default="rdp", show_default=True)
+@_json_opt
+def calibrate_dpsgd_cmd(
+    target_eps: float, delta: float, q: float, steps: int, accountant: str, as_json: bool
+):
+    """Noise multiplier sigma for DP-SGD."""
+    z = _guarded(
+        lambda: calibrate_dpsgd_noise_multiplier(target_eps, delta, q, steps, accountant)  # type: ignore[arg-type]
+    )
+    eps = _accounting([DpSgdConfig(1.0, z, q).privacy_event(steps)], delta, accountant)["epsilon"]
+    out = _calibrated("dpsgd", z, target_eps, delta, accountant, epsilon=eps, q=q, steps=steps)
+    _emit(as_json, "Calibrated DP-SGD", out)
+
+
+@calibrate_group.command("fedavg")
+@click.option("--target-eps", type=POSITIVE, required=True)
+@click.option("--delta", type=OPEN_DELTA, required=True)
+@click.option("--q", type=PROBABILITY, required=True)
+@click.option("--rounds", type=COUNT, required=True)
+@click.option("--accountant", type=click.Choice(["rdp", "pld"]), default="rdp", show_default=True)
+@_json_opt
+def calibrate_fedavg_cmd(
+    target_eps: float, delta: float, q: float, rounds: int, accountant: str, as_json: bool
+):
+    """Noise multiplier z for central DP-FedAvg."""
+    z = _guarded(
+        lambda: calibrate_central_noise_multiplier(target_eps, delta, q, rounds, accountant)  # type: ignore[arg-type]
+    )
+    eps = _accounting([central_privacy_event(z, q, rounds)], delta, accountant)["epsilon"]
+    out = _calibrated("fedavg", z, target_eps, delta, accountant, epsilon=eps, q=q, rounds=rounds)
+    _emit(as_json, "Calibrated DP-FedAvg (central)", out)
+
+
+# ----------------------------------------------------------------------------------------------
+
+
+@click.group("audit")
+def audit_group() -> None:
+    """Empirical lower bounds on eps for the production mechanisms (Clopper-Pearson)."""
+
+
+def _audit_options(fn: Callable) -> Callable:
+    fn = click.option("--seed", type=SEED, default=None, help="Seed (reproducible, NOT secure).")(
+        fn
+    )
+    fn = _json_opt(fn)
+    fn = click.option("--alpha", type=OPEN_DELTA, default=0.05, show_default=True)(fn)
+    fn = click.option("--n", "n", type=COUNT, required=True, help="Runs per input.")(fn)
+    return click.option("--eps", type=POSITIVE, required=True, help="Claimed eps.")(fn)
+
+
+def _run_audit(title: str, seed: int | None, as_json: bool, run: Callable) -> None:
+    rng = secure_generator() if seed is None else seeded_generator(seed)
+    out = _guarded(lambda: run(rng))
+    out["passed"] = out["epsilon_lower_bound"] <= out["claimed_epsilon"]
+    out["rng"] = "chacha20-urandom" if seed is None else f"pcg64-seeded (seed {seed})"
+    _emit(as_json, title, out)
+
+
+@audit_group.command("laplace")
+@_audit_options
+@click.option("--delta", type=DELTA, default=0.0, show_default=True, help="Claimed delta.")
+def audit_laplace_cmd(eps: float, n: int, alpha: float, as_json: bool, seed: int | None, delta):
+    """Audit mechanism A (one step + Laplace) at claimed (eps, delta)."""
+    _run_audit(
+        "Audit: Laplace",
+        seed,
+        as_json,
+        lambda rng: audit_laplace(eps, n, rng, alpha=alpha, delta=delta),
+    )
+
+
+@audit_group.command("gaussian")
+@_audit_options
+@click.option("--delta", type=OPEN_DELTA, required=True, help="Claimed delta (calibration).")
+@click.option("--audit-delta", type=OPEN_DELTA, default=1e-3, show_default=True)
+def audit_gaussian_cmd(
+    eps: float,
+    n: int,
+    alpha: float,
+    as_json: bool,
+    seed: int | None,
+    delta: float,
+    audit_delta: float,
+):
+    """Audit the local Gaussian mechanism calibrated for (eps, delta), checked at audit-delta."""
+    _run_audit(
+        "Audit: Gaussian",
+        seed,
+        as_json,
+        lambda rng: audit_gaussian(eps, delta, n, rng, audit_delta=audit_delta, alpha=alpha),
+    )
+
+
+@audit_group.command("rr")
+@_audit_options
+@click.option("--delta", type=DELTA, default=0.0, show_default=True, help="Claimed delta.")
+def audit_rr_cmd(eps: float, n: int, alpha: float, as_json: bool, seed: int | None, delta):
+    """Audit randomized response at claimed (eps, delta)."""
+    _run_audit(
+        "Audit: randomized response",
+        seed,
+        as_json,
+        lambda rng: audit_rr(eps, n, rng, alpha=alpha, delta=delta),
+    )
