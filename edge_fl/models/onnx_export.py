@@ -1,0 +1,170 @@
+"""Export any edge-fl model with its parameters to ONNX: input "x" [N, n_features], output "logits".
+
+ONNX is the hand-off format: the server evaluates and devices infer with onnxruntime alone, so
+neither needs the training backend. The numpy models (logreg, mlp) are written directly as
+MatMul/Add/Relu graphs from the flat vector, so exporting them never needs torch. Torch models go
+through ``torch.onnx.export`` with the TorchScript exporter (``dynamo=False``): in torch 2.13 it
+still exists (deprecated) and needs nothing beyond torch, whereas the default dynamo exporter also
+requires the ``onnxscript`` package. If a future torch drops the TorchScript path we fall back to
+dynamo and say what to install. torch is imported only when a torch model is exported.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import sys
+import warnings
+from pathlib import Path
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+from .base import Model
+
+__all__ = ["ONNX_IR_VERSION", "ONNX_OPSET", "export_onnx", "onnx_bytes", "onnx_model"]
+
+# Opset 17 / IR 8 are understood by onnxruntime >= 1.13, i.e. by the older builds found on devices.
+ONNX_OPSET = 17
+ONNX_IR_VERSION = 8
+INPUT_NAME = "x"
+OUTPUT_NAME = "logits"
+
+
+def export_onnx(model: Model, params: np.ndarray, path: str | os.PathLike[str]) -> Path:
+    """Write ``model`` with ``params`` to ``path`` as ONNX; returns the path."""
+    out = Path(path)
+    out.write_bytes(onnx_bytes(model, params))
+    return out
+
+
+def onnx_bytes(model: Model, params: np.ndarray) -> bytes:
+    """The serialized ONNX model, e.g. to ship over the wire or hand to ``OnnxClassifier``."""
+    if _is_torch_model(model):
+        return _torch_onnx_bytes(model, _flat(model, params))
+    return onnx_model(model, params).SerializeToString()
+
+
+def onnx_model(model: Model, params: np.ndarray) -> onnx.ModelProto:
+    """The ONNX graph of a numpy model (logreg or mlp), checked by ``onnx.checker``."""
+    p = _flat(model, params)
+    name = getattr(model, "name", None)
+    F, C = int(model.n_features), int(model.n_classes)
+    if name == "logreg":
+        expected = F * C + C
+        if p.size != expected:
+            raise ValueError(f"logreg params must have {expected} entries, got {p.size}")
+        inits = [_init("W", p[: F * C].reshape(F, C)), _init("b", p[F * C :])]
+        nodes = [
+            helper.make_node("MatMul", [INPUT_NAME, "W"], ["xW"]),
+            helper.make_node("Add", ["xW", "b"], [OUTPUT_NAME]),
+        ]
+    elif name == "mlp":
+        H = _mlp_hidden(model, p.size)
+        o = np.cumsum([0, F * H, H, H * C, C])
+        inits = [
+            _init("W1", p[o[0] : o[1]].reshape(F, H)),
+            _init("b1", p[o[1] : o[2]]),
+            _init("W2", p[o[2] : o[3]].reshape(H, C)),
+            _init("b2", p[o[3] : o[4]]),
+        ]
+        nodes = [
+            helper.make_node("MatMul", [INPUT_NAME, "W1"], ["xW1"]),
+            helper.make_node("Add", ["xW1", "b1"], ["z1"]),
+            helper.make_node("Relu", ["z1"], ["h1"]),
+            helper.make_node("MatMul", ["h1", "W2"], ["hW2"]),
+            helper.make_node("Add", ["hW2", "b2"], [OUTPUT_NAME]),
+        ]
+    else:
+        raise ValueError(
+            f"cannot export model {name!r} ({type(model).__name__}) to ONNX: supported are the "
+            "numpy models 'logreg' and 'mlp' and the torch models in edge_fl.models.torch_models"
+        )
+    graph = helper.make_graph(
+        nodes,
+        f"edge_fl_{name}",
+        [helper.make_tensor_value_info(INPUT_NAME, TensorProto.FLOAT, ["N", F])],
+        [helper.make_tensor_value_info(OUTPUT_NAME, TensorProto.FLOAT, ["N", C])],
+        initializer=inits,
+    )
+    m = helper.make_model(
+        graph,
+        producer_name="edge-fl",
+        opset_imports=[helper.make_opsetid("", ONNX_OPSET)],
+    )
+    m.ir_version = ONNX_IR_VERSION
+    onnx.checker.check_model(m, full_check=True)
+    return m
+
+
+def _flat(model: Model, params: np.ndarray) -> np.ndarray:
+    p = np.asarray(params)
+    if p.shape != (model.n_params,):
+        raise ValueError(f"params must have shape ({model.n_params},), got {p.shape}")
+    if not np.all(np.isfinite(p)):
+        raise ValueError("params must be finite to export (found NaN or inf)")
+    return np.ascontiguousarray(p, dtype=np.float32)
+
+
+def _init(name: str, a: np.ndarray) -> onnx.TensorProto:
+    return numpy_helper.from_array(np.ascontiguousarray(a, dtype=np.float32), name)
+
+
+def _mlp_hidden(model: Model, n_params: int) -> int:
+    """Hidden width from n_params = H(F + C + 1) + C; cross-checked with ``model.hidden``."""
+    F, C = int(model.n_features), int(model.n_classes)
+    H, rem = divmod(n_params - C, F + C + 1)
+    declared = getattr(model, "hidden", H)
+    if rem or H < 1 or declared != H:
+        raise ValueError(
+            f"mlp params ({n_params}) do not fit the layout [W1 F*H, b1 H, W2 H*C, b2 C] with "
+            f"F={F}, C={C}, hidden={declared}"
+        )
+    return H
+
+
+def _is_torch_model(model: object) -> bool:
+    mod = sys.modules.get("edge_fl.models.torch_models")  # not imported -> cannot be a torch model
+    return mod is not None and isinstance(model, mod.TorchModel)
+
+
+def _torch_onnx_bytes(model, params: np.ndarray) -> bytes:
+    import torch
+
+    fresh = model.module_with(params)  # a copy: the model's own module is never mutated
+    example = torch.zeros((2, model.n_features), dtype=torch.float32)
+    buf = io.BytesIO()
+    kwargs = dict(
+        input_names=[INPUT_NAME],
+        output_names=[OUTPUT_NAME],
+        opset_version=ONNX_OPSET,
+    )
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)  # the TorchScript exporter's notice
+            torch.onnx.export(
+                fresh,
+                (example,),
+                buf,
+                dynamo=False,
+                dynamic_axes={INPUT_NAME: {0: "N"}, OUTPUT_NAME: {0: "N"}},
+                **kwargs,
+            )
+    except TypeError:  # a torch without the TorchScript exporter: needs onnxscript
+        try:
+            import onnxscript  # noqa: F401
+        except ImportError as exc:
+            raise ImportError(
+                "this torch has no TorchScript ONNX exporter; the dynamo exporter needs "
+                "onnxscript: pip install onnxscript"
+            ) from exc
+        n = torch.export.Dim("N")
+        program = torch.onnx.export(
+            fresh, (example,), dynamo=True, dynamic_shapes=({0: n},), **kwargs
+        )
+        return program.model_proto.SerializeToString()
+    proto = onnx.load_from_string(buf.getvalue())
+    proto.producer_name = "edge-fl/" + proto.producer_name
+    onnx.checker.check_model(proto)
+    return proto.SerializeToString()
