@@ -92,8 +92,87 @@ class RoundsConfig(_Section):
         return self
 
 
+Mechanism = Literal["none", "laplace", "gaussian", "gaussian-central", "dpsgd", "nbafl", "signds"]
+
+
+class SignDSConfig(_Section):
+    """Domains exactly as the reference (MindSpore Federated); see specs/signds.md section 6."""
+
+    sign_k: float = Field(0.01, description="top-k fraction, (0, 0.25]")
+    sign_eps: float = Field(100.0, description="exponential-mechanism epsilon, (0, 100]")
+    sign_thr_ratio: float = Field(0.6, description="target top-k fraction of outputs, [0.5, 1]")
+    sign_global_lr: float = Field(0.1, description="step when MagRR falls back, > 0")
+    sign_dim_out: int = Field(0, description="output dimension h, [0, 50]; 0 = optimise")
+    max_dim_out: int = Field(100, ge=1, le=100_000, description="cap on h (reference: 100)")
+
+    @model_validator(mode="after")
+    def _domains(self) -> SignDSConfig:
+        checks = [
+            ("sign_k", self.sign_k, 0 < self.sign_k <= 0.25, "(0, 0.25]"),
+            ("sign_eps", self.sign_eps, 0 < self.sign_eps <= 100, "(0, 100]"),
+            ("sign_thr_ratio", self.sign_thr_ratio, 0.5 <= self.sign_thr_ratio <= 1, "[0.5, 1]"),
+            ("sign_global_lr", self.sign_global_lr, self.sign_global_lr > 0, "(0, inf)"),
+            ("sign_dim_out", self.sign_dim_out, 0 <= self.sign_dim_out <= 50, "integer [0, 50]"),
+        ]
+        bad = [f"signds.{k} = {v!r} is out of domain {d}" for k, v, ok, d in checks if not ok]
+        if bad:
+            raise ValueError("; ".join(bad))
+        return self
+
+
+class MagRRConfigSection(_Section):
+    """MagRR step-size estimation; the reference's constants are the defaults."""
+
+    r_est0: float = Field(1e-5, gt=0, lt=1)
+    growth: float = Field(5.0, gt=1)
+    shrink: float = Field(1.5, gt=1)
+    reached_threshold: int = Field(10, ge=0)
+    rr_eps: float = Field(5.0, gt=0)
+    step_ratio: float = Field(3.0, gt=0)
+    fallback_ratio: float = Field(0.05, ge=0, le=1)
+
+
 class PrivacyConfig(_Section):
-    mechanism: Literal["none"] = "none"
+    """Local (on-device) privacy; the ledger composes every release over all rounds.
+
+    ``epsilon`` is the job's target: Laplace splits it over the rounds, Gaussian and DP-SGD
+    calibrate their noise multiplier from it when ``noise_multiplier`` is not given.
+    """
+
+    mechanism: Mechanism = "none"
+    delta: float = Field(1e-5, gt=0, lt=1, description="delta at which epsilon is reported")
+    accountant: Literal["rdp", "pld"] = "rdp"  # per-round; the summary adds the other one
+    epsilon: float | None = Field(None, gt=0, description="target total epsilon")
+    budget_epsilon: float | None = Field(
+        None, gt=0, description="per-device budget: a device that would exceed it stops"
+    )
+    clip: float = Field(1.0, gt=0, description="C: L1 (laplace) or L2 (others) clipping bound")
+    noise_multiplier: float | None = Field(None, gt=0, description="z (gaussian) / sigma (dpsgd)")
+    sample_rate: float | None = Field(
+        None, gt=0, le=1, description="dpsgd: Poisson rate q (default batch_size / |D|)"
+    )
+    schedule: Literal["uniform", "geometric"] = "uniform"
+    schedule_decay: float = Field(0.9, gt=0, lt=1)
+    poisson_selection: bool = Field(
+        False,
+        description="gaussian-central: select devices by Poisson sampling and claim amplification",
+    )
+    signds: SignDSConfig = SignDSConfig()
+    magrr: MagRRConfigSection = MagRRConfigSection()
+
+    @model_validator(mode="after")
+    def _needs(self) -> PrivacyConfig:
+        m = self.mechanism
+        if m in ("laplace", "nbafl") and self.epsilon is None:
+            raise ValueError(f"privacy.mechanism = {m!r} needs privacy.epsilon (the job budget)")
+        if m in ("gaussian", "gaussian-central", "dpsgd") and (
+            self.epsilon is None and self.noise_multiplier is None
+        ):
+            raise ValueError(
+                f"privacy.mechanism = {m!r} needs privacy.noise_multiplier or privacy.epsilon "
+                "(to calibrate it)"
+            )
+        return self
 
 
 class DeviceConfig(_Section):

@@ -7,23 +7,26 @@ same thing from the same config; no I/O besides reading local dataset files.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import Any
 
 import numpy as np
 
 from edge_fl.config import JobConfig
 from edge_fl.data import load_federated
 from edge_fl.data.base import FederatedDataset
-from edge_fl.device.agent import DeviceAgent
+from edge_fl.device.agent import DeviceAgent, DeviceBudget
 from edge_fl.device.trainer import LocalTraining
 from edge_fl.models import evaluate, make_model
 from edge_fl.models.base import Model
 from edge_fl.privacy.rng import RngInfo, make_generator
 from edge_fl.protocol import Topics, UpdateLimits
-from edge_fl.server.aggregator import AggregatorCore, SyncSettings
+from edge_fl.server.aggregator import AggregatorCore, PrivacyAccounting, SyncSettings
+from edge_fl.server.strategy import FedAvg, Strategy
 
 # generator streams, so that the aggregator and each device draw independent randomness
-STREAM_INIT, STREAM_SELECT, STREAM_DEVICE = 1, 2, 3
+STREAM_INIT, STREAM_SELECT, STREAM_DEVICE, STREAM_NOISE = 1, 2, 3, 4
 
 
 def device_id(index: int) -> str:
@@ -35,6 +38,30 @@ class Job:
     cfg: JobConfig
     dataset: FederatedDataset
     model: Model
+    warnings: list[str] = field(default_factory=list)
+
+    @property
+    def private(self) -> bool:
+        return self.cfg.privacy.mechanism != "none"
+
+    @cached_property
+    def mechanisms(self) -> Any:
+        """The privacy mechanisms (None without privacy: no dp-accounting import, no cost)."""
+        if not self.private:
+            return None
+        from edge_fl.privacy.release import JobFacts, build_mechanisms
+
+        sizes = [len(ix) for ix in self.dataset.device_indices]
+        facts = JobFacts(
+            rounds=self.cfg.rounds.rounds,
+            n_devices=self.cfg.data.devices,
+            expected_participants=float(self.target),
+            local_lr=self.cfg.training.lr,
+            local_epochs=self.cfg.training.epochs,
+            batch_size=self.cfg.training.batch_size,
+            min_dataset_size=min(sizes),
+        )
+        return build_mechanisms(self.cfg.privacy, facts)
 
     @property
     def topics(self) -> Topics:
@@ -55,8 +82,22 @@ class Job:
         X, y = self.dataset.device_data(index)
         t = self.cfg.training
         rng, _ = self.rng(STREAM_DEVICE, index)
+        rule = budget = None
+        if self.private:
+            from edge_fl.device.rules import rule_for
+
+            p = self.cfg.privacy
+            rule = rule_for(self.mechanisms)
+            budget = DeviceBudget(self.mechanisms, p.budget_epsilon, p.delta, p.accountant)
         return DeviceAgent(
-            device_id(index), X, y, self.model, LocalTraining(t.epochs, t.batch_size, t.lr), rng
+            device_id(index),
+            X,
+            y,
+            self.model,
+            LocalTraining(t.epochs, t.batch_size, t.lr),
+            rng,
+            rule=rule,
+            budget=budget,
         )
 
     def agents(self, indices: range | None = None) -> list[DeviceAgent]:
@@ -77,16 +118,63 @@ class Job:
             wire_dtype=self.cfg.model.wire_dtype,
             config_digest=self.cfg.digest(),
             mechanism=self.cfg.privacy.mechanism,
+            sample_rate=self._poisson_rate(),
         )
         rng, _ = self.rng(STREAM_SELECT)
         X_test, y_test = self.dataset.X_test, self.dataset.y_test
-        return AggregatorCore(
+        p = self.cfg.privacy
+        kinds = frozenset({"s"}) if p.mechanism == "signds" else frozenset({"u"})
+        limits = UpdateLimits(self.model.n_params, p.signds.max_dim_out, kinds)
+        privacy = (
+            PrivacyAccounting(self.mechanisms, p.delta, p.accountant) if self.private else None
+        )
+        core = AggregatorCore(
             settings,
             self.initial_params(),
-            UpdateLimits(self.model.n_params),
+            limits,
             rng,
             evaluate=lambda w: evaluate(self.model, w, X_test, y_test),
+            strategy_factory=lambda _r: self._strategy(core),
+            privacy=privacy,
         )
+        if p.mechanism == "signds":
+            from edge_fl.privacy.magrr import MagRRState
+
+            core.signds_state = MagRRState.initial(self.mechanisms.magrr).to_dict()
+        return core
+
+    @cached_property
+    def noise_rng(self) -> np.random.Generator:
+        """The aggregator's noise (central Gaussian, NbAFL downlink): one stream for the job."""
+        return self.rng(STREAM_NOISE)[0]
+
+    def _poisson_rate(self) -> float | None:
+        p = self.cfg.privacy
+        if p.mechanism == "gaussian-central" and p.poisson_selection:
+            return self.mechanisms.central_gaussian.sampling_rate
+        return None
+
+    def _strategy(self, core: AggregatorCore) -> Strategy:
+        """A fresh aggregation strategy for one round, per mechanism."""
+        from edge_fl.server import strategy as st
+
+        n, lr, m = self.model.n_params, self.cfg.rounds.server_lr, self.mechanisms
+        name = self.cfg.privacy.mechanism
+        if name == "gaussian-central":
+            return st.CentralGaussianSum(n, m.central_gaussian, self.noise_rng, lr)
+        if name == "nbafl":
+            return st.NbAflFedAvg(n, lr, nbafl=m.nbafl, rng=self.noise_rng)
+        if name == "signds":
+            from edge_fl.privacy.magrr import MagRRState
+
+            return st.SignDSAggregate(
+                n,
+                MagRRState.from_dict(core.signds_state),
+                m.magrr,
+                m.signds.global_lr,
+                expected_n=self.target,
+            )
+        return FedAvg(n, lr)
 
     def metadata(self) -> dict:
         _, info = self.rng(0)
@@ -102,6 +190,7 @@ class Job:
                 "test": len(self.dataset.y_test),
             },
             "randomness": {"generator": info.kind, "secure": info.secure, "seed": info.seed},
+            "privacy": self.mechanisms.describe() if self.private else {"mechanism": "none"},
             "started_at": time.time(),
         }
 

@@ -129,6 +129,9 @@ async def run_job(
             "timings": timings,
             "fleet_published": fleet.published,
             "fleet_publish_failures": fleet.publish_failures,
+            "stopped_devices": sum(1 for a in fleet.agents.values() if a.state.stopped_reason),
+            "privacy": core.privacy.report() if core.privacy is not None else None,
+            "ended_early": core.ended_early,
         }
     )
 

@@ -46,6 +46,17 @@ def _common_job_options(f):
         click.option("--batch-size", type=int, help="local minibatch size"),
         click.option("--deadline", type=float, help="round deadline in seconds"),
         click.option("--min-updates", type=int, help="updates needed to close a round"),
+        click.option(
+            "--mechanism",
+            help="none | laplace | gaussian | gaussian-central | dpsgd | nbafl | signds",
+        ),
+        click.option("--epsilon", type=float, help="privacy: target total epsilon"),
+        click.option("--delta", type=float, help="privacy: delta for reporting/calibration"),
+        click.option("--clip", type=float, help="privacy: clipping bound C"),
+        click.option("--noise-multiplier", type=float, help="privacy: z or sigma"),
+        click.option("--budget", type=float, help="privacy: per-device epsilon budget"),
+        click.option("--sign-k", type=float, help="SignDS top-k fraction (0, 0.25]"),
+        click.option("--sign-eps", type=float, help="SignDS epsilon (0, 100]"),
         click.option("--seed", type=int),
         click.option(
             "--reproducible",
@@ -78,6 +89,14 @@ def _overrides(kw: dict[str, Any]) -> dict[str, Any]:
         "training.epochs": kw.get("epochs"),
         "training.lr": kw.get("lr"),
         "training.batch_size": kw.get("batch_size"),
+        "privacy.mechanism": kw.get("mechanism"),
+        "privacy.epsilon": kw.get("epsilon"),
+        "privacy.delta": kw.get("delta"),
+        "privacy.clip": kw.get("clip"),
+        "privacy.noise_multiplier": kw.get("noise_multiplier"),
+        "privacy.budget_epsilon": kw.get("budget"),
+        "privacy.signds.sign_k": kw.get("sign_k"),
+        "privacy.signds.sign_eps": kw.get("sign_eps"),
         "rounds.min_updates": kw.get("min_updates"),
     }
 
@@ -124,13 +143,23 @@ def simulate(out, embedded_broker, no_progress, as_json, verbose, config, **kw) 
         _fail(str(exc))
     if as_json:
         click.echo(json.dumps(summary, indent=2, default=str))
-    else:
-        acc = summary.get("final_accuracy")
+        return
+    acc = summary.get("final_accuracy")
+    click.echo(
+        f"rounds {summary['rounds_closed']}/{summary['rounds']} closed, final accuracy "
+        f"{acc if acc is None else round(acc, 4)}, bytes up {summary['total_bytes_up']:,}, "
+        f"bytes down {summary['total_bytes_down']:,}, "
+        f"total {summary['timings']['total_s']:.2f}s" + (f" -> {out}" if out else "")
+    )
+    if summary.get("ended_early"):
+        click.echo(f"ended early: {summary['ended_early']}")
+    privacy = summary.get("privacy")
+    if privacy:
         click.echo(
-            f"rounds {summary['rounds_closed']}/{summary['rounds']} closed, final accuracy "
-            f"{acc if acc is None else round(acc, 4)}, bytes up {summary['total_bytes_up']:,}, "
-            f"bytes down {summary['total_bytes_down']:,}, "
-            f"total {summary['timings']['total_s']:.2f}s" + (f" -> {out}" if out else "")
+            f"privacy: {summary['mechanism']}, epsilon {privacy['epsilon']:.4g} at delta "
+            f"{privacy['delta']:g} ({privacy['accountant']}, {privacy.get('unit')}-level, "
+            f"{privacy.get('neighbouring_relation')}, all rounds); "
+            f"{summary.get('stopped_devices', 0)} devices stopped on their budget"
         )
 
 

@@ -8,7 +8,8 @@ redelivering the retained global model (QoS 1 is at-least-once) never produces t
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -27,7 +28,43 @@ class DeviceState:
     answered_round: int = -1
     last_version: int = -1
     updates_sent: int = 0
+    exposures: int = 0  # privatised releases made so far
     stopped_reason: str | None = None  # e.g. "budget_exhausted": the device no longer uploads
+
+
+@dataclass
+class DeviceBudget:
+    """The device's own privacy ledger: it refuses a release that would exceed its budget."""
+
+    mechanisms: Any  # edge_fl.privacy.release.Mechanisms (imported lazily: it pulls dp-accounting)
+    budget_epsilon: float | None
+    delta: float
+    accountant: str
+    events: list = field(default_factory=list)
+
+    def next_events(self, n_samples: int, exposure: int) -> list:
+        return self.mechanisms.device_events(n_samples, exposure)
+
+    def allows(self, events: list, exposure: int) -> bool:
+        limit = self.mechanisms.max_exposures()
+        if limit is not None and exposure >= limit:
+            return False  # the budget's schedule covers only this many releases
+        if self.budget_epsilon is None:
+            return True
+        return self._epsilon([*self.events, *events]) <= self.budget_epsilon * (1 + 1e-9)
+
+    def spent(self) -> float:
+        return self._epsilon(self.events) if self.events else 0.0
+
+    def _epsilon(self, events: list) -> float:
+        """The smallest valid bound: the accountant's, or basic composition for pure-DP events."""
+        from edge_fl.privacy.accounting import compose_epsilon
+
+        eps = compose_epsilon(events, self.delta, self.accountant).epsilon
+        pure = [e.pure_epsilon for e in events]
+        if all(p is not None for p in pure):
+            eps = min(eps, float(sum(pure)))
+        return eps
 
 
 class DeviceAgent:
@@ -42,6 +79,7 @@ class DeviceAgent:
         training: LocalTraining,
         rng: np.random.Generator,
         rule: UpdateRule | None = None,
+        budget: DeviceBudget | None = None,
     ) -> None:
         self.device_id = device_id
         self.X = X
@@ -50,6 +88,7 @@ class DeviceAgent:
         self.training = training
         self.rng = rng
         self.rule: UpdateRule = rule or fedavg_rule
+        self.budget = budget
         self.state = DeviceState()
 
     @property
@@ -70,9 +109,20 @@ class DeviceAgent:
         if not self.wants(msg):
             return None
         self.state.answered_round = msg.round
+        if msg.sample_rate is not None and self.rng.random() >= msg.sample_rate:
+            return None  # not sampled this round (a secret coin from the device's CSPRNG)
+        events: list = []
+        if self.budget is not None:
+            events = self.budget.next_events(self.n_samples, self.state.exposures)
+            if not self.budget.allows(events, self.state.exposures):
+                self.state.stopped_reason = "budget_exhausted"
+                return None
         update = self.rule(self, msg)
         if update is None:
             return None
+        if self.budget is not None:
+            self.budget.events.extend(events)
+        self.state.exposures += 1
         self.state.updates_sent += 1
         return encode_update(update, dim=len(msg.params))
 

@@ -55,7 +55,13 @@ async def _session(agent: DeviceAgent, spec: BrokerSpec, topics: Topics, digest:
                     topics.status(agent.device_id), agent.status(False), qos=1, retain=True
                 )
                 return True
+            stopped_before = agent.state.stopped_reason
             update = await asyncio.to_thread(agent.on_global, msg)
+            if agent.state.stopped_reason != stopped_before:
+                log.warning("device %s stops: %s", agent.device_id, agent.state.stopped_reason)
+                await client.publish(
+                    topics.status(agent.device_id), agent.status(True), qos=1, retain=True
+                )
             if update is not None:
                 await client.publish(topics.update(agent.device_id), update, qos=1)
                 log.info("round %d: sent %d bytes", msg.round, len(update))

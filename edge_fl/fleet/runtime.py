@@ -47,6 +47,7 @@ class Fleet:
         self.crashed: set[str] = set()
         self.published = 0
         self.publish_failures = 0
+        self.device_errors = 0
         self.connected = asyncio.Event()
         self._pool = ThreadPoolExecutor(max_workers=train_workers, thread_name_prefix="train")
         self._tasks: set[asyncio.Task] = set()
@@ -106,13 +107,24 @@ class Fleet:
 
     async def _serve(self, agent: DeviceAgent, msg: GlobalModel) -> None:
         loop = asyncio.get_running_loop()
-        payload = await loop.run_in_executor(self._pool, agent.on_global, msg)
-        if payload is None or agent.device_id in self.crashed:
+        stopped_before = agent.state.stopped_reason
+        try:
+            payload = await loop.run_in_executor(self._pool, agent.on_global, msg)
+        except Exception:
+            self.device_errors += 1
+            log.exception("device %s failed in round %d", agent.device_id, msg.round)
             return
         client = self.clients.get(agent.device_id)
-        if client is None:
+        if client is None or agent.device_id in self.crashed:
             return
         try:
+            if agent.state.stopped_reason != stopped_before:
+                # e.g. its privacy budget is spent: tell the aggregator not to select it again
+                await client.publish(
+                    self.topics.status(agent.device_id), agent.status(True), qos=1, retain=True
+                )
+            if payload is None:
+                return
             await client.publish(self.topics.update(agent.device_id), payload, qos=1)
             self.published += 1
         except aiomqtt.MqttError as exc:

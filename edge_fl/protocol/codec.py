@@ -71,6 +71,8 @@ def encode_global(msg: GlobalModel) -> bytes:
         body["sel"] = list(msg.selected)
     if msg.signds is not None:
         body["sd"] = msg.signds
+    if msg.sample_rate is not None:
+        body["q"] = float(msg.sample_rate)
     if msg.done:
         body["done"] = True
     return _pack(body)
@@ -255,6 +257,9 @@ def decode_global(payload: bytes, max_bytes: int = 1 << 30) -> GlobalModel:
     signds = obj.get("sd")
     if signds is not None and not isinstance(signds, dict):
         raise PayloadRejected(Reject.BAD_FIELD, "field 'sd' is not a map")
+    q = obj.get("q")
+    if q is not None and not (isinstance(q, float | int) and 0 < q <= 1):
+        raise PayloadRejected(Reject.BAD_FIELD, f"sample rate {q!r} is not in (0, 1]")
     deadline = _field(obj, "dl", (int, float), "deadline")
     if not math.isfinite(deadline) or deadline < 0:
         raise PayloadRejected(Reject.BAD_FIELD, f"deadline {deadline} is not >= 0")
@@ -269,6 +274,7 @@ def decode_global(payload: bytes, max_bytes: int = 1 << 30) -> GlobalModel:
         config_digest=_field(obj, "cfg", str, "config digest"),
         wire_dtype=dt,
         signds=signds,
+        sample_rate=None if q is None else float(q),
         done=bool(obj.get("done", False)),
         issued_at=float(obj.get("ts", 0.0)),
     )

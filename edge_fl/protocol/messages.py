@@ -55,6 +55,7 @@ class GlobalModel:
     config_digest: str = ""
     wire_dtype: str = "f4"  # "f4" or "f2" on the wire
     signds: dict | None = None  # MagRR state {"r_est", "reached", ...} when SignDS is on
+    sample_rate: float | None = None  # devices self-select with this probability (Poisson)
     done: bool = False  # the job is over: devices disconnect
     issued_at: float = 0.0  # aggregator wall clock, for latency metrics
 

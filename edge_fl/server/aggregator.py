@@ -43,10 +43,67 @@ class SyncSettings:
     wire_dtype: str = "f4"
     config_digest: str = ""
     mechanism: str = "none"
+    sample_rate: float | None = None  # Poisson: every available device self-selects w.p. q
 
     @property
     def n_select(self) -> int:
         return math.ceil(self.target * self.over_selection)
+
+
+class PrivacyAccounting:
+    """The aggregator's ledger: records every release it sees and reports the running total.
+
+    Local mechanisms: one event set per (device, round) received (a late update was still
+    released); central DP-FedAvg: the job-level event of every round that applied noise.
+    """
+
+    def __init__(self, mechanisms: Any, delta: float, accountant: str) -> None:
+        from edge_fl.privacy.accounting import PrivacyLedger
+
+        self.mechanisms = mechanisms
+        self.delta = delta
+        self.accountant = accountant
+        self.ledger = PrivacyLedger()
+        self.exposures: Counter = Counter()
+
+    def record_upload(self, device: str, n_samples: int, round_number: int) -> None:
+        events = self.mechanisms.device_events(n_samples, self.exposures[device])
+        self.exposures[device] += 1
+        for event in events:
+            self.ledger.add(event, device=device, round=round_number)
+
+    def record_round(self, round_number: int) -> None:
+        for event in self.mechanisms.job_events_per_round():
+            self.ledger.add(event, device=None, round=round_number)
+
+    def metrics(self) -> dict[str, Any]:
+        """Cumulative epsilon (worst device, all rounds, all mechanisms) at the job's delta.
+
+        For pure-DP releases (SignDS, RR, Laplace) basic composition is also a valid bound and,
+        for few rounds of large per-round epsilon, a tighter one than the accountant's: report
+        the smaller and name which one it is.
+        """
+        if not self.ledger.entries:
+            return {"epsilon": 0.0, "delta": self.delta, "accountant": self.accountant}
+        eps, name = self.ledger.epsilon(self.delta, self.accountant), self.accountant
+        try:
+            basic = self.ledger.epsilon(self.delta, "basic")
+        except (ValueError, TypeError):
+            basic = math.inf
+        if basic < eps:
+            eps, name = basic, "basic"
+        return {"epsilon": eps, "delta": self.delta, "accountant": name}
+
+    def report(self) -> dict[str, Any]:
+        if not self.ledger.entries:
+            return {"epsilon": 0.0, "delta": self.delta, "events": 0}
+        out = self.ledger.report(self.delta, self.accountant)
+        other = "rdp" if self.accountant == "pld" else "pld"
+        out[f"epsilon_{other}"] = self.ledger.epsilon(self.delta, other)
+        out.pop("basic_epsilon", None)  # the ledger's is for its own worst device; recompute
+        out.pop("advanced_epsilon", None)
+        out.update(self.metrics())  # the smallest valid bound, and which accountant gave it
+        return out
 
 
 @dataclass
@@ -76,6 +133,7 @@ class AggregatorCore:
         rng: np.random.Generator,
         evaluate: Evaluator | None = None,
         strategy_factory: StrategyFactory | None = None,
+        privacy: PrivacyAccounting | None = None,
     ) -> None:
         self.settings = settings
         self.params = params.astype(np.float32, copy=True)
@@ -92,7 +150,10 @@ class AggregatorCore:
         self.strategy: Strategy | None = None
         self.tally = RoundTally()
         self.records: list[dict[str, Any]] = []
-        self.extra_metrics: Callable[[], dict[str, Any]] = dict
+        self.privacy = privacy
+        self.signds_state: dict | None = None  # MagRR state carried in the global model
+        self.ended_early: str | None = None
+        self._released: set[tuple[str, int]] = set()  # (device, round) already in the ledger
 
     # ----------------------------------------------------------- fleet view
 
@@ -119,7 +180,21 @@ class AggregatorCore:
 
     @property
     def finished(self) -> bool:
+        if self.ended_early is not None:
+            return True
         return self.round_number >= self.settings.rounds and self.current is None
+
+    def hopeless(self) -> str | None:
+        """Why no further round can ever close (devices that stopped never come back)."""
+        live = sum(1 for r in self.devices.values() if r.stopped is None)
+        stopped = len(self.devices) - live
+        need = 1 if self.settings.sample_rate is not None else self.settings.min_updates
+        if stopped and live < need:
+            return (
+                f"only {live} devices can still contribute ({stopped} stopped on their privacy "
+                f"budget); a round needs {need}"
+            )
+        return None
 
     # ----------------------------------------------------------- rounds
 
@@ -127,24 +202,33 @@ class AggregatorCore:
         """Select devices and open the next round; None if too few devices are available."""
         pool = self.available()
         s = self.settings
-        if len(pool) < s.min_updates:
-            return None
-        n_select = min(s.n_select, len(pool))
-        chosen = self.rng.choice(len(pool), size=n_select, replace=False)
-        selected = frozenset(pool[i] for i in chosen)
-        target = min(s.target, n_select)
+        if s.sample_rate is not None:
+            # Poisson: devices flip their own secret coins; the round runs to its deadline
+            if not pool:
+                return None
+            selected, target, minimum = frozenset(pool), len(pool), 0
+        else:
+            if len(pool) < s.min_updates:
+                return None
+            n_select = min(s.n_select, len(pool))
+            chosen = self.rng.choice(len(pool), size=n_select, replace=False)
+            selected = frozenset(pool[i] for i in chosen)
+            target = min(s.target, n_select)
+            minimum = min(s.min_updates, target)
         self.round_number += 1
         self.current = SyncRound(
             number=self.round_number,
             base_version=self.version,
             selected=selected,
             target=target,
-            min_updates=min(s.min_updates, target),
+            min_updates=minimum,
             opened_at=now,
             deadline_s=s.deadline_s,
             extend_when_short=s.extend_when_short,
         )
         self.strategy = self.make_strategy(self.round_number)
+        if s.sample_rate is not None:
+            return self.global_message(selected=None)
         return self.global_message(selected=tuple(sorted(selected)))
 
     def global_message(
@@ -160,6 +244,8 @@ class AggregatorCore:
             deadline_s=self.settings.deadline_s,
             config_digest=self.settings.config_digest,
             wire_dtype=self.settings.wire_dtype,
+            signds=self.signds_state,
+            sample_rate=self.settings.sample_rate,
             done=done,
             issued_at=now,
         )
@@ -173,6 +259,10 @@ class AggregatorCore:
         except PayloadRejected as exc:
             self.tally.rejected[exc.reason] += 1
             return exc.reason
+        if self.privacy is not None and (device, update.round) not in self._released:
+            # whatever happens to it next, this update was released over the broker
+            self._released.add((device, update.round))
+            self.privacy.record_upload(device, update.n_samples, update.round)
         if self.current is None:
             self.tally.late += 1
             return Reject.LATE
@@ -196,9 +286,22 @@ class AggregatorCore:
         return None
 
     def decide(self, now: float) -> Decision:
-        if self.current is None:
+        rnd = self.current
+        if rnd is None:
             return Decision.WAIT
-        return self.current.decide(now)
+        decision = rnd.decide(now)
+        if decision is Decision.WAIT and not self._can_still_answer(rnd):
+            # every selected device that has not answered is offline or stopped: waiting for the
+            # deadline cannot add an update
+            return Decision.CLOSE if len(rnd.accepted) >= rnd.min_updates else Decision.SKIP
+        return decision
+
+    def _can_still_answer(self, rnd: SyncRound) -> bool:
+        for device in rnd.selected - rnd.accepted:
+            rec = self.devices.get(device)
+            if rec is not None and rec.online and rec.stopped is None:
+                return True
+        return False
 
     @property
     def deadline(self) -> float | None:
@@ -209,9 +312,15 @@ class AggregatorCore:
         assert self.current is not None and self.strategy is not None
         rnd, strategy = self.current, self.strategy
         info: dict[str, Any] = {}
-        if not skipped and strategy.count > 0:
+        applies = strategy.count > 0 or self.settings.mechanism == "gaussian-central"
+        if not skipped and applies:
             self.params, info = strategy.finish(self.params)
             self.version += 1
+            if self.privacy is not None:
+                self.privacy.record_round(rnd.number)
+            carried = getattr(strategy, "state", None)  # SignDS: MagRR state for next round
+            if carried is not None:
+                self.signds_state = carried.to_dict()
         accuracy = loss = None
         if self.evaluate is not None:
             accuracy, loss = self.evaluate(self.params)
@@ -235,10 +344,12 @@ class AggregatorCore:
             "online": self.online_count,
             "mechanism": self.settings.mechanism,
             "epsilon": None,
+            "stopped_devices": sum(1 for r in self.devices.values() if r.stopped),
             "wall_time_s": wall_time_s,
             **info,
-            **self.extra_metrics(),
         }
+        if self.privacy is not None:
+            record.update(self.privacy.metrics())
         self.records.append(record)
         self.current = None
         self.strategy = None

@@ -33,7 +33,8 @@ class SyncRound:
     accepted: set[str] = field(default_factory=set)
 
     def __post_init__(self) -> None:
-        if not 1 <= self.min_updates <= self.target:
+        lowest = 0 if self.target == 0 else 1
+        if not lowest <= self.min_updates <= self.target:
             raise ValueError(
                 f"min_updates = {self.min_updates} must be in [1, target = {self.target}]"
             )

@@ -117,6 +117,11 @@ class AggregatorService:
                 now = self._now()
                 msg = core.open_round(now)
                 if msg is None:
+                    reason = core.hopeless()
+                    if reason is not None:
+                        log.warning("ending the job after round %d: %s", core.round_number, reason)
+                        core.ended_early = reason
+                        break
                     await self._wait_for_devices()
                     continue
                 self._global_payload = encode_global(msg)
