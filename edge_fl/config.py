@@ -73,6 +73,12 @@ class RoundsConfig(_Section):
     over_selection: float = Field(1.0, ge=1.0, le=3.0)
     server_lr: float = Field(1.0, gt=0)
     wait_for_devices_s: float = Field(60.0, gt=0)
+    # asynchronous modes
+    buffer_size: PositiveInt = Field(10, description="FedBuff: apply every K updates")
+    staleness: Literal["constant", "polynomial", "hinge"] = "polynomial"
+    staleness_a: float = Field(0.5, ge=0, description="polynomial exponent / hinge slope")
+    staleness_b: int = Field(4, ge=0, description="hinge: staleness counted in full up to b")
+    max_staleness: int = Field(20, ge=0, description="async: drop updates staler than this")
 
     def target(self, n_devices: int) -> int:
         k = self.clients_per_round
@@ -175,6 +181,20 @@ class PrivacyConfig(_Section):
         return self
 
 
+class FleetConfig(_Section):
+    """How simulated devices behave: profile, modelled time and unreliability."""
+
+    profile: str = Field("homogeneous", description="packaged profile name or a YAML path")
+    time_scale: float | None = Field(
+        None, gt=0, description="real s per simulated s; None = no modelled delays"
+    )
+    start_hour: float = Field(8.0, ge=0, lt=24, description="UTC hour at simulated time 0")
+    dropout: float | None = Field(
+        None, ge=0, lt=1, description="per-round dropout probability (overrides the profile)"
+    )
+    train_workers: int = Field(1, ge=1, le=64, description="threads training devices")
+
+
 class DeviceConfig(_Section):
     """Only for ``edge-fl device``: which device this process is."""
 
@@ -194,7 +214,17 @@ class JobConfig(_Section):
     training: TrainingConfig = TrainingConfig()
     rounds: RoundsConfig = RoundsConfig()
     privacy: PrivacyConfig = PrivacyConfig()
+    fleet: FleetConfig = FleetConfig()
     device: DeviceConfig = DeviceConfig()
+
+    @model_validator(mode="after")
+    def _compatible(self) -> JobConfig:
+        if self.rounds.mode != "sync" and self.privacy.mechanism == "gaussian-central":
+            raise ValueError(
+                f"privacy.mechanism = 'gaussian-central' needs rounds.mode = 'sync' (its noise "
+                f"and fixed denominator are per round), got {self.rounds.mode!r}"
+            )
+        return self
 
     def digest(self) -> str:
         """Short hash of the settings devices must agree on (model, data, training, privacy)."""

@@ -18,15 +18,18 @@ from edge_fl.data import load_federated
 from edge_fl.data.base import FederatedDataset
 from edge_fl.device.agent import DeviceAgent, DeviceBudget
 from edge_fl.device.trainer import LocalTraining
+from edge_fl.fleet.clock import SimClock
 from edge_fl.models import evaluate, make_model
 from edge_fl.models.base import Model
 from edge_fl.privacy.rng import RngInfo, make_generator
 from edge_fl.protocol import Topics, UpdateLimits
-from edge_fl.server.aggregator import AggregatorCore, PrivacyAccounting, SyncSettings
+from edge_fl.server.aggregator import AggregatorCore, AggregatorSettings, PrivacyAccounting
+from edge_fl.server.asynchronous import AsyncAggregatorCore
+from edge_fl.server.staleness import Staleness
 from edge_fl.server.strategy import FedAvg, Strategy
 
 # generator streams, so that the aggregator and each device draw independent randomness
-STREAM_INIT, STREAM_SELECT, STREAM_DEVICE, STREAM_NOISE = 1, 2, 3, 4
+STREAM_INIT, STREAM_SELECT, STREAM_DEVICE, STREAM_NOISE, STREAM_PROFILE = 1, 2, 3, 4, 5
 
 
 def device_id(index: int) -> str:
@@ -106,12 +109,12 @@ class Job:
     def aggregator_core(self) -> AggregatorCore:
         r = self.cfg.rounds
         target = self.target
-        settings = SyncSettings(
+        settings = AggregatorSettings(
             job=self.cfg.job,
             rounds=r.rounds,
             target=target,
             min_updates=r.minimum(target),
-            deadline_s=r.deadline_s,
+            deadline_s=self.clock.to_wall(r.deadline_s),  # the deadline is in simulated time
             extend_when_short=r.on_short_round == "extend",
             over_selection=r.over_selection,
             server_lr=r.server_lr,
@@ -119,6 +122,10 @@ class Job:
             config_digest=self.cfg.digest(),
             mechanism=self.cfg.privacy.mechanism,
             sample_rate=self._poisson_rate(),
+            mode=r.mode,
+            buffer_size=r.buffer_size,
+            max_staleness=r.max_staleness,
+            staleness=Staleness(r.staleness, r.staleness_a, r.staleness_b),
         )
         rng, _ = self.rng(STREAM_SELECT)
         X_test, y_test = self.dataset.X_test, self.dataset.y_test
@@ -128,7 +135,8 @@ class Job:
         privacy = (
             PrivacyAccounting(self.mechanisms, p.delta, p.accountant) if self.private else None
         )
-        core = AggregatorCore(
+        core_class = AggregatorCore if r.mode == "sync" else AsyncAggregatorCore
+        core = core_class(
             settings,
             self.initial_params(),
             limits,
@@ -142,6 +150,38 @@ class Job:
 
             core.signds_state = MagRRState.initial(self.mechanisms.magrr).to_dict()
         return core
+
+    @cached_property
+    def clock(self) -> SimClock:
+        """Simulated time shared by the fleet and the aggregator's deadlines and records."""
+        f = self.cfg.fleet
+        return SimClock(f.time_scale, start_s=f.start_hour * 3600.0)
+
+    def profiles(self, indices: range | None = None) -> dict:
+        """Each device's sampled profile (public modelling randomness: seeded)."""
+        from edge_fl.fleet.profiles import load_profile
+
+        fleet = load_profile(self.cfg.fleet.profile)
+        rng = np.random.default_rng([self.cfg.seed, STREAM_PROFILE])
+        sampled = fleet.sample(self.cfg.data.devices, rng)
+        chosen = indices or range(self.cfg.data.devices)
+        return {device_id(i): sampled[i] for i in chosen}
+
+    def fleet_runtime(self, spec: Any, indices: range | None = None, prefix: str | None = None):
+        from edge_fl.fleet.runtime import Fleet
+
+        return Fleet(
+            self.agents(indices),
+            spec,
+            self.topics,
+            connect_concurrency=self.cfg.broker.connect_concurrency,
+            keepalive_s=self.cfg.broker.keepalive_s,
+            client_prefix=prefix,
+            profiles=self.profiles(indices),
+            clock=self.clock,
+            dropout=self.cfg.fleet.dropout,
+            train_workers=self.cfg.fleet.train_workers,
+        )
 
     @cached_property
     def noise_rng(self) -> np.random.Generator:

@@ -16,7 +16,6 @@ from typing import Any
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from edge_fl.config import JobConfig
-from edge_fl.fleet.runtime import Fleet
 from edge_fl.job import Job, build_job
 from edge_fl.metrics import RunRecorder
 from edge_fl.server.service import AggregatorService
@@ -80,6 +79,8 @@ async def run_job(
 
     def on_record(record: dict[str, Any]) -> None:
         record["elapsed_s"] = round(time.perf_counter() - t0, 4)
+        record["sim_time_s"] = round(job.clock.now() - job.clock.start_s, 3)
+        record["dropouts"] = fleet.dropouts
         if "first_round_s" not in timings:
             timings["first_round_s"] = record["elapsed_s"]
         recorder.add(record)
@@ -95,19 +96,14 @@ async def run_job(
         expected_devices=cfg.data.devices,
         on_record=on_record,
     )
-    fleet = Fleet(
-        job.agents(),
-        spec,
-        job.topics,
-        connect_concurrency=cfg.broker.connect_concurrency,
-        keepalive_s=cfg.broker.keepalive_s,
-    )
+    fleet = job.fleet_runtime(spec)
     with bar:
         aggregator = asyncio.create_task(service.run(), name="aggregator")
         await asyncio.wait(
             {aggregator, asyncio.create_task(service.connected.wait())},
             return_when=asyncio.FIRST_COMPLETED,
         )
+        job.clock.reset()
         fleet_task = asyncio.create_task(fleet.run(), name="fleet")
         await fleet.connected.wait() if not aggregator.done() else None
         timings["fleet_connected_s"] = round(time.perf_counter() - t0, 4)

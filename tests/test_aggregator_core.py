@@ -13,7 +13,7 @@ from edge_fl.protocol import (
     encode_status,
     encode_update,
 )
-from edge_fl.server.aggregator import AggregatorCore, SyncSettings
+from edge_fl.server.aggregator import AggregatorCore, AggregatorSettings
 from edge_fl.server.rounds import Decision
 
 D = 8
@@ -23,7 +23,10 @@ def core(**kw) -> AggregatorCore:
     settings = dict(job="j", rounds=3, target=3, min_updates=2, deadline_s=10.0)
     settings.update(kw)
     c = AggregatorCore(
-        SyncSettings(**settings), np.zeros(D, np.float32), UpdateLimits(D), seeded_generator(1)
+        AggregatorSettings(**settings),
+        np.zeros(D, np.float32),
+        UpdateLimits(D),
+        seeded_generator(1),
     )
     for i in range(5):
         c.on_status(f"d{i}", encode_status(Status(f"d{i}", True, 10 * (i + 1))))

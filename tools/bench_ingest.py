@@ -27,7 +27,7 @@ import paho.mqtt.client as paho
 from edge_fl.models import make_model
 from edge_fl.privacy.rng import seeded_generator
 from edge_fl.protocol import DenseUpdate, Status, Topics, UpdateLimits, encode_status, encode_update
-from edge_fl.server.aggregator import AggregatorCore, SyncSettings
+from edge_fl.server.aggregator import AggregatorCore, AggregatorSettings
 from edge_fl.transport.broker import EmbeddedBroker
 
 TOPICS = Topics("bench")
@@ -106,7 +106,7 @@ async def drain_aiomqtt(spec, client_id: str, n: int, handle) -> float:
 
 def make_core(n: int, n_params: int) -> AggregatorCore:
     core = AggregatorCore(
-        SyncSettings(job="bench", rounds=1, target=n, min_updates=n, deadline_s=1e9),
+        AggregatorSettings(job="bench", rounds=1, target=n, min_updates=n, deadline_s=1e9),
         np.zeros(n_params, np.float32),
         UpdateLimits(n_params),
         seeded_generator(0),

@@ -57,6 +57,14 @@ def _common_job_options(f):
         click.option("--budget", type=float, help="privacy: per-device epsilon budget"),
         click.option("--sign-k", type=float, help="SignDS top-k fraction (0, 0.25]"),
         click.option("--sign-eps", type=float, help="SignDS epsilon (0, 100]"),
+        click.option("--mode", help="sync | fedbuff | fedasync"),
+        click.option("--buffer-size", type=int, help="FedBuff: apply every K updates"),
+        click.option("--max-staleness", type=int, help="async: drop staler updates"),
+        click.option(
+            "--profile", help="fleet profile: homogeneous | phone-fleet | raspberry-pi | PATH"
+        ),
+        click.option("--time-scale", type=float, help="real seconds per simulated second"),
+        click.option("--dropout", type=float, help="per-round device dropout probability"),
         click.option("--seed", type=int),
         click.option(
             "--reproducible",
@@ -89,6 +97,12 @@ def _overrides(kw: dict[str, Any]) -> dict[str, Any]:
         "training.epochs": kw.get("epochs"),
         "training.lr": kw.get("lr"),
         "training.batch_size": kw.get("batch_size"),
+        "rounds.mode": kw.get("mode"),
+        "rounds.buffer_size": kw.get("buffer_size"),
+        "rounds.max_staleness": kw.get("max_staleness"),
+        "fleet.profile": kw.get("profile"),
+        "fleet.time_scale": kw.get("time_scale"),
+        "fleet.dropout": kw.get("dropout"),
         "privacy.mechanism": kw.get("mechanism"),
         "privacy.epsilon": kw.get("epsilon"),
         "privacy.delta": kw.get("delta"),
@@ -183,4 +197,6 @@ _LAZY = {
     "device": ("edge_fl.cli.runtime_cmds", "device"),
     "privacy": ("edge_fl.cli.privacy_cmds", "privacy_group"),
     "audit": ("edge_fl.cli.privacy_cmds", "audit_group"),
+    "comm-cost": ("edge_fl.cli.comm_cmds", "comm_cost"),
+    "report": ("edge_fl.cli.report_cmds", "report"),
 }

@@ -71,19 +71,15 @@ def fleet(shard, verbose, config, **kw) -> None:
     cfg = _load(config, _overrides(kw))
     if not cfg.broker.url:
         _fail("the fleet needs --broker (or broker.url in the config)")
-    from edge_fl.fleet.runtime import Fleet
     from edge_fl.job import build_job
     from edge_fl.transport.url import parse_broker_url
 
     job = build_job(cfg)
     indices = _parse_shard(shard, cfg.data.devices)
-    runtime = Fleet(
-        job.agents(indices),
+    runtime = job.fleet_runtime(
         parse_broker_url(cfg.broker.url),
-        job.topics,
-        connect_concurrency=cfg.broker.connect_concurrency,
-        keepalive_s=cfg.broker.keepalive_s,
-        client_prefix=f"edgefl-{cfg.job}-s{shard.replace('/', 'of')}",
+        indices,
+        prefix=f"edgefl-{cfg.job}-s{shard.replace('/', 'of')}",
     )
     asyncio.run(runtime.run())
     click.echo(f"fleet shard {shard}: {runtime.published} updates published", err=True)

@@ -19,7 +19,10 @@ from concurrent.futures import ThreadPoolExecutor
 import aiomqtt
 
 from edge_fl.device.agent import DeviceAgent
+from edge_fl.fleet.clock import SimClock
+from edge_fl.fleet.profiles import AlwaysAvailable, DeviceProfile
 from edge_fl.protocol import GlobalModel, PayloadRejected, Topics, decode_global
+from edge_fl.transport.limits import ensure_open_files
 from edge_fl.transport.url import BrokerSpec
 
 log = logging.getLogger("edge_fl.fleet")
@@ -36,6 +39,9 @@ class Fleet:
         train_workers: int = 1,
         keepalive_s: int = 60,
         client_prefix: str | None = None,
+        profiles: dict[str, DeviceProfile] | None = None,
+        clock: SimClock | None = None,
+        dropout: float | None = None,
     ) -> None:
         self.agents = {a.device_id: a for a in agents}
         self.spec = spec
@@ -49,6 +55,13 @@ class Fleet:
         self.publish_failures = 0
         self.device_errors = 0
         self.connected = asyncio.Event()
+        self.profiles = profiles or {}
+        self.clock = clock or SimClock(None)
+        self.dropout = dropout  # overrides the profiles' training dropout when set
+        self.dropouts = 0
+        self.unavailable: set[str] = set()  # devices outside their availability window
+        self._busy: set[str] = set()
+        self._pending: dict[str, GlobalModel] = {}  # newest model that arrived while busy
         self._pool = ThreadPoolExecutor(max_workers=train_workers, thread_name_prefix="train")
         self._tasks: set[asyncio.Task] = set()
 
@@ -71,11 +84,18 @@ class Fleet:
             client = self._client(agent)
             await client.__aenter__()
             self.clients[agent.device_id] = client
+            profile = self.profiles.get(agent.device_id)
+            online = not (
+                self.clock.modelled
+                and profile is not None
+                and not profile.availability.available_at(self.clock.now())
+            )
             await client.publish(
-                self.topics.status(agent.device_id), agent.status(online=True), qos=1, retain=True
+                self.topics.status(agent.device_id), agent.status(online), qos=1, retain=True
             )
 
     async def connect_all(self) -> None:
+        ensure_open_files(len(self.agents) + 1)
         gate = asyncio.Semaphore(self.connect_concurrency)
         await asyncio.gather(*(self._connect(a, gate) for a in self.agents.values()))
         self.connected.set()
@@ -105,36 +125,100 @@ class Fleet:
 
     # ------------------------------------------------------------ rounds
 
-    async def _serve(self, agent: DeviceAgent, msg: GlobalModel) -> None:
+    def _drops(self, agent: DeviceAgent, profile: DeviceProfile | None) -> bool:
+        """Whether the device drops out of this round (battery, network, user), drawn per round."""
+        if self.dropout is not None:
+            return bool(agent.rng.random() < self.dropout)
+        return profile is not None and profile.draw_dropout(agent.rng) is not None
+
+    async def _serve(self, agent: DeviceAgent, msg: GlobalModel, model_bytes: int) -> None:
+        """Download, train, upload, in modelled time; then serve a newer model if one came."""
+        device = agent.device_id
+        self._busy.add(device)
+        try:
+            while msg is not None:
+                await self._serve_one(agent, msg, model_bytes)
+                msg = self._pending.pop(device, None)
+                if msg is not None and not agent.wants(msg):
+                    msg = None
+        finally:
+            self._busy.discard(device)
+
+    async def _serve_one(self, agent: DeviceAgent, msg: GlobalModel, model_bytes: int) -> None:
+        device = agent.device_id
+        profile = self.profiles.get(device)
+        if profile is not None:
+            await self.clock.sleep(profile.download_time(model_bytes))
+        if device in self.unavailable or device in self.crashed:
+            return
         loop = asyncio.get_running_loop()
         stopped_before = agent.state.stopped_reason
         try:
             payload = await loop.run_in_executor(self._pool, agent.on_global, msg)
         except Exception:
             self.device_errors += 1
-            log.exception("device %s failed in round %d", agent.device_id, msg.round)
+            log.exception("device %s failed in round %d", device, msg.round)
             return
-        client = self.clients.get(agent.device_id)
-        if client is None or agent.device_id in self.crashed:
+        client = self.clients.get(device)
+        if client is None or device in self.crashed:
             return
         try:
             if agent.state.stopped_reason != stopped_before:
                 # e.g. its privacy budget is spent: tell the aggregator not to select it again
                 await client.publish(
-                    self.topics.status(agent.device_id), agent.status(True), qos=1, retain=True
+                    self.topics.status(device), agent.status(True), qos=1, retain=True
                 )
             if payload is None:
                 return
-            await client.publish(self.topics.update(agent.device_id), payload, qos=1)
+            if profile is not None:
+                await self.clock.sleep(profile.compute_time(agent.n_samples, agent.training.epochs))
+            if self._drops(agent, profile) or device in self.unavailable:
+                self.dropouts += 1
+                return
+            if profile is not None:
+                await self.clock.sleep(profile.upload_time(len(payload)))
+            await client.publish(self.topics.update(device), payload, qos=1)
             self.published += 1
         except aiomqtt.MqttError as exc:
             self.publish_failures += 1
-            log.warning("device %s could not publish: %s", agent.device_id, exc)
+            log.warning("device %s could not publish: %s", device, exc)
 
-    def _on_global(self, msg: GlobalModel) -> None:
-        for agent in self.agents.values():
-            if agent.device_id not in self.crashed and agent.wants(msg):
-                task = asyncio.create_task(self._serve(agent, msg))
+    def _on_global(self, msg: GlobalModel, model_bytes: int) -> None:
+        for device, agent in self.agents.items():
+            if device in self.crashed or device in self.unavailable or not agent.wants(msg):
+                continue
+            if device in self._busy:
+                self._pending[device] = msg  # train on the newest model when done
+                continue
+            task = asyncio.create_task(self._serve(agent, msg, model_bytes))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    async def _availability(self, agent: DeviceAgent, profile: DeviceProfile) -> None:
+        """Follow the device's availability model: offline status outside its windows."""
+        model = profile.availability
+        client = self.clients[agent.device_id]
+        topic = self.topics.status(agent.device_id)
+        while agent.device_id not in self.crashed:
+            t = self.clock.now()
+            available = model.available_at(t)
+            was = agent.device_id not in self.unavailable
+            if available != was:
+                if available:
+                    self.unavailable.discard(agent.device_id)
+                else:
+                    self.unavailable.add(agent.device_id)
+                await client.publish(topic, agent.status(available), qos=1, retain=True)
+            await self.clock.sleep_until(model.next_change(t))
+
+    def _start_availability(self) -> None:
+        if not self.clock.modelled:
+            return
+        for device, profile in self.profiles.items():
+            if device in self.clients and not isinstance(profile.availability, AlwaysAvailable):
+                if not profile.availability.available_at(self.clock.now()):
+                    self.unavailable.add(device)
+                task = asyncio.create_task(self._availability(self.agents[device], profile))
                 self._tasks.add(task)
                 task.add_done_callback(self._tasks.discard)
 
@@ -142,6 +226,7 @@ class Fleet:
         """Connect every device, serve global models until the job is done, then leave cleanly."""
         try:
             await self.connect_all()
+            self._start_availability()
             async with aiomqtt.Client(
                 **self.spec.aiomqtt_kwargs(), identifier=f"{self.client_prefix}-downlink"
             ) as downlink:
@@ -161,9 +246,9 @@ class Fleet:
                         if message.retain:
                             continue  # the end of an earlier run of this job id
                         break
-                    self._on_global(msg)
-            if self._tasks:
-                await asyncio.gather(*self._tasks, return_exceptions=True)
+                    self._on_global(msg, len(payload))
+            for task in list(self._tasks):
+                task.cancel()  # availability loops and stragglers: the job is over
         finally:
             await self.disconnect_all()
             self._pool.shutdown(wait=False, cancel_futures=True)

@@ -31,7 +31,7 @@ StrategyFactory = Callable[[int], Strategy]  # round number -> fresh strategy
 
 
 @dataclass(frozen=True)
-class SyncSettings:
+class AggregatorSettings:
     job: str
     rounds: int
     target: int
@@ -44,6 +44,10 @@ class SyncSettings:
     config_digest: str = ""
     mechanism: str = "none"
     sample_rate: float | None = None  # Poisson: every available device self-selects w.p. q
+    mode: str = "sync"  # sync | fedbuff | fedasync
+    buffer_size: int = 10  # FedBuff K (FedAsync: 1)
+    max_staleness: int = 20
+    staleness: Any = None  # edge_fl.server.staleness.Staleness (async modes)
 
     @property
     def n_select(self) -> int:
@@ -127,7 +131,7 @@ class RoundTally:
 class AggregatorCore:
     def __init__(
         self,
-        settings: SyncSettings,
+        settings: AggregatorSettings,
         params: np.ndarray,
         limits: UpdateLimits,
         rng: np.random.Generator,
@@ -232,14 +236,18 @@ class AggregatorCore:
         return self.global_message(selected=tuple(sorted(selected)))
 
     def global_message(
-        self, selected: tuple[str, ...] | None = None, done: bool = False, now: float = 0.0
+        self,
+        selected: tuple[str, ...] | None = None,
+        done: bool = False,
+        now: float = 0.0,
+        round_number: int | None = None,
     ) -> GlobalModel:
         return GlobalModel(
             job=self.settings.job,
             version=self.version,
-            round=self.round_number,
+            round=self.round_number if round_number is None else round_number,
             params=self.params,
-            mode="sync",
+            mode=self.settings.mode,
             selected=selected,
             deadline_s=self.settings.deadline_s,
             config_digest=self.settings.config_digest,
@@ -266,7 +274,8 @@ class AggregatorCore:
         if self.current is None:
             self.tally.late += 1
             return Reject.LATE
-        reason = self.current.admit(device, update.round, update.base_version)
+        rnd = self.current
+        reason = rnd.admit(device, update.round, update.base_version)
         if reason is None and self.devices.get(device, DeviceRecord()).stopped:
             reason = Reject.BUDGET_EXHAUSTED
         if reason is not None:
@@ -277,12 +286,11 @@ class AggregatorCore:
             return reason
         assert self.strategy is not None
         try:
-            self.strategy.add(update, 1.0)
-        except (TypeError, ValueError) as exc:
+            self.strategy.add(update, rnd.weight(update.base_version))
+        except (TypeError, ValueError):
             self.tally.rejected[Reject.WRONG_MECHANISM] += 1
-            del exc
             return Reject.WRONG_MECHANISM
-        self.current.accept(device)
+        rnd.accept(device, update.base_version)
         return None
 
     def decide(self, now: float) -> Decision:
@@ -290,7 +298,7 @@ class AggregatorCore:
         if rnd is None:
             return Decision.WAIT
         decision = rnd.decide(now)
-        if decision is Decision.WAIT and not self._can_still_answer(rnd):
+        if decision is Decision.WAIT and rnd.selected and not self._can_still_answer(rnd):
             # every selected device that has not answered is offline or stopped: waiting for the
             # deadline cannot add an update
             return Decision.CLOSE if len(rnd.accepted) >= rnd.min_updates else Decision.SKIP
@@ -333,7 +341,7 @@ class AggregatorCore:
             "loss": loss,
             "selected": len(rnd.selected),
             "target": rnd.target,
-            "received": len(rnd.accepted),
+            "received": rnd.count,
             "late": t.late,
             "rejected": sum(t.rejected.values()),
             "rejected_by_reason": {str(k): v for k, v in sorted(t.rejected.items())},
@@ -346,6 +354,7 @@ class AggregatorCore:
             "epsilon": None,
             "stopped_devices": sum(1 for r in self.devices.values() if r.stopped),
             "wall_time_s": wall_time_s,
+            **rnd.staleness_stats(),
             **info,
         }
         if self.privacy is not None:

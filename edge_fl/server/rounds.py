@@ -61,8 +61,19 @@ class SyncRound:
             return Reject.LATE  # over-selection: the round is already full
         return None
 
-    def accept(self, device: str) -> None:
+    def weight(self, base_version: int) -> float:
+        """Every on-time update of a synchronous round counts fully."""
+        return 1.0
+
+    def accept(self, device: str, base_version: int = 0) -> None:
         self.accepted.add(device)
+
+    @property
+    def count(self) -> int:
+        return len(self.accepted)
+
+    def staleness_stats(self) -> dict:
+        return {}
 
     def decide(self, now: float) -> Decision:
         if len(self.accepted) >= self.target:

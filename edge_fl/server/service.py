@@ -98,10 +98,18 @@ class AggregatorService:
     # ---------------------------------------------------------------- rounds
 
     async def _wait_for_devices(self) -> None:
-        """Start when the expected fleet is online, or after the wait with whoever is there."""
+        """Start when every expected device has reported a status (online or not) and enough are
+        available, or after the wait with whoever is there."""
         want = self.expected_devices or self.core.settings.n_select
+        need = min(want, self.core.settings.n_select)
         until = self._now() + self.wait_for_devices_s
-        while len(self.core.available()) < want and self._now() < until:
+        while self._now() < until and (
+            len(self.core.devices) < want or len(self.core.available()) < need
+        ):
+            if len(self.core.devices) >= want and len(self.core.available()) >= max(
+                1, self.core.settings.min_updates
+            ):
+                break  # everyone reported; fewer are available than we would like: go
             await self._sleep_until(until)
         if len(self.core.available()) < self.core.settings.min_updates:
             raise RuntimeError(

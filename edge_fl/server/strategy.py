@@ -39,10 +39,12 @@ class FedAvg:
         self._sum = np.zeros(self.n_params, dtype=np.float64)
 
     def add(self, update: Update, weight: float) -> None:
+        """``weight`` scales an update's influence (staleness); it is NOT renormalised away, so
+        FedAsync with one update applies ``server_lr * f(s) * delta``."""
         if not isinstance(update, DenseUpdate):
             raise TypeError(f"FedAvg takes dense updates, got {type(update).__name__}")
         self._sum += weight * update.n_samples * update.delta.astype(np.float64)
-        self._weight += weight * update.n_samples
+        self._weight += update.n_samples
         self._count += 1
 
     @property
@@ -132,7 +134,7 @@ class SignDSAggregate:
             raise TypeError(f"SignDS takes SignDS updates, got {type(update).__name__}")
         # indices were validated by the decoder: strictly ascending, unique, in range
         self._votes[update.indices] += update.sign * weight * update.n_samples
-        self._weight += weight * update.n_samples
+        self._weight += update.n_samples
         self._bits.append(update.magrr_bit)
 
     @property

@@ -1,0 +1,125 @@
+"""Asynchronous aggregation: FedBuff (apply every K updates) and FedAsync (apply each update).
+
+There are no rounds to wait for: every available device trains on the newest model it has and
+uploads; the aggregator weights each update by its staleness ``s = version - base_version``, drops
+it beyond ``max_staleness``, and applies a batch when K updates are buffered (or at the window's
+deadline with at least one). Every application increases the model version; the metrics record
+of an application is its "round", with the staleness distribution of what it applied.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from edge_fl.protocol import GlobalModel, Reject
+
+from .aggregator import AggregatorCore
+from .rounds import Decision
+from .staleness import Staleness
+
+
+@dataclass
+class AsyncWindow:
+    """The collection window of one application; same interface as SyncRound."""
+
+    number: int
+    version: int  # the global version devices are training on (newest)
+    target: int  # K
+    opened_at: float
+    deadline_s: float
+    staleness: Staleness
+    max_staleness: int
+    selected: frozenset[str] = frozenset()  # nobody is selected: everyone may contribute
+    min_updates: int = 1
+    extended: bool = False
+    accepted: set[tuple[str, int]] = field(default_factory=set)  # (device, base version)
+    earlier: set[tuple[str, int]] = field(default_factory=set)  # applied in earlier windows
+    staleness_seen: list[int] = field(default_factory=list)
+
+    @property
+    def deadline(self) -> float:
+        return self.opened_at + self.deadline_s
+
+    @property
+    def count(self) -> int:
+        return len(self.accepted)
+
+    def admit(self, device: str, update_round: int, base_version: int) -> Reject | None:
+        s = self.version - base_version
+        if s < 0:
+            return Reject.FUTURE
+        if s > self.max_staleness:
+            return Reject.STALE
+        key = (device, base_version)
+        if key in self.accepted or key in self.earlier:
+            return Reject.DUPLICATE
+        return None
+
+    def weight(self, base_version: int) -> float:
+        return self.staleness.weight(self.version - base_version)
+
+    def accept(self, device: str, base_version: int = 0) -> None:
+        self.accepted.add((device, base_version))
+        self.staleness_seen.append(self.version - base_version)
+
+    def decide(self, now: float) -> Decision:
+        if self.count >= self.target:
+            return Decision.CLOSE
+        if now < self.deadline:
+            return Decision.WAIT
+        return Decision.CLOSE if self.count >= 1 else Decision.SKIP
+
+    def staleness_stats(self) -> dict:
+        s = np.asarray(self.staleness_seen, dtype=np.int64)
+        if s.size == 0:
+            return {"staleness_mean": None, "staleness_max": None, "staleness_hist": {}}
+        values, counts = np.unique(s, return_counts=True)
+        return {
+            "staleness_mean": float(s.mean()),
+            "staleness_max": int(s.max()),
+            "staleness_hist": {str(int(v)): int(c) for v, c in zip(values, counts, strict=True)},
+        }
+
+
+class AsyncAggregatorCore(AggregatorCore):
+    """FedBuff / FedAsync on the same fleet view, ledger, strategies and records as sync mode."""
+
+    _applied: set[tuple[str, int]]
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._applied = set()
+
+    def open_round(self, now: float) -> GlobalModel | None:
+        s = self.settings
+        if not self.available():
+            return None
+        self.round_number += 1
+        # an update accepted in window n was computed on a version <= the window's version; the
+        # duplicate check spans windows through the (device, base_version) key below
+        window = AsyncWindow(
+            number=self.round_number,
+            version=self.version,
+            target=1 if s.mode == "fedasync" else s.buffer_size,
+            opened_at=now,
+            deadline_s=s.deadline_s,
+            staleness=s.staleness or Staleness(),
+            max_staleness=s.max_staleness,
+        )
+        # QoS 1 may redeliver an update after its window closed: remember what was applied while
+        # it can still be admitted (within max_staleness)
+        oldest = self.version - s.max_staleness
+        self._applied = {k for k in self._applied if k[1] >= oldest}
+        window.earlier = self._applied
+        self.current = window  # type: ignore[assignment]
+        self.strategy = self.make_strategy(self.round_number)
+        # in async modes the "round" a device answers is the model version it trains on
+        return self.global_message(selected=None, round_number=self.version)
+
+    def close_round(self, now: float, wall_time_s: float, skipped: bool = False) -> dict:
+        window = self.current
+        assert isinstance(window, AsyncWindow)
+        self._applied |= window.accepted
+        return super().close_round(now, wall_time_s, skipped)
