@@ -52,6 +52,9 @@ class ModelConfig(_Section):
     name: Literal["logreg", "mlp", "lenet", "cnn"] = "mlp"
     hidden: PositiveInt = 64
     wire_dtype: Literal["f4", "f2"] = "f4"
+    evaluate_with: Literal["onnxruntime", "native"] = Field(
+        "onnxruntime", description="how the aggregator evaluates the global model each round"
+    )
 
 
 class TrainingConfig(_Section):

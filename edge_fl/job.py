@@ -141,7 +141,7 @@ class Job:
             self.initial_params(),
             limits,
             rng,
-            evaluate=lambda w: evaluate(self.model, w, X_test, y_test),
+            evaluate=self._evaluator(),
             strategy_factory=lambda _r: self._strategy(core),
             privacy=privacy,
         )
@@ -150,6 +150,26 @@ class Job:
 
             core.signds_state = MagRRState.initial(self.mechanisms.magrr).to_dict()
         return core
+
+    def _evaluator(self):
+        """Held-out accuracy and loss of the global model, by default through onnxruntime: the
+        model that is evaluated is exactly the ONNX file a device would run."""
+        X_test, y_test = self.dataset.X_test, self.dataset.y_test
+        if self.cfg.model.evaluate_with == "native":
+            return lambda w: evaluate(self.model, w, X_test, y_test)
+
+        def with_onnxruntime(w: np.ndarray) -> tuple[float, float]:
+            from edge_fl.models.onnx_export import onnx_bytes
+            from edge_fl.models.onnx_runtime import OnnxClassifier
+
+            return OnnxClassifier(onnx_bytes(self.model, w)).evaluate(X_test, y_test)
+
+        return with_onnxruntime
+
+    def export_model(self, params: np.ndarray, path: Any) -> None:
+        from edge_fl.models.onnx_export import export_onnx
+
+        export_onnx(self.model, params, path)
 
     @cached_property
     def clock(self) -> SimClock:
@@ -246,7 +266,6 @@ def build_job(cfg: JobConfig) -> Job:
         data_dir=d.data_dir,
         samples_per_device=d.samples_per_device,
     )
-    model = make_model(
-        cfg.model.name, dataset.n_features, dataset.n_classes, hidden=cfg.model.hidden
-    )
+    options = {"hidden": cfg.model.hidden} if cfg.model.name == "mlp" else {}
+    model = make_model(cfg.model.name, dataset.n_features, dataset.n_classes, **options)
     return Job(cfg, dataset, model)

@@ -115,6 +115,8 @@ async def run_job(
             if not fleet_task.done():
                 fleet_task.cancel()
     timings["run_s"] = round(time.perf_counter() - t0, 4)
+    if recorder.out_dir is not None:
+        job.export_model(core.params, recorder.out_dir / "model.onnx")
     return recorder.close(
         {
             "mechanism": cfg.privacy.mechanism,

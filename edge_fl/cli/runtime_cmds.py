@@ -37,8 +37,9 @@ def aggregator(out, verbose, config, **kw) -> None:
     job = build_job(cfg)
     recorder = RunRecorder(out)
     recorder.write_meta(job.metadata())
+    core = job.aggregator_core()
     service = AggregatorService(
-        job.aggregator_core(),
+        core,
         parse_broker_url(cfg.broker.url),
         job.topics,
         wait_for_devices_s=cfg.rounds.wait_for_devices_s,
@@ -50,7 +51,9 @@ def aggregator(out, verbose, config, **kw) -> None:
     except (RuntimeError, ValueError) as exc:
         _fail(str(exc))
     finally:
-        recorder.close()
+        recorder.close({"privacy": core.privacy.report() if core.privacy else None})
+        if out:
+            job.export_model(core.params, recorder.out_dir / "model.onnx")
 
 
 def _line(r: dict) -> str:
