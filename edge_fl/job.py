@@ -128,7 +128,6 @@ class Job:
             staleness=Staleness(r.staleness, r.staleness_a, r.staleness_b),
         )
         rng, _ = self.rng(STREAM_SELECT)
-        X_test, y_test = self.dataset.X_test, self.dataset.y_test
         p = self.cfg.privacy
         kinds = frozenset({"s"}) if p.mechanism == "signds" else frozenset({"u"})
         limits = UpdateLimits(self.model.n_params, p.signds.max_dim_out, kinds)

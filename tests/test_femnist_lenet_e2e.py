@@ -10,10 +10,10 @@ import pytest
 
 pytest.importorskip("torch")
 
-from edge_fl.config import load_config  # noqa: E402
-from edge_fl.data.femnist import write_leaf_dir  # noqa: E402
-from edge_fl.models.onnx_runtime import OnnxClassifier  # noqa: E402
-from edge_fl.simulation import simulate  # noqa: E402
+from edge_fl.config import load_config
+from edge_fl.data.femnist import write_leaf_dir
+from edge_fl.models.onnx_runtime import OnnxClassifier
+from edge_fl.simulation import simulate
 
 pytestmark = [pytest.mark.broker, pytest.mark.torch]
 
