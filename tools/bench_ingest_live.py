@@ -20,8 +20,8 @@ import time
 
 import aiomqtt
 import paho.mqtt.client as paho
-
 from bench_ingest import TOPICS, make_core, make_payloads
+
 from edge_fl.models import make_model
 from edge_fl.transport.broker import EmbeddedBroker
 from edge_fl.transport.limits import ensure_open_files
