@@ -61,6 +61,7 @@ class Fleet:
         self.dropouts = 0
         self.unavailable: set[str] = set()  # devices outside their availability window
         self._busy: set[str] = set()
+        self._closing = False
         self._pending: dict[str, GlobalModel] = {}  # newest model that arrived while busy
         self._pool = ThreadPoolExecutor(max_workers=train_workers, thread_name_prefix="train")
         self._tasks: set[asyncio.Task] = set()
@@ -180,6 +181,8 @@ class Fleet:
             await client.publish(self.topics.update(device), payload, qos=1)
             self.published += 1
         except aiomqtt.MqttError as exc:
+            if self._closing:
+                return  # the job is over and connections are closing
             self.publish_failures += 1
             log.warning("device %s could not publish: %s", device, exc)
 
@@ -250,5 +253,6 @@ class Fleet:
             for task in list(self._tasks):
                 task.cancel()  # availability loops and stragglers: the job is over
         finally:
+            self._closing = True
             await self.disconnect_all()
             self._pool.shutdown(wait=False, cancel_futures=True)

@@ -1,0 +1,98 @@
+"""The broker vanishes mid-job: the aggregator and the device agents reconnect, the job finishes,
+no accepted update is lost and the round state is not corrupted."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+
+import pytest
+
+from edge_fl.config import load_config
+from edge_fl.device.runtime import run_device
+from edge_fl.job import build_job
+from edge_fl.server.service import AggregatorService, BrokerUnavailable
+from edge_fl.transport.broker import EmbeddedBroker, free_port
+from edge_fl.transport.url import parse_broker_url
+
+pytestmark = pytest.mark.broker
+
+
+def job_config(url: str, rounds: int = 6):
+    return load_config(
+        None,
+        {
+            "job": f"loss-{uuid.uuid4().hex[:6]}",
+            "broker.url": url,
+            "data.devices": 6,
+            "rounds.rounds": rounds,
+            "rounds.clients_per_round": 6,
+            "rounds.min_updates": 3,
+            "rounds.deadline_s": 3.0,
+            "training.epochs": 1,
+        },
+    )
+
+
+def test_aggregator_and_devices_survive_a_broker_restart():
+    port = free_port()
+    broker = EmbeddedBroker(kind="mosquitto", port=port).start()
+    url = broker.url
+    cfg = job_config(url)
+    job = build_job(cfg)
+    core = job.aggregator_core()
+    spec = parse_broker_url(url)
+    records: list[dict] = []
+    restarted = asyncio.Event()
+
+    async def scenario() -> None:
+        service = AggregatorService(
+            core,
+            spec,
+            job.topics,
+            wait_for_devices_s=20,
+            expected_devices=6,
+            on_record=records.append,
+            reconnect_attempts=20,
+        )
+        agg = asyncio.create_task(service.run())
+        devices = [
+            asyncio.create_task(run_device(job.agent(i), spec, job.topics, max_backoff_s=1.0))
+            for i in range(6)
+        ]
+        while len(records) < 2:
+            await asyncio.sleep(0.05)
+        accepted_before = core.version
+        params_before = core.params.copy()
+        broker.stop()  # the broker process is gone: every connection drops
+        await asyncio.sleep(1.0)
+        assert core.version == accepted_before  # nothing applied or lost while it is away
+        assert (core.params == params_before).all()
+        EmbeddedBroker(kind="mosquitto", port=port).start()
+        restarted.set()
+        await asyncio.wait_for(agg, 90)
+        await asyncio.wait_for(asyncio.gather(*devices), 30)
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        from edge_fl.transport import broker as broker_mod
+
+        for b in list(broker_mod._LIVE):
+            b.stop()
+    assert restarted.is_set()
+    assert [r["round"] for r in records] == list(range(1, 7))
+    closed = [r for r in records if r["status"] == "closed"]
+    assert len(closed) >= 5
+    assert records[-1]["version"] == len(closed)  # every closed round applied exactly once
+
+
+def test_unreachable_broker_gives_a_precise_error():
+    port = free_port()  # nothing listens here
+    cfg = job_config(f"mqtt://127.0.0.1:{port}", rounds=1)
+    job = build_job(cfg)
+    service = AggregatorService(
+        job.aggregator_core(), parse_broker_url(cfg.broker.url), job.topics, reconnect_attempts=2
+    )
+    with pytest.raises(BrokerUnavailable, match=rf"127\.0\.0\.1:{port}.*2 attempts"):
+        asyncio.run(service.run())
