@@ -200,6 +200,7 @@ class Job:
             clock=self.clock,
             dropout=self.cfg.fleet.dropout,
             train_workers=self.cfg.fleet.train_workers,
+            digest=self.cfg.digest(),
         )
 
     @cached_property

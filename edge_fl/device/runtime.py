@@ -39,6 +39,13 @@ async def _session(agent: DeviceAgent, spec: BrokerSpec, topics: Topics, digest:
                 continue
             if msg.job != topics.job:
                 continue
+            if msg.done:
+                if message.retain:
+                    continue  # an earlier run's end marker
+                await client.publish(
+                    topics.status(agent.device_id), agent.status(False), qos=1, retain=True
+                )
+                return True
             if digest and msg.config_digest and msg.config_digest != digest:
                 log.error(
                     "round %d: the aggregator's config digest %s differs from this device's %s "
@@ -48,13 +55,6 @@ async def _session(agent: DeviceAgent, spec: BrokerSpec, topics: Topics, digest:
                     digest,
                 )
                 continue
-            if msg.done:
-                if message.retain:
-                    continue  # an earlier run's end marker
-                await client.publish(
-                    topics.status(agent.device_id), agent.status(False), qos=1, retain=True
-                )
-                return True
             stopped_before = agent.state.stopped_reason
             update = await asyncio.to_thread(agent.on_global, msg)
             if agent.state.stopped_reason != stopped_before:

@@ -42,6 +42,7 @@ class Fleet:
         profiles: dict[str, DeviceProfile] | None = None,
         clock: SimClock | None = None,
         dropout: float | None = None,
+        digest: str = "",
     ) -> None:
         self.agents = {a.device_id: a for a in agents}
         self.spec = spec
@@ -62,6 +63,7 @@ class Fleet:
         self.unavailable: set[str] = set()  # devices outside their availability window
         self._busy: set[str] = set()
         self._closing = False
+        self.digest = digest
         self._pending: dict[str, GlobalModel] = {}  # newest model that arrived while busy
         self._pool = ThreadPoolExecutor(max_workers=train_workers, thread_name_prefix="train")
         self._tasks: set[asyncio.Task] = set()
@@ -244,6 +246,15 @@ class Fleet:
                         log.warning("ignoring a bad global model: %s", exc)
                         continue
                     if msg.job != self.topics.job:
+                        continue
+                    if not msg.done and self.digest and msg.config_digest != self.digest:
+                        log.error(
+                            "version %d: the aggregator's config digest %s differs from this "
+                            "fleet's %s (model, data, training or privacy disagree); not training",
+                            msg.version,
+                            msg.config_digest,
+                            self.digest,
+                        )
                         continue
                     if msg.done:
                         if message.retain:
