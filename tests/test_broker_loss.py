@@ -44,6 +44,7 @@ def test_aggregator_and_devices_survive_a_broker_restart():
     spec = parse_broker_url(url)
     records: list[dict] = []
     restarted = asyncio.Event()
+    second: list[EmbeddedBroker] = []
 
     async def scenario() -> None:
         service = AggregatorService(
@@ -68,7 +69,7 @@ def test_aggregator_and_devices_survive_a_broker_restart():
         await asyncio.sleep(1.0)
         assert core.version == accepted_before  # nothing applied or lost while it is away
         assert (core.params == params_before).all()
-        EmbeddedBroker(kind="mosquitto", port=port).start()
+        second.append(EmbeddedBroker(kind="mosquitto", port=port).start())
         restarted.set()
         await asyncio.wait_for(agg, 90)
         await asyncio.wait_for(asyncio.gather(*devices), 30)
@@ -76,9 +77,7 @@ def test_aggregator_and_devices_survive_a_broker_restart():
     try:
         asyncio.run(scenario())
     finally:
-        from edge_fl.transport import broker as broker_mod
-
-        for b in list(broker_mod._LIVE):
+        for b in (broker, *second):  # only this test's brokers: the session one stays up
             b.stop()
     assert restarted.is_set()
     assert [r["round"] for r in records] == list(range(1, 7))
