@@ -26,13 +26,17 @@ def _clean(value: Any) -> Any:
 class RunRecorder:
     """Writes the records of one run into ``out_dir`` (or only keeps them in memory)."""
 
-    def __init__(self, out_dir: str | Path | None) -> None:
+    def __init__(self, out_dir: str | Path | None, append: bool = False) -> None:
+        """``append``: continue a resumed run's records instead of starting a new file."""
         self.out_dir = Path(out_dir) if out_dir else None
         self.records: list[dict[str, Any]] = []
         self._jsonl = None
         if self.out_dir is not None:
             self.out_dir.mkdir(parents=True, exist_ok=True)
-            self._jsonl = (self.out_dir / "metrics.jsonl").open("w")
+            path = self.out_dir / "metrics.jsonl"
+            if append and path.exists():
+                self.records = [json.loads(x) for x in path.read_text().splitlines() if x]
+            self._jsonl = path.open("a" if append else "w")
 
     def write_meta(self, meta: dict[str, Any]) -> None:
         if self.out_dir is not None:

@@ -22,8 +22,9 @@ def _parse_shard(shard: str, n_devices: int) -> range:
 
 @click.command()
 @_common_job_options
-@click.option("--out", type=click.Path(file_okay=False))
-def aggregator(out, verbose, config, **kw) -> None:
+@click.option("--out", type=click.Path(file_okay=False), help="records, checkpoints, model.onnx")
+@click.option("--resume", is_flag=True, help="continue from the checkpoint in --out")
+def aggregator(out, resume, verbose, config, **kw) -> None:
     """Run the aggregator against a broker (devices run elsewhere)."""
     _logging(verbose or 1)
     cfg = _load(config, _overrides(kw))
@@ -35,9 +36,20 @@ def aggregator(out, verbose, config, **kw) -> None:
     from edge_fl.transport.url import parse_broker_url
 
     job = build_job(cfg)
-    recorder = RunRecorder(out)
-    recorder.write_meta(job.metadata())
+    recorder = RunRecorder(out, append=resume)
+    if not resume:
+        recorder.write_meta(job.metadata())
     core = job.aggregator_core()
+    if resume:
+        if not out:
+            _fail("--resume needs --out DIR (where the checkpoint is)")
+        from edge_fl.server.checkpoint import load_checkpoint
+
+        try:
+            load_checkpoint(core, out)
+        except ValueError as exc:
+            _fail(str(exc))
+        click.echo(f"resumed at round {core.round_number}, model version {core.version}")
     service = AggregatorService(
         core,
         parse_broker_url(cfg.broker.url),
@@ -45,6 +57,7 @@ def aggregator(out, verbose, config, **kw) -> None:
         wait_for_devices_s=cfg.rounds.wait_for_devices_s,
         expected_devices=cfg.data.devices,
         on_record=lambda r: (recorder.add(r), click.echo(_line(r))),
+        checkpoint_dir=out,
     )
     try:
         asyncio.run(service.run())

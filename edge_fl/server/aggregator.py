@@ -158,6 +158,8 @@ class AggregatorCore:
         self.signds_state: dict | None = None  # MagRR state carried in the global model
         self.ended_early: str | None = None
         self._released: set[tuple[str, int]] = set()  # (device, round) already in the ledger
+        self.releases: list[tuple[str, int, int]] = []  # (device, round, n): for checkpoints
+        self.noised_rounds: list[int] = []
 
     # ----------------------------------------------------------- fleet view
 
@@ -267,10 +269,9 @@ class AggregatorCore:
         except PayloadRejected as exc:
             self.tally.rejected[exc.reason] += 1
             return exc.reason
-        if self.privacy is not None and (device, update.round) not in self._released:
+        if (device, update.round) not in self._released:
             # whatever happens to it next, this update was released over the broker
-            self._released.add((device, update.round))
-            self.privacy.record_upload(device, update.n_samples, update.round)
+            self.record_release(device, update.round, update.n_samples)
         if self.current is None:
             self.tally.late += 1
             return Reject.LATE
@@ -292,6 +293,17 @@ class AggregatorCore:
             return Reject.WRONG_MECHANISM
         rnd.accept(device, update.base_version)
         return None
+
+    def record_release(self, device: str, round_number: int, n_samples: int) -> None:
+        self._released.add((device, round_number))
+        self.releases.append((device, round_number, n_samples))
+        if self.privacy is not None:
+            self.privacy.record_upload(device, n_samples, round_number)
+
+    def record_noised_round(self, round_number: int) -> None:
+        self.noised_rounds.append(round_number)
+        if self.privacy is not None:
+            self.privacy.record_round(round_number)
 
     def decide(self, now: float) -> Decision:
         rnd = self.current
@@ -324,8 +336,7 @@ class AggregatorCore:
         if not skipped and applies:
             self.params, info = strategy.finish(self.params)
             self.version += 1
-            if self.privacy is not None:
-                self.privacy.record_round(rnd.number)
+            self.record_noised_round(rnd.number)
             carried = getattr(strategy, "state", None)  # SignDS: MagRR state for next round
             if carried is not None:
                 self.signds_state = carried.to_dict()

@@ -46,6 +46,7 @@ class AggregatorService:
         on_record: RecordCallback | None = None,
         reconnect_attempts: int = 10,
         client_id: str | None = None,
+        checkpoint_dir: str | None = None,
     ) -> None:
         self.core = core
         self.spec = spec
@@ -54,6 +55,7 @@ class AggregatorService:
         self.expected_devices = expected_devices
         self.on_record = on_record or (lambda _r: None)
         self.reconnect_attempts = reconnect_attempts
+        self.checkpoint_dir = checkpoint_dir
         self.client_id = client_id or f"edgefl-{topics.job}-aggregator"
         self._wake = asyncio.Event()
         self._global_payload: bytes | None = None
@@ -145,6 +147,10 @@ class AggregatorService:
                 continue
             wall = time.perf_counter() - self._round_started
             record = core.close_round(self._now(), wall, skipped=decision is Decision.SKIP)
+            if self.checkpoint_dir is not None:
+                from .checkpoint import save_checkpoint
+
+                save_checkpoint(core, self.checkpoint_dir)
             self.on_record(record)
             await client.publish(self.topics.metrics, json.dumps(record, default=str), qos=0)
 
