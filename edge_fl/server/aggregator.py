@@ -260,10 +260,13 @@ class AggregatorCore:
             issued_at=now,
         )
 
-    def on_update(self, device: str, payload: bytes) -> Reject | None:
-        """Decode, validate, admit and fold in one update. Returns the rejection reason, if any."""
-        self.tally.bytes_up += len(payload)
-        self.tally.messages_up += 1
+    def on_update(self, device: str, payload: bytes, *, counted: bool = False) -> Reject | None:
+        """Decode, validate, admit and fold in one update. Returns the rejection reason, if any.
+
+        ``counted``: its bytes were already tallied (an update held back and replayed)."""
+        if not counted:
+            self.tally.bytes_up += len(payload)
+            self.tally.messages_up += 1
         try:
             update = decode_update(payload, self.limits, topic_device=device)
         except PayloadRejected as exc:

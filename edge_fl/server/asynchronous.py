@@ -91,6 +91,19 @@ class AsyncAggregatorCore(AggregatorCore):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self._applied = set()
+        self._held: list[tuple[str, bytes]] = []  # arrived while no window had room
+
+    def on_update(self, device: str, payload: bytes, *, counted: bool = False) -> Reject | None:
+        """An update that finds no open window, or a full one, waits for the next window: in
+        async modes nothing is late, and a window applies exactly K (FedAsync: 1) updates."""
+        window = self.current
+        if window is None or window.count >= window.target:
+            if not counted:
+                self.tally.bytes_up += len(payload)
+                self.tally.messages_up += 1
+            self._held.append((device, payload))
+            return None
+        return super().on_update(device, payload, counted=counted)
 
     def open_round(self, now: float) -> GlobalModel | None:
         s = self.settings
@@ -115,6 +128,9 @@ class AsyncAggregatorCore(AggregatorCore):
         window.earlier = self._applied
         self.current = window  # type: ignore[assignment]
         self.strategy = self.make_strategy(self.round_number)
+        held, self._held = self._held, []
+        for device, payload in held:  # in arrival order; the overflow waits again
+            self.on_update(device, payload, counted=True)
         # in async modes the "round" a device answers is the model version it trains on
         return self.global_message(selected=None, round_number=self.version)
 
