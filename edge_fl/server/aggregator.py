@@ -107,6 +107,8 @@ class PrivacyAccounting:
         out.pop("basic_epsilon", None)  # the ledger's is for its own worst device; recompute
         out.pop("advanced_epsilon", None)
         out.update(self.metrics())  # the smallest valid bound, and which accountant gave it
+        if out[f"epsilon_{other}"] < out["epsilon"]:  # every accountant's result is an upper bound
+            out["epsilon"], out["accountant"] = out[f"epsilon_{other}"], other
         return out
 
 

@@ -72,8 +72,9 @@ class AggregatorService:
             reason = self.core.on_update(device, bytes(payload))
             if reason is not None:
                 log.debug("update from %s rejected: %s", device, reason)
-            rnd = self.core.current
-            if rnd is not None and len(rnd.accepted) >= rnd.target:
+            else:
+                # any accepted update may end the round: the target, or the last one that can
+                # still come (decide() knows which devices stopped or went offline)
                 self._wake.set()
         elif (device := self.topics.device_of(topic, "status")) is not None:
             self.core.on_status(device, bytes(payload))
