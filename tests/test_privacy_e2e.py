@@ -3,6 +3,7 @@ their budget stop uploading while the run reports it."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import uuid
 
@@ -58,7 +59,7 @@ def test_epsilon_is_cumulative_never_per_round(tmp_path):
         **{"rounds.rounds": 4, "privacy.mechanism": "gaussian", "privacy.noise_multiplier": 2.0},
     )
     eps = [r["epsilon"] for r in records]
-    assert all(b >= a for a, b in zip(eps, eps[1:], strict=False))
+    assert all(b >= a for a, b in itertools.pairwise(eps))
     assert eps[-1] > eps[0] * 1.3  # more rounds spent more: the total, not one round's value
     p = summary["privacy"]
     assert p["delta"] == 1e-5 and p["neighbouring_relation"] == "replace_one"
