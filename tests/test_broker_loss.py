@@ -86,6 +86,46 @@ def test_aggregator_and_devices_survive_a_broker_restart():
     assert records[-1]["version"] == len(closed)  # every closed round applied exactly once
 
 
+def test_fleet_reconnects_after_a_broker_restart():
+    port = free_port()
+    brokers = [EmbeddedBroker(kind="mosquitto", port=port).start()]
+    cfg = job_config(brokers[0].url, rounds=5)
+    job = build_job(cfg)
+    core = job.aggregator_core()
+    spec = parse_broker_url(brokers[0].url)
+    records: list[dict] = []
+
+    async def scenario() -> None:
+        service = AggregatorService(
+            core,
+            spec,
+            job.topics,
+            wait_for_devices_s=20,
+            expected_devices=6,
+            on_record=records.append,
+            reconnect_attempts=20,
+        )
+        agg = asyncio.create_task(service.run())
+        await service.connected.wait()
+        fleet = job.fleet_runtime(spec)
+        fleet_task = asyncio.create_task(fleet.run())
+        while len(records) < 2:
+            await asyncio.sleep(0.05)
+        brokers[0].stop()
+        await asyncio.sleep(0.5)
+        brokers.append(EmbeddedBroker(kind="mosquitto", port=port).start())
+        await asyncio.wait_for(agg, 90)
+        await asyncio.wait_for(fleet_task, 30)
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        for b in brokers:
+            b.stop()
+    assert [r["round"] for r in records] == [1, 2, 3, 4, 5]
+    assert records[-1]["received"] == 6  # the whole fleet is back and answering
+
+
 def test_unreachable_broker_gives_a_precise_error():
     port = free_port()  # nothing listens here
     cfg = job_config(f"mqtt://127.0.0.1:{port}", rounds=1)

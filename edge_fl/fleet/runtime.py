@@ -64,6 +64,8 @@ class Fleet:
         self._busy: set[str] = set()
         self._closing = False
         self.digest = digest
+        self.max_reconnects = 10
+        self.reconnect_attempt = 0
         self._pending: dict[str, GlobalModel] = {}  # newest model that arrived while busy
         self._pool = ThreadPoolExecutor(max_workers=train_workers, thread_name_prefix="train")
         self._tasks: set[asyncio.Task] = set()
@@ -227,40 +229,82 @@ class Fleet:
                 self._tasks.add(task)
                 task.add_done_callback(self._tasks.discard)
 
+    async def _downlink(self) -> bool:
+        """One downlink session; True when the job is done."""
+        async with aiomqtt.Client(
+            **self.spec.aiomqtt_kwargs(), identifier=f"{self.client_prefix}-downlink"
+        ) as downlink:
+            await downlink.subscribe(self.topics.global_model, qos=1)
+            self.reconnect_attempt = 0
+            async for message in downlink.messages:
+                payload = message.payload
+                if not isinstance(payload, bytes | bytearray) or not payload:
+                    continue  # cleared retained message: no model yet
+                try:
+                    msg = decode_global(bytes(payload))
+                except PayloadRejected as exc:
+                    log.warning("ignoring a bad global model: %s", exc)
+                    continue
+                if msg.job != self.topics.job:
+                    continue
+                if msg.done:
+                    if message.retain:
+                        continue  # the end of an earlier run of this job id
+                    return True
+                if self.digest and msg.config_digest != self.digest:
+                    log.error(
+                        "version %d: the aggregator's config digest %s differs from this "
+                        "fleet's %s (model, data, training or privacy disagree); not training",
+                        msg.version,
+                        msg.config_digest,
+                        self.digest,
+                    )
+                    continue
+                self._on_global(msg, len(payload))
+        return False
+
+    async def _reconnect_devices(self) -> None:
+        """Re-open the sessions the broker dropped (their wills marked them offline)."""
+        gate = asyncio.Semaphore(self.connect_concurrency)
+        lost = [
+            d
+            for d in self.agents
+            if d not in self.crashed
+            and (d not in self.clients or not self.clients[d]._client.is_connected())
+        ]
+        for device in lost:
+            self.clients.pop(device, None)
+        await asyncio.gather(
+            *(self._connect(self.agents[d], gate) for d in lost), return_exceptions=True
+        )
+
     async def run(self) -> None:
-        """Connect every device, serve global models until the job is done, then leave cleanly."""
+        """Connect every device, serve global models until the job is done, then leave cleanly.
+
+        If the broker goes away, the fleet reconnects (downlink first, then every dropped device
+        session) with exponential backoff, up to ``max_reconnects`` attempts in a row."""
         try:
             await self.connect_all()
             self._start_availability()
-            async with aiomqtt.Client(
-                **self.spec.aiomqtt_kwargs(), identifier=f"{self.client_prefix}-downlink"
-            ) as downlink:
-                await downlink.subscribe(self.topics.global_model, qos=1)
-                async for message in downlink.messages:
-                    payload = message.payload
-                    if not isinstance(payload, bytes | bytearray) or not payload:
-                        continue  # cleared retained message: no model yet
-                    try:
-                        msg = decode_global(bytes(payload))
-                    except PayloadRejected as exc:
-                        log.warning("ignoring a bad global model: %s", exc)
-                        continue
-                    if msg.job != self.topics.job:
-                        continue
-                    if not msg.done and self.digest and msg.config_digest != self.digest:
-                        log.error(
-                            "version %d: the aggregator's config digest %s differs from this "
-                            "fleet's %s (model, data, training or privacy disagree); not training",
-                            msg.version,
-                            msg.config_digest,
-                            self.digest,
-                        )
-                        continue
-                    if msg.done:
-                        if message.retain:
-                            continue  # the end of an earlier run of this job id
+            self.reconnect_attempt = 0
+            while True:
+                try:
+                    if await self._downlink():
                         break
-                    self._on_global(msg, len(payload))
+                except aiomqtt.MqttError as exc:
+                    self.reconnect_attempt += 1
+                    if self.reconnect_attempt > self.max_reconnects:
+                        raise RuntimeError(
+                            f"fleet lost the broker at {self.spec.redacted()} and could not "
+                            f"reconnect after {self.max_reconnects} attempts: {exc}"
+                        ) from exc
+                    delay = min(0.2 * 2**self.reconnect_attempt, 10.0)
+                    log.warning("fleet: broker unavailable (%s); retrying in %.1fs", exc, delay)
+                    await asyncio.sleep(delay)
+                    try:
+                        await self._reconnect_devices()
+                    except aiomqtt.MqttError:
+                        continue
             for task in list(self._tasks):
                 task.cancel()  # availability loops and stragglers: the job is over
         finally:
