@@ -47,7 +47,7 @@ def test_budget_exhausted_devices_stop_and_are_reported(tmp_path):
     assert records[-1]["stopped_devices"] > 0
     # no device released more than its budget: the reported worst-device epsilon stays <= 1
     assert all(r["epsilon"] <= 1.0 + 1e-9 for r in records)
-    assert summary["privacy"]["epsilon"] == pytest.approx(1.0)
+    assert 0.99 <= summary["privacy"]["epsilon"] <= 1.0 + 1e-9  # PLD may be a hair tighter
     assert summary["privacy"]["unit"] == "example"
     # stopped devices never upload again: accepted updates <= 2 per device
     assert summary["total_received"] <= 2 * 10

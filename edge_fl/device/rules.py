@@ -30,6 +30,12 @@ def _dense(agent: DeviceAgent, msg: GlobalModel, new_params: np.ndarray, mech: s
     )
 
 
+def _local_update(agent: DeviceAgent, msg: GlobalModel) -> np.ndarray:
+    """Plain local SGD from the broadcast model; returns ``w_local - w_global`` in float64."""
+    trained = local_sgd(agent.model, msg.params, agent.X, agent.y, agent.training, agent.rng)
+    return trained.astype(np.float64) - msg.params
+
+
 def laplace_rule(mech: Mechanisms) -> UpdateRule:
     cfg = mech.laplace
     assert cfg is not None
@@ -47,8 +53,7 @@ def gaussian_rule(mech: Mechanisms) -> UpdateRule:
     assert cfg is not None
 
     def rule(agent: DeviceAgent, msg: GlobalModel) -> Update:
-        trained = local_sgd(agent.model, msg.params, agent.X, agent.y, agent.training, agent.rng)
-        noisy = cfg.privatize_update(trained.astype(np.float64) - msg.params, agent.rng)
+        noisy = cfg.privatize_update(_local_update(agent, msg), agent.rng)
         return _dense(agent, msg, msg.params + noisy.update, "gaussian")
 
     return rule
@@ -60,8 +65,7 @@ def central_gaussian_rule(mech: Mechanisms) -> UpdateRule:
     assert cfg is not None
 
     def rule(agent: DeviceAgent, msg: GlobalModel) -> Update:
-        trained = local_sgd(agent.model, msg.params, agent.X, agent.y, agent.training, agent.rng)
-        clipped = cfg.clip_update(trained.astype(np.float64) - msg.params)
+        clipped = cfg.clip_update(_local_update(agent, msg))
         return _dense(agent, msg, msg.params + clipped.values, "gaussian-central")
 
     return rule
@@ -87,8 +91,7 @@ def nbafl_rule(mech: Mechanisms) -> UpdateRule:
     assert cfg is not None
 
     def rule(agent: DeviceAgent, msg: GlobalModel) -> Update:
-        trained = local_sgd(agent.model, msg.params, agent.X, agent.y, agent.training, agent.rng)
-        upload, _ = cfg.privatize_upload(trained.astype(np.float64), agent.rng)
+        upload, _ = cfg.privatize_upload(msg.params + _local_update(agent, msg), agent.rng)
         return _dense(agent, msg, upload, "nbafl")
 
     return rule
@@ -99,8 +102,7 @@ def signds_rule(mech: Mechanisms) -> UpdateRule:
     assert params is not None and magrr is not None
 
     def rule(agent: DeviceAgent, msg: GlobalModel) -> Update:
-        trained = local_sgd(agent.model, msg.params, agent.X, agent.y, agent.training, agent.rng)
-        update = trained.astype(np.float64) - msg.params
+        update = _local_update(agent, msg)
         plan = signds_plan(params, update.size)
         selection = select(update, plan, agent.rng)
         state = msg.signds or {}
