@@ -6,6 +6,7 @@ same thing from the same config; no I/O besides reading local dataset files.
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -27,6 +28,8 @@ from edge_fl.server.aggregator import AggregatorCore, AggregatorSettings, Privac
 from edge_fl.server.asynchronous import AsyncAggregatorCore
 from edge_fl.server.staleness import Staleness
 from edge_fl.server.strategy import FedAvg, Strategy
+
+log = logging.getLogger("edge_fl.job")
 
 # generator streams, so that the aggregator and each device draw independent randomness
 STREAM_INIT, STREAM_SELECT, STREAM_DEVICE, STREAM_NOISE, STREAM_PROFILE = 1, 2, 3, 4, 5
@@ -252,6 +255,7 @@ class Job:
             "randomness": {"generator": info.kind, "secure": info.secure, "seed": info.seed},
             "privacy": self.mechanisms.describe() if self.private else {"mechanism": "none"},
             "started_at": time.time(),
+            "warnings": self.warnings,
         }
 
 
@@ -268,4 +272,11 @@ def build_job(cfg: JobConfig) -> Job:
     )
     options = {"hidden": cfg.model.hidden} if cfg.model.name == "mlp" else {}
     model = make_model(cfg.model.name, dataset.n_features, dataset.n_classes, **options)
-    return Job(cfg, dataset, model)
+    job = Job(cfg, dataset, model)
+    if cfg.privacy.mechanism == "signds":
+        from edge_fl.privacy.signds import check_dimension
+
+        for warning in check_dimension(job.mechanisms.signds, model.n_params):
+            log.warning("%s", warning)
+            job.warnings.append(warning)
+    return job

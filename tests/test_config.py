@@ -1,0 +1,97 @@
+"""Configuration: files (YAML, TOML), overrides, and errors that name key, value and domain."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from edge_fl.config import ConfigError, load_config
+
+
+def errors(**overrides) -> str:
+    with pytest.raises(ConfigError) as info:
+        load_config(None, overrides)
+    return str(info.value)
+
+
+def test_defaults_are_valid_and_digest_is_stable():
+    a, b = load_config(), load_config()
+    assert a.digest() == b.digest()
+    assert load_config(None, {"training.lr": 0.1}).digest() != a.digest()
+    # broker URL and device identity do not change what devices must agree on
+    assert load_config(None, {"broker.url": "mqtt://h:1", "device.id": "x"}).digest() == a.digest()
+
+
+def test_yaml_and_toml_files_and_flag_overrides(tmp_path):
+    y = tmp_path / "job.yaml"
+    y.write_text("job: demo\nrounds: {rounds: 7, clients_per_round: 0.5}\nmodel: {name: logreg}\n")
+    cfg = load_config(y, {"rounds.rounds": 9})
+    assert (cfg.job, cfg.rounds.rounds, cfg.model.name) == ("demo", 9, "logreg")
+    assert cfg.rounds.target(50) == 25
+    t = tmp_path / "job.toml"
+    t.write_text('job = "t1"\n[privacy]\nmechanism = "dpsgd"\nnoise_multiplier = 1.1\n')
+    assert load_config(t).privacy.noise_multiplier == 1.1
+
+
+@pytest.mark.parametrize(
+    ("overrides", "expected"),
+    [
+        ({"rounds.rounds": 0}, "rounds.rounds = 0: Input should be greater than or equal to 1"),
+        ({"data.bogus": 1}, "data.bogus: unknown key"),
+        ({"model.name": "resnet"}, "model.name = 'resnet'"),
+        ({"training.lr": -1}, "training.lr = -1"),
+        ({"rounds.clients_per_round": 2.5}, "use an integer count >= 1 or a fraction"),
+        ({"privacy.mechanism": "laplace"}, "needs privacy.epsilon"),
+        ({"privacy.mechanism": "gaussian"}, "needs privacy.noise_multiplier or privacy.epsilon"),
+        ({"job": "a/b"}, "job = 'a/b'"),
+        (
+            {
+                "rounds.mode": "fedbuff",
+                "privacy.mechanism": "gaussian-central",
+                "privacy.epsilon": 1,
+            },
+            "needs rounds.mode = 'sync'",
+        ),
+    ],
+)
+def test_errors_name_key_value_and_domain(overrides, expected):
+    assert expected in errors(**overrides)
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "domain"),
+    [
+        ("sign_k", 0.3, "(0, 0.25]"),
+        ("sign_k", 0.0, "(0, 0.25]"),
+        ("sign_eps", 101.0, "(0, 100]"),
+        ("sign_thr_ratio", 0.4, "[0.5, 1]"),
+        ("sign_global_lr", 0.0, "(0, inf)"),
+        ("sign_dim_out", 51, "integer [0, 50]"),
+    ],
+)
+def test_signds_domains_as_the_reference(key, value, domain):
+    msg = errors(**{f"privacy.signds.{key}": value})
+    assert f"signds.{key} = {value!r} is out of domain {domain}" in msg
+
+
+def test_file_errors(tmp_path):
+    with pytest.raises(ConfigError, match="cannot read config file"):
+        load_config(tmp_path / "missing.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("rounds: [1, 2\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(bad)
+    top = tmp_path / "list.yaml"
+    top.write_text("- 1\n- 2\n")
+    with pytest.raises(ConfigError, match="top level must be a mapping"):
+        load_config(top)
+
+
+def test_signds_small_topk_warning(caplog):
+    from edge_fl.job import build_job
+
+    cfg = load_config(None, {"privacy.mechanism": "signds", "model.name": "logreg"})
+    with caplog.at_level(logging.WARNING):
+        job = build_job(cfg)  # 650 params x 0.01 = 6 top-k coordinates
+    assert job.warnings and "50" in job.warnings[0]
