@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import msgpack
 import numpy as np
 
 from edge_fl.privacy.rng import seeded_generator
@@ -82,7 +83,9 @@ def test_bad_input_never_touches_state():
         b"\x00\x01garbage",
         update(dev, 1, 0, float("nan"), 5),
         encode_update(DenseUpdate(dev, 1, 0, 5, np.zeros(D + 3, np.float32))),
-        update("d9", 1, 0, 1.0, 5),  # published on dev's topic by someone else
+        msgpack.packb(  # names another device than the topic it came on
+            {**msgpack.unpackb(update(dev, 1, 0, 1.0, 5)), "dev": "d9"}, use_bin_type=True
+        ),
     ]
     for payload in bad:
         assert c.on_update(dev, payload) is not None

@@ -78,12 +78,21 @@ def encode_global(msg: GlobalModel) -> bytes:
     return _pack(body)
 
 
+# SignDS index codings as one-byte codes on the wire
+_CODING_CODE = {"bp": 0, "dv": 1}
+_CODING_TAG = {v: k for k, v in _CODING_CODE.items()}
+
+
 def encode_update(update: Update, dim: int | None = None) -> bytes:
-    """Encode an update; SignDS needs the model dimension ``dim`` to choose its index coding."""
+    """Encode an update; SignDS needs the model dimension ``dim`` to choose its index coding.
+
+    The device id is NOT in the payload: the topic ``up/<device>`` is the identity, and the
+    broker's ACL lets a device publish only there. A SignDS update packs sign and MagRR bit into
+    one small integer ``sb`` (bit 0: sign is +1, bit 1: MagRR bit): every byte counts there.
+    """
     common = {
         "v": SCHEMA_VERSION,
-        "dev": update.device,
-        "rnd": update.round,
+        "r": update.round,
         "bv": update.base_version,
         "n": update.n_samples,
     }
@@ -106,10 +115,9 @@ def encode_update(update: Update, dim: int | None = None) -> bytes:
         {
             **common,
             "k": "s",
-            "s": update.sign,
-            "b": update.magrr_bit,
+            "sb": (1 if update.sign > 0 else 0) | (int(update.magrr_bit) << 1),
             "h": len(update.indices),
-            "ic": tag,
+            "c": _CODING_CODE[tag],
             "ix": blob,
         }
     )
@@ -202,12 +210,16 @@ def decode_update(payload: bytes, limits: UpdateLimits, topic_device: str | None
         raise PayloadRejected(
             Reject.WRONG_MECHANISM, f"update kind {kind!r} is not the job's mechanism"
         )
-    device = _field(obj, "dev", str, "device id")
-    if topic_device is not None and device != topic_device:
-        raise PayloadRejected(
-            Reject.TOPIC_MISMATCH, f"device {device!r} published on the topic of {topic_device!r}"
-        )
-    rnd = _int_field(obj, "rnd", "round", 0, 2**40)
+    device = topic_device or ""
+    if "dev" in obj:  # optional: the topic is the identity; if a payload names one, it must agree
+        named = _field(obj, "dev", str, "device id")
+        if topic_device is not None and named != topic_device:
+            raise PayloadRejected(
+                Reject.TOPIC_MISMATCH,
+                f"device {named!r} published on the topic of {topic_device!r}",
+            )
+        device = named
+    rnd = _int_field(obj, "r", "round", 0, 2**40)
     base = _int_field(obj, "bv", "base version", 0, 2**40)
     n = _int_field(obj, "n", "sample count", 1, MAX_SAMPLES)
     if kind == "u":
@@ -225,14 +237,11 @@ def _decode_signds(
 ) -> SignDSUpdate:
     from edge_fl.protocol.indices import IndexCodingError, decode_indices
 
-    sign = _field(obj, "s", int, "sign")
-    if sign not in (1, -1):
-        raise PayloadRejected(Reject.BAD_FIELD, f"sign {sign} is not +1 or -1")
-    bit = _field(obj, "b", int, "MagRR bit")
-    if bit not in (0, 1):
-        raise PayloadRejected(Reject.BAD_FIELD, f"MagRR bit {bit} is not 0 or 1")
+    flags = _int_field(obj, "sb", "sign/MagRR-bit flags", 0, 3)
+    sign, bit = (1 if flags & 1 else -1), (flags >> 1) & 1
     count = _int_field(obj, "h", "index count", 1, limits.max_indices)
-    tag = _field(obj, "ic", str, "index coding")
+    code = _int_field(obj, "c", "index coding", 0, 255)
+    tag = _CODING_TAG.get(code, f"code {code}")
     blob = _field(obj, "ix", bytes, "indices")
     try:
         indices = decode_indices(tag, blob, limits.n_params, count, limits.max_indices)
