@@ -321,3 +321,79 @@ def audit_rr_cmd(eps: float, n: int, alpha: float, as_json: bool, seed: int | No
         as_json,
         lambda rng: audit_rr(eps, n, rng, alpha=alpha, delta=delta),
     )
+
+
+# ---------------------------------------------------------------------------------------------- SignDS
+
+# Which flag carries which library key, so a domain error points at the flag the user typed.
+_SIGNDS_FLAGS = {
+    "signds.sign_k": "--k",
+    "signds.sign_eps": "--eps",
+    "signds.sign_thr_ratio": "--thr",
+    "signds.sign_dim_out": "--dim-out",
+    "signds.max_dim_out": "--max-dim-out",
+    "model dimension d": "--d",
+}
+
+
+def _signds_guarded(fn: Callable[[], Any]) -> Any:
+    """Like ``_guarded``, but the error names the flag as well as the key, value and domain."""
+    try:
+        return fn()
+    except ValueError as err:
+        msg = str(err)
+        flag = next((f for key, f in _SIGNDS_FLAGS.items() if msg.startswith(key)), None)
+        raise click.BadParameter(msg, param_hint=f"'{flag}'" if flag else None) from err
+
+
+@privacy_group.command("signds")
+@click.option("--d", "d", type=int, required=True, help="Model dimension (parameters updated).")
+@click.option("--k", "k", type=float, default=0.01, show_default=True, help="sign_k, (0, 0.25].")
+@click.option("--eps", type=float, default=100.0, show_default=True, help="sign_eps, (0, 100].")
+@click.option("--thr", type=float, default=0.6, show_default=True, help="sign_thr_ratio, [0.5, 1].")
+@click.option("--dim-out", type=int, default=0, show_default=True, help="h; 0 = optimise.")
+@click.option("--max-dim-out", type=int, default=100, show_default=True, help="Cap on h.")
+@_json_opt
+def signds_cmd(
+    d: int, k: float, eps: float, thr: float, dim_out: int, max_dim_out: int, as_json: bool
+):
+    """SignDS plan for a d-dimensional model: top-k size K, output dimension h, threshold nu_th.
+
+    Exact log-space search (no Java double overflow), then the explicit cap ``--max-dim-out``.
+    """
+    from edge_fl.privacy.signds import SignDSParams, check_dimension, plan
+
+    def build() -> tuple[Any, list[str]]:
+        params = SignDSParams(k=k, eps=eps, thr_ratio=thr, dim_out=dim_out, max_dim_out=max_dim_out)
+        return plan(params, d), check_dimension(params, d)
+
+    p, warnings = _signds_guarded(build)
+    out = {"sign_k": k, "sign_eps": eps, "sign_thr_ratio": thr, **p.describe()}
+    out.update(dim_out=dim_out, max_dim_out=max_dim_out, warnings=warnings)
+    _emit(as_json, "SignDS plan", out)
+
+
+@audit_group.command("signds")
+@_audit_options
+@click.option("--d", "d", type=int, default=20, show_default=True, help="Model dimension.")
+@click.option("--k-count", type=int, default=4, show_default=True, help="Top-k size K.")
+@click.option("--h", "h", type=int, default=None, help="Output dimension (default: optimised).")
+def audit_signds_cmd(
+    eps: float,
+    n: int,
+    alpha: float,
+    as_json: bool,
+    seed: int | None,
+    d: int,
+    k_count: int,
+    h: int | None,
+):
+    """Audit the SignDS exponential mechanism (production sampler) at claimed eps."""
+    from edge_fl.privacy.signds import audit_signds
+
+    _run_audit(
+        "Audit: SignDS",
+        seed,
+        as_json,
+        lambda rng: audit_signds(eps, n, rng, d=d, k_count=k_count, h=h, alpha=alpha),
+    )

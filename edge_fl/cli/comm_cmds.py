@@ -1,0 +1,234 @@
+"""``edge-fl comm-cost``: what one update and one model broadcast cost on the wire, per mechanism.
+
+Every number is the length of a payload produced by the real encoders (``encode_update``,
+``encode_global``), never a formula: dense float32 / float16 deltas, and a SignDS vote built from the
+planned h and a real selection (``edge_fl.privacy.signds.select``) on a random update. A SignDS
+payload's size depends on the selected indices (the encoder sends the shorter of bit-packing and
+delta-varint), so it is averaged over ``--samples`` selections and min / max are reported too.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from typing import Any
+
+import click
+
+__all__ = ["comm_cost", "comm_cost_report"]
+
+MAX_DIM = 50_000_000  # the dense encodings are built in memory (4 bytes per parameter)
+
+# Header values of the measured updates: the simulated fleet's device-id format and a round number
+# below 128 (msgpack fixint); a round >= 128 adds one or two bytes to every update.
+HEADER = {"device": "d00000", "round": 1, "base_version": 0, "n_samples": 50}
+GLOBAL_HEADER = {"job": "edgefl", "config_digest": "0123456789ab", "deadline_s": 30.0}
+
+
+def _check_int(name: str, value: Any, lo: int, hi: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
+        raise ValueError(f"{name} = {value!r} is out of domain integer [{lo}, {hi}]")
+    return value
+
+
+def comm_cost_report(
+    dim: int,
+    *,
+    k: float = 0.01,
+    eps: float = 100.0,
+    thr: float = 0.6,
+    dim_out: int = 0,
+    max_dim_out: int = 100,
+    samples: int = 20,
+    selected: int = 0,
+    rng: Any = None,
+) -> dict[str, Any]:
+    """Payload bytes of one update of a ``dim``-parameter model under each mechanism, and of the
+    global-model broadcast. ``rng``: a numpy Generator (default: the production CSPRNG)."""
+    import numpy as np
+
+    from edge_fl.job import device_id
+    from edge_fl.privacy.magrr import MagRRState
+    from edge_fl.privacy.rng import secure_generator
+    from edge_fl.privacy.signds import SignDSParams, plan, select
+    from edge_fl.protocol import (
+        DenseUpdate,
+        GlobalModel,
+        SignDSUpdate,
+        encode_global,
+        encode_update,
+    )
+    from edge_fl.protocol.indices import encode_bitpack, encode_indices, index_width
+
+    dim = _check_int("dim", dim, 1, MAX_DIM)
+    samples = _check_int("samples", samples, 1, 10_000)
+    selected = _check_int("selected", selected, 0, 1_000_000)
+    params = SignDSParams(k=k, eps=eps, thr_ratio=thr, dim_out=dim_out, max_dim_out=max_dim_out)
+    p = plan(params, dim)
+    rng = secure_generator() if rng is None else rng
+    hdr = {
+        "device": HEADER["device"],
+        "round": HEADER["round"],
+        "base_version": HEADER["base_version"],
+        "n_samples": HEADER["n_samples"],
+    }
+
+    delta = rng.standard_normal(dim).astype(np.float32)
+    dense = {
+        f"dense_{name}": len(encode_update(DenseUpdate(**hdr, delta=delta, wire_dtype=dt)))
+        for name, dt in (("f32", "f4"), ("f16", "f2"))
+    }
+
+    sizes: list[int] = []
+    index_bytes: list[int] = []
+    tags: Counter = Counter()
+    for _ in range(samples):
+        sel = select(rng.standard_normal(dim), p, rng)
+        vote = SignDSUpdate(**hdr, sign=sel.sign, indices=sel.indices, magrr_bit=1)
+        sizes.append(len(encode_update(vote, dim=dim)))
+        tag, blob = encode_indices(sel.indices, dim)
+        tags[tag] += 1
+        index_bytes.append(len(blob))
+    mean = sum(sizes) / len(sizes)
+    bitpack = len(encode_bitpack(np.arange(p.h, dtype=np.uint32), dim))
+
+    ids = tuple(device_id(i) for i in range(selected)) or None
+    weights = rng.standard_normal(dim).astype(np.float32)
+    magrr = MagRRState.initial().to_dict()
+    glob = {
+        dt: len(
+            encode_global(
+                GlobalModel(
+                    job=GLOBAL_HEADER["job"],
+                    version=1,
+                    round=1,
+                    params=weights,
+                    selected=ids,
+                    deadline_s=GLOBAL_HEADER["deadline_s"],
+                    config_digest=GLOBAL_HEADER["config_digest"],
+                    wire_dtype=dt,
+                    signds=magrr,
+                )
+            )
+        )
+        for dt in ("f4", "f2")
+    }
+    return {
+        "dim": dim,
+        "updates": {**dense, "signds": round(mean, 1)},
+        "signds": {
+            **{key: p.describe()[key] for key in ("topk", "h", "nu_th", "capped", "h_uncapped")},
+            "sign_k": params.k,
+            "sign_eps": params.eps,
+            "index_coding": tags.most_common(1)[0][0],
+            "index_codings": dict(tags),
+            "index_bits": index_width(dim),
+            "index_bytes_mean": round(sum(index_bytes) / len(index_bytes), 1),
+            "bitpack_bytes": bitpack,
+            "bytes_mean": round(mean, 1),
+            "bytes_min": min(sizes),
+            "bytes_max": max(sizes),
+            "samples": samples,
+            "averaged": min(sizes) != max(sizes),
+        },
+        "ratios": {
+            "dense_f32_over_signds": round(dense["dense_f32"] / mean, 1),
+            "dense_f16_over_signds": round(dense["dense_f16"] / mean, 1),
+        },
+        "global_model": {
+            "f4": glob["f4"],
+            "f2": glob["f2"],
+            "selected_ids": selected,
+            "includes_magrr_state": True,
+        },
+        "header": {**hdr, **GLOBAL_HEADER},
+    }
+
+
+def _print_table(data: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"Payload bytes, d = {data['dim']:,}")
+    table.add_column("payload")
+    table.add_column("bytes", justify="right")
+    table.add_column("vs SignDS", justify="right")
+    sd = data["signds"]
+    mean = data["updates"]["signds"]
+    table.add_row("update, dense float32", f"{data['updates']['dense_f32']:,}", "")
+    table.add_row("update, dense float16", f"{data['updates']['dense_f16']:,}", "")
+    spread = f" ({sd['bytes_min']}-{sd['bytes_max']})" if sd["averaged"] else ""
+    table.add_row(
+        f"update, SignDS h={sd['h']} ({sd['index_coding']}){spread}",
+        f"{mean:,}",
+        f"{data['updates']['dense_f32'] / mean:,.0f}x smaller than f32",
+    )
+    table.add_row("global model, float32", f"{data['global_model']['f4']:,}", "")
+    table.add_row("global model, float16", f"{data['global_model']['f2']:,}", "")
+    Console().print(table)
+    if sd["averaged"]:
+        click.echo(f"SignDS size is the mean over {sd['samples']} selections (it varies).")
+
+
+@click.command("comm-cost")
+@click.option("--dim", type=int, required=True, help="Model dimension (number of parameters).")
+@click.option("--k", "k", type=float, default=0.01, show_default=True, help="SignDS sign_k.")
+@click.option("--eps", type=float, default=100.0, show_default=True, help="SignDS sign_eps.")
+@click.option("--thr", type=float, default=0.6, show_default=True, help="SignDS sign_thr_ratio.")
+@click.option("--dim-out", type=int, default=0, show_default=True, help="SignDS h; 0 = optimise.")
+@click.option("--max-dim-out", type=int, default=100, show_default=True, help="Cap on h.")
+@click.option("--samples", type=int, default=20, show_default=True, help="SignDS selections.")
+@click.option("--selected", type=int, default=0, show_default=True, help="Ids in the broadcast.")
+@click.option("--seed", type=int, default=None, help="Seed (reproducible, NOT secure).")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+def comm_cost(
+    dim: int,
+    k: float,
+    eps: float,
+    thr: float,
+    dim_out: int,
+    max_dim_out: int,
+    samples: int,
+    selected: int,
+    seed: int | None,
+    as_json: bool,
+) -> None:
+    """Bytes of one update (dense f32 / f16, SignDS) and of the global model, by the real encoder."""
+    from edge_fl.privacy.rng import seeded_generator
+
+    flags = {
+        "dim": "--dim",
+        "samples": "--samples",
+        "selected": "--selected",
+        "signds.sign_k": "--k",
+        "signds.sign_eps": "--eps",
+        "signds.sign_thr_ratio": "--thr",
+        "signds.sign_dim_out": "--dim-out",
+        "signds.max_dim_out": "--max-dim-out",
+        "model dimension d": "--dim",
+    }
+    if seed is not None and seed < 0:
+        raise click.BadParameter(
+            f"seed = {seed} is out of domain integer [0, inf)", param_hint="'--seed'"
+        )
+    try:
+        data = comm_cost_report(
+            dim,
+            k=k,
+            eps=eps,
+            thr=thr,
+            dim_out=dim_out,
+            max_dim_out=max_dim_out,
+            samples=samples,
+            selected=selected,
+            rng=None if seed is None else seeded_generator(seed),
+        )
+    except ValueError as err:
+        msg = str(err)
+        flag = next((f for key, f in flags.items() if msg.startswith(key)), None)
+        raise click.BadParameter(msg, param_hint=f"'{flag}'" if flag else None) from err
+    data["rng"] = "chacha20-urandom" if seed is None else f"pcg64-seeded (seed {seed})"
+    if as_json:
+        click.echo(json.dumps(data))
+        return
+    _print_table(data)

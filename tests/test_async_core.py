@@ -1,0 +1,357 @@
+"""Asynchronous aggregation without a broker: staleness functions, the async window's admission and
+decisions, and FedBuff / FedAsync applications on encoded updates, checked number by number."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from edge_fl.privacy.rng import seeded_generator
+from edge_fl.protocol import (
+    DenseUpdate,
+    Reject,
+    Status,
+    UpdateLimits,
+    encode_status,
+    encode_update,
+)
+from edge_fl.server.aggregator import AggregatorSettings
+from edge_fl.server.asynchronous import AsyncAggregatorCore, AsyncWindow
+from edge_fl.server.rounds import Decision
+from edge_fl.server.staleness import Staleness
+
+D = 6
+DEVICES = [f"d{i}" for i in range(6)]
+
+# ------------------------------------------------------------------ staleness functions
+
+
+@pytest.mark.parametrize("s", [0, 1, 7, 1000])
+def test_constant_ignores_staleness(s):
+    assert Staleness("constant").weight(s) == 1.0
+
+
+@pytest.mark.parametrize(
+    ("a", "s", "expected"),
+    [(0.5, 0, 1.0), (0.5, 3, 0.5), (0.5, 8, 1 / 3), (1.0, 4, 0.2), (2.0, 1, 0.25), (0.0, 9, 1.0)],
+)
+def test_polynomial_is_one_plus_s_to_minus_a(a, s, expected):
+    assert Staleness("polynomial", a=a).weight(s) == pytest.approx(expected, rel=1e-12)
+
+
+@pytest.mark.parametrize(
+    ("s", "expected"),
+    # a = 0.5, b = 4: full weight up to b, then 1 / (a (s - b) + 1)
+    [(0, 1.0), (4, 1.0), (5, 1 / 1.5), (6, 0.5), (14, 1 / 6)],
+)
+def test_hinge_full_weight_up_to_b_then_decays(s, expected):
+    assert Staleness("hinge", a=0.5, b=4).weight(s) == pytest.approx(expected, rel=1e-12)
+
+
+def test_hinge_with_b_zero_and_steep_slope():
+    f = Staleness("hinge", a=10.0, b=0)
+    assert f.weight(0) == 1.0
+    assert f.weight(1) == pytest.approx(1 / 11)
+
+
+@pytest.mark.parametrize("kind", ["constant", "polynomial", "hinge"])
+def test_negative_staleness_is_an_error(kind):
+    with pytest.raises(ValueError, match="from the future"):
+        Staleness(kind).weight(-1)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"kind": "linear"}, "constant, polynomial or hinge"),
+        ({"a": -0.1}, "a = -0.1"),
+        ({"a": math.nan}, "a = nan"),
+        ({"kind": "hinge", "b": -1}, "b = -1"),
+    ],
+)
+def test_bad_parameters_are_rejected_with_their_name(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        Staleness(**kwargs)
+
+
+@given(
+    kind=st.sampled_from(["constant", "polynomial", "hinge"]),
+    a=st.floats(0, 10),
+    b=st.integers(0, 50),
+    s=st.integers(0, 10_000),
+)
+def test_weights_are_in_unit_interval_and_non_increasing(kind, a, b, s):
+    f = Staleness(kind, a=a, b=b)
+    w, w_next = f.weight(s), f.weight(s + 1)
+    assert 0.0 < w <= 1.0
+    assert w_next <= w
+
+
+# ------------------------------------------------------------------ the async window
+
+
+def window(**kw) -> AsyncWindow:
+    base = dict(
+        number=4,
+        version=5,
+        target=3,
+        opened_at=100.0,
+        deadline_s=10.0,
+        staleness=Staleness("polynomial", a=1.0),
+        max_staleness=3,
+    )
+    base.update(kw)
+    return AsyncWindow(**base)
+
+
+def test_window_admission_by_staleness():
+    w = window()
+    assert w.admit("a", 6, base_version=6) is Reject.FUTURE  # computed on a version not yet issued
+    assert w.admit("a", 1, base_version=1) is Reject.STALE  # s = 4 > max_staleness = 3
+    assert w.admit("a", 2, base_version=2) is None  # s = 3: the oldest still admitted
+    assert w.admit("a", 5, base_version=5) is None  # s = 0
+    assert window(max_staleness=0).admit("a", 4, base_version=4) is Reject.STALE
+
+
+def test_window_duplicate_is_per_device_and_base_version():
+    w = window()
+    w.accept("a", base_version=4)
+    assert w.admit("a", 4, base_version=4) is Reject.DUPLICATE  # QoS 1 redelivery
+    assert w.admit("a", 5, base_version=5) is None  # the same device's next update is new work
+    assert w.admit("b", 4, base_version=4) is None
+    w.earlier = {("c", 3)}  # applied by an earlier window
+    assert w.admit("c", 3, base_version=3) is Reject.DUPLICATE
+    assert w.admit("c", 4, base_version=4) is None
+
+
+def test_window_weight_and_staleness_stats():
+    w = window()
+    assert w.weight(5) == 1.0
+    assert w.weight(3) == pytest.approx(1 / 3)  # s = 2, (1 + s)^-1
+    assert w.staleness_stats() == {
+        "staleness_mean": None,
+        "staleness_max": None,
+        "staleness_hist": {},
+    }
+    for dev, base in [("a", 5), ("b", 3), ("c", 3), ("d", 2)]:
+        w.accept(dev, base)
+    assert w.count == 4
+    assert w.staleness_stats() == {
+        "staleness_mean": pytest.approx((0 + 2 + 2 + 3) / 4),
+        "staleness_max": 3,
+        "staleness_hist": {"0": 1, "2": 2, "3": 1},
+    }
+
+
+def test_window_decide():
+    w = window(target=3)
+    assert w.deadline == 110.0
+    assert w.decide(100.0) is Decision.WAIT
+    assert w.decide(110.0) is Decision.SKIP  # nothing arrived by the deadline
+    w.accept("a", 5)
+    assert w.decide(105.0) is Decision.WAIT
+    assert w.decide(110.0) is Decision.CLOSE  # at the deadline one update is enough
+    w.accept("b", 4)
+    w.accept("c", 5)
+    assert w.decide(100.5) is Decision.CLOSE  # K reached: close before the deadline
+
+
+# ------------------------------------------------------------------ the async aggregator core
+
+
+def async_core(mode: str = "fedbuff", **kw) -> AsyncAggregatorCore:
+    settings = dict(
+        job="j",
+        rounds=50,
+        target=2,
+        min_updates=1,
+        deadline_s=10.0,
+        mode=mode,
+        buffer_size=3,
+        max_staleness=4,
+        staleness=Staleness("polynomial", a=1.0),
+    )
+    settings.update(kw)
+    c = AsyncAggregatorCore(
+        AggregatorSettings(**settings),
+        np.zeros(D, np.float32),
+        UpdateLimits(D),
+        seeded_generator(1),
+        evaluate=lambda w: (float(w[0]), 0.0),  # "accuracy" = first parameter: visible in records
+    )
+    for dev in DEVICES:
+        c.on_status(dev, encode_status(Status(dev, True, 10)))
+    return c
+
+
+def update(device: str, base_version: int, value: float | np.ndarray, n: int) -> bytes:
+    delta = np.broadcast_to(np.asarray(value, np.float32), (D,)).copy()
+    # in async modes the round a device answers is the version it trained on
+    return encode_update(DenseUpdate(device, base_version, base_version, n, delta))
+
+
+def apply_window(c: AsyncAggregatorCore, now: float, updates: list[tuple[str, int, float, int]]):
+    msg = c.open_round(now)
+    assert msg is not None
+    for dev, base, value, n in updates:
+        assert c.on_update(dev, update(dev, base, value, n)) is None
+    assert c.decide(now) is Decision.CLOSE
+    return msg, c.close_round(now, 0.1)
+
+
+def test_global_message_of_an_async_window_selects_nobody_and_names_the_version():
+    c = async_core()
+    msg = c.open_round(0.0)
+    assert msg.selected is None and msg.selects("anyone")
+    assert msg.round == msg.version == 0
+    assert msg.mode == "fedbuff"
+    assert c.on_update("d0", update("d0", 0, 1.0, 10)) is None
+    assert c.decide(0.0) is Decision.WAIT  # 1 of K = 3
+    assert c.decide(10.0) is Decision.CLOSE  # deadline with >= 1
+    c.close_round(10.0, 0.1)
+    msg = c.open_round(11.0)
+    assert msg.selected is None
+    assert msg.round == msg.version == 1
+
+
+def test_fedbuff_applies_the_staleness_weighted_mean_exactly():
+    c = async_core(server_lr=0.5)
+    # window 1 at version 0: three fresh updates -> the sample-weighted mean (times server_lr)
+    _, rec1 = apply_window(c, 0.0, [("d0", 0, 1.0, 10), ("d1", 0, 2.0, 30), ("d2", 0, 4.0, 60)])
+    mean1 = (1 * 10 + 2 * 30 + 4 * 60) / 100
+    np.testing.assert_allclose(c.params, 0.5 * mean1, rtol=1e-6)
+    assert c.version == 1 and rec1["version"] == 1 and rec1["round"] == 1
+    assert rec1["received"] == 3
+    assert rec1["staleness_mean"] == 0.0 and rec1["staleness_hist"] == {"0": 3}
+
+    # window 2 at version 1: fresh (s = 0, f = 1), one behind (s = 1, f = 1/2), and a per-coordinate
+    # delta from version 0; weights f(s) n, normalised by the plain sample count
+    before = c.params.astype(np.float64)
+    vec = np.arange(1, D + 1, dtype=np.float64)
+    msg = c.open_round(1.0)
+    assert msg.version == 1
+    assert c.on_update("d3", update("d3", 1, 2.0, 20)) is None
+    assert c.on_update("d4", update("d4", 0, 6.0, 40)) is None
+    assert c.on_update("d5", update("d5", 0, vec, 40)) is None
+    assert c.decide(1.0) is Decision.CLOSE
+    rec2 = c.close_round(1.0, 0.1)
+    step = 0.5 * (1.0 * 20 * 2.0 + 0.5 * 40 * 6.0 + 0.5 * 40 * vec) / (20 + 40 + 40)
+    np.testing.assert_allclose(c.params, before + step, rtol=1e-6)
+    assert c.version == 2 and rec2["version"] == 2
+    assert rec2["staleness_mean"] == pytest.approx(2 / 3)
+    assert rec2["staleness_max"] == 1
+    assert rec2["staleness_hist"] == {"0": 1, "1": 2}
+    assert rec2["update_norm"] == pytest.approx(float(np.linalg.norm(step)), rel=1e-6)
+
+
+def test_fedasync_applies_server_lr_times_f_of_s_times_delta():
+    c = async_core("fedasync", server_lr=0.4, staleness=Staleness("polynomial", a=0.5), rounds=9)
+    expected = np.zeros(D)
+    # three applications to reach version 3, then one update computed on version 0 (s = 3)
+    for v, value in enumerate([1.0, -2.0, 0.5]):
+        msg, rec = apply_window(c, float(v), [(DEVICES[v], v, value, 7)])
+        assert msg.round == msg.version == v and msg.selected is None
+        expected += 0.4 * value  # s = 0: f = 1, and n cancels for a single update
+        np.testing.assert_allclose(c.params, expected, rtol=1e-6)
+        assert rec["version"] == v + 1 and rec["received"] == 1
+    msg, rec = apply_window(c, 3.0, [("d5", 0, 3.0, 50)])
+    expected += 0.4 * (1 + 3) ** -0.5 * 3.0  # server_lr * f(3) * delta
+    np.testing.assert_allclose(c.params, expected, rtol=1e-6)
+    assert c.version == 4
+    assert rec["staleness_mean"] == 3.0 and rec["staleness_max"] == 3
+    assert rec["staleness_hist"] == {"3": 1}
+    assert [r["version"] for r in c.records] == [1, 2, 3, 4]
+    assert [r["accuracy"] for r in c.records] == pytest.approx(
+        [0.4, -0.4, -0.2, -0.2 + 0.6], rel=1e-6
+    )
+
+
+def test_fedasync_window_closes_on_the_first_update():
+    c = async_core("fedasync", buffer_size=10)  # K is 1 in FedAsync whatever buffer_size says
+    c.open_round(0.0)
+    assert c.current.target == 1
+    assert c.decide(0.0) is Decision.WAIT
+    assert c.on_update("d0", update("d0", 0, 1.0, 5)) is None
+    assert c.decide(0.0) is Decision.CLOSE
+
+
+def test_async_core_rejects_future_and_too_stale_updates():
+    c = async_core(max_staleness=1)
+    for v in range(3):  # advance to version 3
+        apply_window(c, float(v), [(DEVICES[i], v, 1.0, 5) for i in range(3)])
+    before = c.params.copy()
+    c.open_round(10.0)
+    assert c.on_update("d0", update("d0", 4, 1.0, 5)) is Reject.FUTURE
+    assert c.on_update("d1", update("d1", 1, 1.0, 5)) is Reject.STALE  # s = 2 > 1
+    assert c.on_update("d2", update("d2", 2, 1.0, 5)) is Reject.DUPLICATE  # applied at version 2
+    assert c.on_update("d3", update("d3", 2, 1.0, 5)) is None  # s = 1
+    rec = c.close_round(20.0, 0.1)
+    assert rec["rejected_by_reason"] == {"duplicate": 1, "future": 1, "stale": 1}
+    assert rec["received"] == 1 and rec["staleness_hist"] == {"1": 1}
+    np.testing.assert_allclose(c.params, before + 1.0 * (1 + 1) ** -1.0, rtol=1e-6)
+
+
+def test_duplicate_across_windows_is_rejected_while_it_could_still_be_admitted():
+    c = async_core(max_staleness=2)
+    first = update("d0", 0, 1.0, 10)
+    apply_window(c, 0.0, [("d0", 0, 1.0, 10), ("d1", 0, 1.0, 10), ("d2", 0, 1.0, 10)])
+    params = c.params.copy()
+    c.open_round(1.0)
+    assert c.on_update("d0", first) is Reject.DUPLICATE  # QoS 1 redelivery after the close
+    assert c.on_update("d0", update("d0", 1, 1.0, 10)) is None  # its new work counts
+    assert c.tally.rejected == {Reject.DUPLICATE: 1}
+    c.close_round(20.0, 0.1)  # deadline close with one update
+    assert c.version == 2
+    assert not np.array_equal(c.params, params)
+
+
+def test_empty_async_window_at_the_deadline_is_skipped_without_a_new_version():
+    c = async_core()
+    c.open_round(0.0)
+    assert c.decide(9.99) is Decision.WAIT
+    assert c.decide(10.0) is Decision.SKIP
+    rec = c.close_round(10.0, 10.0, skipped=True)
+    assert rec["status"] == "skipped" and rec["received"] == 0
+    assert rec["staleness_mean"] is None and rec["staleness_hist"] == {}
+    assert c.version == 0
+    np.testing.assert_array_equal(c.params, 0.0)
+    msg = c.open_round(11.0)
+    assert msg.round == msg.version == 0  # the same model is offered again
+
+
+def test_async_core_waits_for_an_available_device():
+    c = async_core()
+    for dev in DEVICES:
+        c.on_status(dev, encode_status(Status(dev, False)))
+    assert c.open_round(0.0) is None
+    c.on_status("d3", encode_status(Status("d3", True, 10)))
+    assert c.open_round(0.0) is not None
+
+
+# ------------------------------------------------------------------ async delivery edge cases
+
+
+def test_fedasync_applies_each_update_of_a_burst_separately():
+    c = async_core("fedasync", server_lr=1.0, staleness=Staleness("constant"))
+    c.open_round(0.0)
+    # two updates reach the core before the service gets to run decide()
+    c.on_update("d0", update("d0", 0, 1.0, 10))
+    c.on_update("d1", update("d1", 0, 3.0, 10))
+    c.close_round(0.0, 0.1)
+    np.testing.assert_allclose(c.params, 1.0)  # only the first one: delta applied in full
+    c.open_round(0.1)  # the second belongs to the next application
+    assert c.current.count == 1
+    c.close_round(0.1, 0.1)
+    np.testing.assert_allclose(c.params, 4.0)
+
+
+def test_async_update_between_windows_is_kept_for_the_next_window():
+    c = async_core("fedasync")
+    apply_window(c, 0.0, [("d0", 0, 1.0, 10)])
+    assert c.on_update("d1", update("d1", 0, 1.0, 10)) is None  # no window open right now
+    c.open_round(1.0)
+    assert c.current.count == 1
