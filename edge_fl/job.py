@@ -116,7 +116,8 @@ class Job:
             job=self.cfg.job,
             rounds=r.rounds,
             target=target,
-            min_updates=r.minimum(target),
+            # async windows apply whatever arrived by the deadline: one device is enough
+            min_updates=r.minimum(target) if r.mode == "sync" else 1,
             deadline_s=self.clock.to_wall(r.deadline_s),  # the deadline is in simulated time
             extend_when_short=r.on_short_round == "extend",
             over_selection=r.over_selection,
