@@ -11,6 +11,7 @@ import uuid
 import aiomqtt
 import msgpack
 import pytest
+from mqtt_tap import UpdateTap
 
 from edge_fl.config import load_config
 from edge_fl.protocol import Topics
@@ -51,44 +52,10 @@ def test_digits_mlp_on_embedded_broker_reaches_090(tmp_path):
     assert meta["broker"]["kind"] == "embedded-mosquitto"
 
 
-class _Counter:
-    """An independent MQTT subscriber counting update payload bytes in a thread of its own."""
-
-    def __init__(self, url: str, topics: Topics) -> None:
-        self.spec = parse_broker_url(url)
-        self.topics = topics
-        self.bytes = 0
-        self.messages = 0
-        self.ready = threading.Event()
-        self.stop = threading.Event()
-        self.thread = threading.Thread(target=lambda: asyncio.run(self._run()), daemon=True)
-
-    async def _run(self) -> None:
-        async with aiomqtt.Client(**self.spec.aiomqtt_kwargs(), identifier="counter") as client:
-            await client.subscribe(self.topics.all_updates, qos=1)
-            self.ready.set()
-            while not self.stop.is_set():
-                try:
-                    msg = await asyncio.wait_for(anext(client.messages), 0.2)
-                except TimeoutError:
-                    continue
-                self.bytes += len(msg.payload)
-                self.messages += 1
-
-    def __enter__(self) -> _Counter:
-        self.thread.start()
-        assert self.ready.wait(10)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop.set()
-        self.thread.join(10)
-
-
 def test_external_broker_and_bytes_up_match_an_independent_subscriber(mosquitto, tmp_path):
     cfg = config(**{"broker.url": mosquitto.url, "rounds.rounds": 10})
     topics = Topics(cfg.job, cfg.broker.prefix)
-    with _Counter(mosquitto.url, topics) as counter:
+    with UpdateTap(mosquitto.url, topics) as counter:
         summary = simulate(cfg, tmp_path)
         # give the counter a moment to drain what the broker already forwarded
         threading.Event().wait(0.5)

@@ -3,19 +3,17 @@ how MagRR's state moves from round to round."""
 
 from __future__ import annotations
 
-import asyncio
 import threading
 import uuid
 
-import aiomqtt
 import pytest
+from mqtt_tap import UpdateTap
 
 from edge_fl.config import load_config
 from edge_fl.privacy.magrr import MagRRConfig
 from edge_fl.privacy.signds import SignDSParams, plan
 from edge_fl.protocol import DenseUpdate, SignDSUpdate, Topics, UpdateLimits, decode_update
 from edge_fl.simulation import simulate
-from edge_fl.transport.url import parse_broker_url
 
 pytestmark = pytest.mark.broker
 
@@ -23,38 +21,6 @@ DEVICES = 10
 ROUNDS = 4
 SIGN_K, SIGN_EPS = 0.05, 100.0
 MLP_DIGITS_PARAMS = 64 * 64 + 64 + 64 * 10 + 10  # 4810
-
-
-class _Tap:
-    """An independent subscriber keeping every update payload the broker forwards."""
-
-    def __init__(self, url: str, topics: Topics) -> None:
-        self.spec = parse_broker_url(url)
-        self.topics = topics
-        self.payloads: list[tuple[str, bytes]] = []
-        self.ready = threading.Event()
-        self.stop = threading.Event()
-        self.thread = threading.Thread(target=lambda: asyncio.run(self._run()), daemon=True)
-
-    async def _run(self) -> None:
-        async with aiomqtt.Client(**self.spec.aiomqtt_kwargs(), identifier="tap") as client:
-            await client.subscribe(self.topics.all_updates, qos=1)
-            self.ready.set()
-            while not self.stop.is_set():
-                try:
-                    msg = await asyncio.wait_for(anext(client.messages), 0.2)
-                except TimeoutError:
-                    continue
-                self.payloads.append((str(msg.topic), bytes(msg.payload)))
-
-    def __enter__(self) -> _Tap:
-        self.thread.start()
-        assert self.ready.wait(10)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop.set()
-        self.thread.join(10)
 
 
 @pytest.fixture(scope="module")
@@ -81,7 +47,7 @@ def run(mosquitto, tmp_path_factory):
         },
     )
     records: list[dict] = []
-    with _Tap(mosquitto.url, Topics(cfg.job, cfg.broker.prefix)) as tap:
+    with UpdateTap(mosquitto.url, Topics(cfg.job, cfg.broker.prefix)) as tap:
         summary = simulate(
             cfg, tmp_path_factory.mktemp("signds"), fleet_hook=lambda r, _f: records.append(r)
         )

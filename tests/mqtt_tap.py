@@ -1,0 +1,53 @@
+"""An independent MQTT subscriber for tests: records every update payload the broker forwards."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import aiomqtt
+
+from edge_fl.protocol import Topics
+from edge_fl.transport.url import parse_broker_url
+
+
+class UpdateTap:
+    """Runs in a thread of its own, so it shares nothing with the run it observes."""
+
+    def __init__(self, url: str, topics: Topics, identifier: str = "tap") -> None:
+        self.spec = parse_broker_url(url)
+        self.topics = topics
+        self.identifier = identifier
+        self.payloads: list[tuple[str, bytes]] = []
+        self.ready = threading.Event()
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=lambda: asyncio.run(self._run()), daemon=True)
+
+    async def _run(self) -> None:
+        kwargs = self.spec.aiomqtt_kwargs()
+        async with aiomqtt.Client(**kwargs, identifier=self.identifier) as client:
+            await client.subscribe(self.topics.all_updates, qos=1)
+            self.ready.set()
+            while not self.stop.is_set():
+                try:
+                    msg = await asyncio.wait_for(anext(client.messages), 0.2)
+                except TimeoutError:
+                    continue
+                self.payloads.append((str(msg.topic), bytes(msg.payload)))
+
+    @property
+    def bytes(self) -> int:
+        return sum(len(p) for _, p in self.payloads)
+
+    @property
+    def messages(self) -> int:
+        return len(self.payloads)
+
+    def __enter__(self) -> UpdateTap:
+        self.thread.start()
+        assert self.ready.wait(10)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+        self.thread.join(10)
