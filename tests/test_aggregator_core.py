@@ -140,3 +140,14 @@ def test_bad_status_is_ignored_and_cleared_status_forgets():
     assert "d7" not in c.available() and "d8" not in c.available()
     c.on_status("d0", b"")  # cleared retained status
     assert "d0" not in c.available()
+
+
+def test_non_finite_aggregate_leaves_the_model_unchanged():
+    c = core(server_lr=10.0, min_updates=1)
+    msg = c.open_round(0.0)
+    dev = msg.selected[0]
+    assert c.on_update(dev, update(dev, 1, 0, 3e38, 5)) is None  # finite, but x10 overflows
+    record = c.close_round(20.0, 1.0)
+    assert record["status"] == "skipped" and record["diverged"] is True
+    assert c.version == 0
+    np.testing.assert_array_equal(c.params, 0.0)
