@@ -53,9 +53,6 @@ class DeviceBudget:
             return True
         return self._epsilon([*self.events, *events]) <= self.budget_epsilon * (1 + 1e-9)
 
-    def spent(self) -> float:
-        return self._epsilon(self.events) if self.events else 0.0
-
     def _epsilon(self, events: list) -> float:
         """The smallest valid bound: the accountant's, or basic composition for pure-DP events."""
         from edge_fl.privacy.accounting import compose_epsilon
