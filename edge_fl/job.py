@@ -7,6 +7,7 @@ same thing from the same config; no I/O besides reading local dataset files.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -14,20 +15,20 @@ from typing import Any
 
 import numpy as np
 
-from edge_fl.config import JobConfig
+from edge_fl.config import ConfigError, JobConfig
 from edge_fl.data import load_federated
 from edge_fl.data.base import FederatedDataset
 from edge_fl.device.agent import DeviceAgent, DeviceBudget
-from edge_fl.device.trainer import LocalTraining
 from edge_fl.fleet.clock import SimClock
+from edge_fl.mechanisms import JobFacts, Mechanism, UnknownMechanismError, build_mechanism
 from edge_fl.models import evaluate, make_model
 from edge_fl.models.base import Model
+from edge_fl.models.training import LocalTraining
 from edge_fl.privacy.rng import RngInfo, make_generator
 from edge_fl.protocol import Topics, UpdateLimits
 from edge_fl.server.aggregator import AggregatorCore, AggregatorSettings, PrivacyAccounting
 from edge_fl.server.asynchronous import AsyncAggregatorCore
 from edge_fl.server.staleness import Staleness
-from edge_fl.server.strategy import FedAvg, Strategy
 
 log = logging.getLogger("edge_fl.job")
 
@@ -46,28 +47,33 @@ class Job:
     model: Model
     warnings: list[str] = field(default_factory=list)
 
+    @cached_property
+    def mechanism(self) -> Mechanism:
+        """The privacy mechanism, built and calibrated once for the job (from the registry)."""
+        return build_mechanism(self.cfg.privacy, self.facts)
+
     @property
     def private(self) -> bool:
-        return self.cfg.privacy.mechanism != "none"
+        return self.mechanism.accounts
 
     @cached_property
-    def mechanisms(self) -> Any:
-        """The privacy mechanisms (None without privacy: no dp-accounting import, no cost)."""
-        if not self.private:
-            return None
-        from edge_fl.privacy.release import JobFacts, build_mechanisms
-
-        sizes = [len(ix) for ix in self.dataset.device_indices]
-        facts = JobFacts(
-            rounds=self.cfg.rounds.rounds,
+    def facts(self) -> JobFacts:
+        sizes = tuple(len(ix) for ix in self.dataset.device_indices)
+        r = self.cfg.rounds
+        return JobFacts(
+            rounds=r.rounds,
             n_devices=self.cfg.data.devices,
             expected_participants=float(self.target),
+            n_params=self.model.n_params,
             local_lr=self.cfg.training.lr,
             local_epochs=self.cfg.training.epochs,
             batch_size=self.cfg.training.batch_size,
             min_dataset_size=min(sizes),
+            max_uploads=self.cfg.privacy.max_uploads
+            or default_max_uploads(r.rounds, self.target, self.cfg.data.devices, r.mode),
+            mode=r.mode,
+            dataset_sizes=sizes,
         )
-        return build_mechanisms(self.cfg.privacy, facts)
 
     @property
     def topics(self) -> Topics:
@@ -88,13 +94,8 @@ class Job:
         X, y = self.dataset.device_data(index)
         t = self.cfg.training
         rng, _ = self.rng(STREAM_DEVICE, index)
-        rule = budget = None
-        if self.private:
-            from edge_fl.device.rules import rule_for
-
-            p = self.cfg.privacy
-            rule = rule_for(self.mechanisms)
-            budget = DeviceBudget(self.mechanisms, p.budget_epsilon, p.delta, p.accountant)
+        p = self.cfg.privacy
+        budget = DeviceBudget(self.mechanism, p.budget_epsilon, p.delta) if self.private else None
         return DeviceAgent(
             device_id(index),
             X,
@@ -102,7 +103,7 @@ class Job:
             self.model,
             LocalTraining(t.epochs, t.batch_size, t.lr),
             rng,
-            rule=rule,
+            mechanism=self.mechanism,
             budget=budget,
         )
 
@@ -125,7 +126,7 @@ class Job:
             wire_dtype=self.cfg.model.wire_dtype,
             config_digest=self.cfg.digest(),
             mechanism=self.cfg.privacy.mechanism,
-            sample_rate=self._poisson_rate(),
+            sample_rate=self.mechanism.selection_rate(),
             mode=r.mode,
             buffer_size=r.buffer_size,
             max_staleness=r.max_staleness,
@@ -133,11 +134,10 @@ class Job:
         )
         rng, _ = self.rng(STREAM_SELECT)
         p = self.cfg.privacy
-        kinds = frozenset({"s"}) if p.mechanism == "signds" else frozenset({"u"})
-        limits = UpdateLimits(self.model.n_params, p.signds.max_dim_out, kinds)
-        privacy = (
-            PrivacyAccounting(self.mechanisms, p.delta, p.accountant) if self.private else None
+        limits = UpdateLimits(
+            self.model.n_params, p.signds.max_dim_out, frozenset({self.mechanism.wire_kind})
         )
+        privacy = PrivacyAccounting(self.mechanism, p.delta) if self.private else None
         core_class = AggregatorCore if r.mode == "sync" else AsyncAggregatorCore
         core = core_class(
             settings,
@@ -145,13 +145,10 @@ class Job:
             limits,
             rng,
             evaluate=self._evaluator(),
-            strategy_factory=lambda _r: self._strategy(core),
+            mechanism=self.mechanism,
+            noise_rng=self.noise_rng,
             privacy=privacy,
         )
-        if p.mechanism == "signds":
-            from edge_fl.privacy.magrr import MagRRState
-
-            core.signds_state = MagRRState.initial(self.mechanisms.magrr).to_dict()
         return core
 
     def _evaluator(self):
@@ -212,34 +209,6 @@ class Job:
         """The aggregator's noise (central Gaussian, NbAFL downlink): one stream for the job."""
         return self.rng(STREAM_NOISE)[0]
 
-    def _poisson_rate(self) -> float | None:
-        p = self.cfg.privacy
-        if p.mechanism == "gaussian-central" and p.poisson_selection:
-            return self.mechanisms.central_gaussian.sampling_rate
-        return None
-
-    def _strategy(self, core: AggregatorCore) -> Strategy:
-        """A fresh aggregation strategy for one round, per mechanism."""
-        from edge_fl.server import strategy as st
-
-        n, lr, m = self.model.n_params, self.cfg.rounds.server_lr, self.mechanisms
-        name = self.cfg.privacy.mechanism
-        if name == "gaussian-central":
-            return st.CentralGaussianSum(n, m.central_gaussian, self.noise_rng, lr)
-        if name == "nbafl":
-            return st.NbAflFedAvg(n, lr, nbafl=m.nbafl, rng=self.noise_rng)
-        if name == "signds":
-            from edge_fl.privacy.magrr import MagRRState
-
-            return st.SignDSAggregate(
-                n,
-                MagRRState.from_dict(core.signds_state),
-                m.magrr,
-                m.signds.global_lr,
-                expected_n=self.target,
-            )
-        return FedAvg(n, lr)
-
     def metadata(self) -> dict:
         _, info = self.rng(0)
         return {
@@ -254,7 +223,7 @@ class Job:
                 "test": len(self.dataset.y_test),
             },
             "randomness": {"generator": info.kind, "secure": info.secure, "seed": info.seed},
-            "privacy": self.mechanisms.describe() if self.private else {"mechanism": "none"},
+            "privacy": self.mechanism.describe(),
             "started_at": time.time(),
             "warnings": self.warnings,
         }
@@ -274,10 +243,25 @@ def build_job(cfg: JobConfig) -> Job:
     options = {"hidden": cfg.model.hidden} if cfg.model.name == "mlp" else {}
     model = make_model(cfg.model.name, dataset.n_features, dataset.n_classes, **options)
     job = Job(cfg, dataset, model)
-    if cfg.privacy.mechanism == "signds":
-        from edge_fl.privacy.signds import check_dimension
-
-        for warning in check_dimension(job.mechanisms.signds, model.n_params):
-            log.warning("%s", warning)
-            job.warnings.append(warning)
+    try:
+        mechanism = job.mechanism  # built now, so a bad privacy setting fails before anything runs
+    except (UnknownMechanismError, ValueError) as exc:
+        raise ConfigError(f"invalid configuration:\n  privacy: {exc}") from None
+    for warning in mechanism.warnings():
+        log.warning("%s", warning)
+        job.warnings.append(warning)
     return job
+
+
+def default_max_uploads(rounds: int, target: int, devices: int, mode: str) -> int:
+    """L when not configured: T with full participation; else the 99.9th percentile of the
+    Binomial(T, K/N) number of times uniform selection picks one device (async: T)."""
+    if mode != "sync" or target >= devices:
+        return rounds
+    p = target / devices
+    total = 0.0
+    for k in range(rounds + 1):
+        total += math.comb(rounds, k) * p**k * (1 - p) ** (rounds - k)
+        if total >= 0.999:
+            return max(1, k)
+    return rounds

@@ -23,6 +23,11 @@ def _clean(value: Any) -> Any:
     return value
 
 
+def write_json(path: Path, obj: Any) -> None:
+    """Standard JSON (no Infinity/NaN tokens: they become null)."""
+    path.write_text(json.dumps(_clean(obj), indent=2, allow_nan=False) + "\n")
+
+
 class RunRecorder:
     """Writes the records of one run into ``out_dir`` (or only keeps them in memory)."""
 
@@ -40,7 +45,7 @@ class RunRecorder:
 
     def write_meta(self, meta: dict[str, Any]) -> None:
         if self.out_dir is not None:
-            (self.out_dir / "run.json").write_text(json.dumps(_clean(meta), indent=2) + "\n")
+            write_json(self.out_dir / "run.json", meta)
 
     def add(self, record: dict[str, Any]) -> None:
         self.records.append(record)
@@ -63,14 +68,18 @@ class RunRecorder:
             "total_late": sum(r.get("late", 0) for r in self.records),
             "total_rejected": sum(r.get("rejected", 0) for r in self.records),
             "epsilon": last.get("epsilon"),
+            "accountant": last.get("accountant"),
             **(extra or {}),
         }
 
     def close(self, extra: dict[str, Any] | None = None) -> dict[str, Any]:
         summary = self.summary(extra)
+        privacy = summary.get("privacy")
+        if privacy:  # the ledger's final word (it also holds releases after the last round)
+            summary["epsilon"], summary["accountant"] = privacy["epsilon"], privacy["accountant"]
         if self._jsonl is not None:
             self._jsonl.close()
             self._jsonl = None
         if self.out_dir is not None:
-            (self.out_dir / "summary.json").write_text(json.dumps(_clean(summary), indent=2) + "\n")
+            write_json(self.out_dir / "summary.json", summary)
         return summary

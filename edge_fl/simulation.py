@@ -169,7 +169,7 @@ def simulate(
     summary["timings"] = {**timings, **summary.get("timings", {})}
     summary["timings"]["total_s"] = round(time.perf_counter() - t_start, 4)
     if out_dir:
-        import json
+        from edge_fl.metrics import write_json
 
-        (Path(out_dir) / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        write_json(Path(out_dir) / "summary.json", summary)
     return summary

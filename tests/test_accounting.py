@@ -14,20 +14,23 @@ from dp_accounting.pld.pld_privacy_accountant import PLDAccountant
 from dp_accounting.rdp.rdp_privacy_accountant import RdpAccountant
 
 from edge_fl.cli.privacy_cmds import privacy_group
-from edge_fl.privacy.accounting import (
+from edge_fl.privacy.accountants import (
     DP_ACCOUNTING_VERSION,
     RDP_ORDERS,
+    best_epsilon,
+    compose_epsilon,
+)
+from edge_fl.privacy.dpsgd import DpSgdConfig, dpsgd_epsilon
+from edge_fl.privacy.events import (
     IncompatibleEventsError,
     NeighboringRelation,
     PrivacyEvent,
-    PrivacyLedger,
-    compose_epsilon,
     pure_dp_event,
     pure_privacy_event,
 )
-from edge_fl.privacy.dpsgd import DpSgdConfig, dpsgd_epsilon
 from edge_fl.privacy.gaussian import CentralGaussianConfig, LocalGaussianConfig
 from edge_fl.privacy.laplace import LaplaceConfig
+from edge_fl.privacy.ledger import PrivacyLedger
 from edge_fl.privacy.randomized_response import rr_privacy_event
 
 AR = NeighboringRelation.ADD_OR_REMOVE_ONE
@@ -87,8 +90,10 @@ def test_gaussian_per_round_versus_total_pitfall_6():
     assert total == pytest.approx(47.31, abs=5e-3)
     assert total == pytest.approx(dpa.get_epsilon_gaussian(1.1 / math.sqrt(50), 1e-5), abs=1e-6)
     assert ledger.epsilon(1e-5, "rdp") > total > one
-    rep = ledger.report(1e-5, "pld")
-    assert rep["epsilon"] == total and rep["events"] == 50 and rep["rounds"] == 50
+    rep = ledger.report(1e-5)
+    assert rep["epsilon_by_accountant"]["pld"] == total
+    assert rep["epsilon"] == min(v for v in rep["epsilon_by_accountant"].values() if v is not None)
+    assert rep["events"] == 50 and rep["rounds"] == 50
 
 
 def test_ledger_total_strictly_greater_than_per_round_for_every_mechanism():
@@ -149,7 +154,8 @@ def test_laplace_ledger_basic_pld_rdp():
     assert ledger.epsilon(0.0, "basic") == pytest.approx(1.0)
     assert ledger.epsilon(1e-5, "pld") < 1.0
     assert ledger.epsilon(1e-5, "rdp") < 1.0
-    assert ledger.report(1e-5, "pld")["basic_epsilon"] == pytest.approx(1.0)
+    by = ledger.report(1e-5)["epsilon_by_accountant"]
+    assert by["basic"] == pytest.approx(1.0) and by["pld"] == ledger.epsilon(1e-5, "pld")
 
 
 def test_replace_one_gaussian_read_relative_to_declared_sensitivity():
@@ -200,40 +206,32 @@ def test_per_device_and_job_level_composition():
     by_dev = ledger2.epsilon_by_device(1e-5, "pld")
     assert by_dev["a"] > by_dev["b"]
     assert ledger2.epsilon(1e-5, "pld") == by_dev["a"]
-    rep = ledger2.report(1e-5, "pld")
+    rep = ledger2.report(1e-5)
     assert rep["worst_device"] == "a" and rep["events"] == 10
-    assert rep["basic_epsilon"] == pytest.approx(2.0)
-    assert rep["epsilon"] <= rep["advanced_epsilon"] <= rep["basic_epsilon"]
+    by = rep["epsilon_by_accountant"]
+    assert by["basic"] == pytest.approx(2.0)
+    assert rep["epsilon"] <= by["advanced"] <= by["basic"]
     assert ledger2.epsilon(1e-5, "pld", device="never-seen") == 0.0
     assert job_only > 0 and ledger.epsilon(1e-5, device="x") == job_only
 
 
-def test_budget_stops_a_device_before_it_overspends():
-    cfg = LaplaceConfig(1.0, 0.1, epsilon=1.0, rounds=10)
-    ledger = PrivacyLedger(budget_epsilon=1.0, budget_delta=0.0, budget_accountant="basic")
-    taken = 0
-    for r in range(20):
-        ev = cfg.privacy_event(min(r, 9))
-        if ledger.exhausted("dev", next_event=ev):
-            break
-        ledger.add(ev, device="dev", round=r)
-        taken += 1
-    assert taken == 10  # exactly the T rounds the budget was split over
-    assert ledger.exhausted("dev")
-    assert ledger.remaining("dev") == pytest.approx(0.0, abs=1e-12)
-
-    dp = DpSgdConfig(1.0, 1.0, 0.01)
-    led = PrivacyLedger(budget_epsilon=2.0, budget_delta=1e-5)
-    steps = 0
-    while not led.exhausted("d", next_event=dp.privacy_event(100)):
-        led.add(dp.privacy_event(100), device="d", round=steps)
-        steps += 1
-    assert 0 < led.epsilon(1e-5, device="d") <= 2.0
-    assert led.remaining("d") >= 0
-    assert not led.exhausted("d")
-    assert compose_epsilon([dp.privacy_event(100 * (steps + 1))], 1e-5).epsilon > 2.0
-    with pytest.raises(ValueError, match="no budget"):
-        PrivacyLedger().remaining("d")
+def test_best_epsilon_is_the_smallest_applicable_and_names_it():
+    lap = [LaplaceConfig(1.0, 0.1, epsilon=1.0, rounds=10).privacy_event(r) for r in range(10)]
+    bound = best_epsilon(lap, 1e-5)
+    values = {k: v for k, v in bound.values.items() if v is not None}
+    assert set(values) == {"rdp", "pld", "basic", "advanced"} and not bound.skipped
+    assert bound.epsilon == min(values.values()) and values[bound.accountant] == bound.epsilon
+    assert values["basic"] == pytest.approx(1.0)
+    # approximate-DP events: basic/advanced do not apply and say why
+    dp = [DpSgdConfig(1.0, 1.0, Q).privacy_event(78)] * 3
+    b2 = best_epsilon(dp, 1e-5)
+    assert b2.values["basic"] is None and "pure" in b2.skipped["basic"]
+    assert b2.accountant == "pld" and b2.epsilon == pytest.approx(0.392781, abs=2e-3)
+    # a very wide pure release: PLD skipped with a reason, never reported as infinite
+    b3 = best_epsilon([pure_privacy_event(100.0, "signds")] * 3, 1e-5)
+    assert b3.values["pld"] is None and "too wide" in b3.skipped["pld"]
+    assert b3.epsilon == pytest.approx(300.0) and b3.accountant == "basic"
+    assert best_epsilon([], 1e-5).epsilon == 0.0
 
 
 def test_report_states_what_the_number_means():
@@ -241,9 +239,10 @@ def test_report_states_what_the_number_means():
     cfg = DpSgdConfig(1.0, 1.0, Q)
     for r in range(3):
         ledger.add(cfg.privacy_event(78), device="phone-1", round=r)
-    rep = ledger.report(1e-5, "rdp")
-    assert rep["epsilon"] == pytest.approx(0.925847, abs=1e-5)
-    assert rep["delta"] == 1e-5 and rep["accountant"] == "rdp"
+    rep = ledger.report(1e-5)
+    assert rep["epsilon_by_accountant"]["rdp"] == pytest.approx(0.925847, abs=1e-5)
+    assert rep["epsilon"] == pytest.approx(0.392781, abs=2e-3) and rep["accountant"] == "pld"
+    assert rep["delta"] == 1e-5
     assert DP_ACCOUNTING_VERSION in rep["accountant_impl"] and DP_ACCOUNTING_VERSION == "0.6.0"
     assert rep["neighbouring_relation"] == "add_or_remove_one" and rep["unit"] == "example"
     assert rep["sampling"].startswith("poisson")

@@ -48,7 +48,7 @@ def test_resume_restores_model_round_magrr_and_ledger(tmp_path):
     load_checkpoint(resumed, tmp_path)
     np.testing.assert_array_equal(resumed.params, core.params)
     assert (resumed.version, resumed.round_number) == (core.version, core.round_number)
-    assert resumed.signds_state == core.signds_state
+    assert resumed.mechanism_state == core.mechanism_state
     assert resumed.privacy.metrics() == core.privacy.metrics()
     # and it carries on: the next round is round 4, on top of the restored model
     record = play_round(resumed, 10.0)

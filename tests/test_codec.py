@@ -177,11 +177,11 @@ def test_global_round_trip():
         selected=("d00001", "d00003"),
         deadline_s=12.5,
         config_digest="abc",
-        signds={"r_est": 1e-5, "reached": 0},
+        mechanism_state={"r_est": 1e-5, "reached": 0},
     )
     back = decode_global(encode_global(msg))
     np.testing.assert_array_equal(back.params, msg.params)
-    assert back.selected == msg.selected and back.signds == msg.signds
+    assert back.selected == msg.selected and back.mechanism_state == msg.mechanism_state
     assert back.selects("d00001") and not back.selects("d00002")
     assert GlobalModel("j", 0, 0, np.zeros(1, np.float32)).selects("anyone")
 

@@ -42,9 +42,20 @@ def test_yaml_and_toml_files_and_flag_overrides(tmp_path):
         ({"model.name": "resnet"}, "model.name = 'resnet'"),
         ({"training.lr": -1}, "training.lr = -1"),
         ({"rounds.clients_per_round": 2.5}, "use an integer count >= 1 or a fraction"),
+        ({"job": "a/b"}, "job = 'a/b'"),
+        ({"privacy.mechanism": "Lap lace"}, "privacy.mechanism = 'Lap lace'"),
+    ],
+)
+def test_errors_name_key_value_and_domain(overrides, expected):
+    assert expected in errors(**overrides)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "expected"),
+    [
         ({"privacy.mechanism": "laplace"}, "needs privacy.epsilon"),
         ({"privacy.mechanism": "gaussian"}, "needs privacy.noise_multiplier or privacy.epsilon"),
-        ({"job": "a/b"}, "job = 'a/b'"),
+        ({"privacy.mechanism": "bogus"}, "unknown privacy mechanism 'bogus'; one of: none,"),
         (
             {
                 "rounds.mode": "fedbuff",
@@ -55,8 +66,14 @@ def test_yaml_and_toml_files_and_flag_overrides(tmp_path):
         ),
     ],
 )
-def test_errors_name_key_value_and_domain(overrides, expected):
-    assert expected in errors(**overrides)
+def test_mechanism_needs_fail_when_the_job_is_built(overrides, expected):
+    """A mechanism checks its own needs (the registry owns them); still before anything runs."""
+    from edge_fl.job import build_job
+
+    cfg = load_config(None, {"data.devices": 5, "model.name": "logreg", **overrides})
+    with pytest.raises(ConfigError, match="invalid configuration") as info:
+        build_job(cfg)
+    assert expected in str(info.value)
 
 
 @pytest.mark.parametrize(

@@ -10,9 +10,10 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from edge_fl.privacy.accounting import NeighboringRelation, compose_epsilon
+from edge_fl.privacy.accountants import compose_epsilon
 from edge_fl.privacy.clipping import clip_l2, clip_rows_l1, clip_rows_l2
 from edge_fl.privacy.dpsgd import DpSgdConfig, calibrate_dpsgd_noise_multiplier
+from edge_fl.privacy.events import NeighboringRelation
 from edge_fl.privacy.gaussian import (
     CentralGaussianConfig,
     LocalGaussianConfig,

@@ -72,7 +72,7 @@ def test_skip_without_extension():
     assert r.decide(110.0) is Decision.SKIP
 
 
-@pytest.mark.parametrize(("target", "min_updates"), [(3, 0), (3, 4), (5, 1)])
+@pytest.mark.parametrize(("target", "min_updates"), [(3, -1), (3, 4), (5, 1)])
 def test_inconsistent_counts_rejected(target, min_updates):
     with pytest.raises(ValueError):
         make(target=target, min_updates=min_updates)

@@ -419,7 +419,7 @@ def test_vote_and_global_update():
         ((1, np.array([3, 1]), 1), "strictly ascending"),
         ((1, np.array([6]), 1), "strictly ascending"),
         ((0, np.array([1]), 1), "sign = 0"),
-        ((1, np.array([1]), -1), "n_samples = -1"),
+        ((1, np.array([1]), -1), "weight = -1"),
     ],
 )
 def test_vote_rejects_bad_selections(sel, message):

@@ -107,7 +107,7 @@ def comm_cost_report(
                     deadline_s=GLOBAL_HEADER["deadline_s"],
                     config_digest=GLOBAL_HEADER["config_digest"],
                     wire_dtype=dt,
-                    signds=magrr,
+                    mechanism_state=magrr,
                 )
             )
         )

@@ -15,14 +15,10 @@ import click
 from rich.console import Console
 from rich.table import Table
 
-from edge_fl.privacy.accounting import (
-    DP_ACCOUNTING_VERSION,
-    PrivacyEvent,
-    compose_epsilon,
-    relation_name,
-)
+from edge_fl.privacy.accountants import DP_ACCOUNTING_VERSION, compose_epsilon
 from edge_fl.privacy.audit import audit_gaussian, audit_laplace, audit_rr
 from edge_fl.privacy.dpsgd import DpSgdConfig, calibrate_dpsgd_noise_multiplier
+from edge_fl.privacy.events import PrivacyEvent, relation_name
 from edge_fl.privacy.gaussian import calibrate_central_noise_multiplier, central_privacy_event
 from edge_fl.privacy.laplace import LaplaceConfig
 from edge_fl.privacy.randomized_response import rr_privacy_event

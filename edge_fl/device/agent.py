@@ -7,20 +7,15 @@ redelivering the retained global model (QoS 1 is at-least-once) never produces t
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
 import numpy as np
 
+from edge_fl.mechanisms import Mechanism
+from edge_fl.mechanisms.none import NoPrivacy
 from edge_fl.models.base import Model
-from edge_fl.protocol import DenseUpdate, GlobalModel, Status, Update, encode_status, encode_update
-
-from .trainer import LocalTraining, local_sgd
-
-# A local update rule turns (model, global params, data, rng) into the update to publish. Plain
-# FedAvg by default; privacy mechanisms provide their own rules.
-UpdateRule = Callable[["DeviceAgent", GlobalModel], Update | None]
+from edge_fl.models.training import LocalTraining
+from edge_fl.protocol import GlobalModel, Status, encode_status, encode_update
 
 
 @dataclass
@@ -34,38 +29,31 @@ class DeviceState:
 
 @dataclass
 class DeviceBudget:
-    """The device's own privacy ledger: it refuses a release that would exceed its budget."""
+    """The device's own ledger: it refuses a release that would exceed its budget.
 
-    mechanisms: Any  # edge_fl.privacy.release.Mechanisms (imported lazily: it pulls dp-accounting)
+    Uses the same events (the mechanism's) and the same bound (the tightest valid accountant,
+    :func:`edge_fl.privacy.accountants.best_epsilon`) as the aggregator's ledger.
+    """
+
+    mechanism: Mechanism
     budget_epsilon: float | None
     delta: float
-    accountant: str
     events: list = field(default_factory=list)
 
-    def next_events(self, n_samples: int, exposure: int) -> list:
-        return self.mechanisms.device_events(n_samples, exposure)
-
     def allows(self, events: list, exposure: int) -> bool:
-        limit = self.mechanisms.max_exposures()
+        limit = self.mechanism.max_exposures()
         if limit is not None and exposure >= limit:
             return False  # the budget's schedule covers only this many releases
         if self.budget_epsilon is None:
             return True
-        return self._epsilon([*self.events, *events]) <= self.budget_epsilon * (1 + 1e-9)
+        from edge_fl.privacy.accountants import best_epsilon
 
-    def _epsilon(self, events: list) -> float:
-        """The smallest valid bound: the accountant's, or basic composition for pure-DP events."""
-        from edge_fl.privacy.accounting import compose_epsilon
-
-        eps = compose_epsilon(events, self.delta, self.accountant).epsilon
-        pure = [e.pure_epsilon for e in events]
-        if all(p is not None for p in pure):
-            eps = min(eps, float(sum(pure)))
-        return eps
+        spent = best_epsilon([*self.events, *events], self.delta).epsilon
+        return spent <= self.budget_epsilon * (1 + 1e-9)
 
 
 class DeviceAgent:
-    """One device: its data, its model architecture, its local rule and its randomness."""
+    """One device: its data, its model architecture, its mechanism and its randomness."""
 
     def __init__(
         self,
@@ -75,7 +63,7 @@ class DeviceAgent:
         model: Model,
         training: LocalTraining,
         rng: np.random.Generator,
-        rule: UpdateRule | None = None,
+        mechanism: Mechanism | None = None,
         budget: DeviceBudget | None = None,
     ) -> None:
         self.device_id = device_id
@@ -84,7 +72,7 @@ class DeviceAgent:
         self.model = model
         self.training = training
         self.rng = rng
-        self.rule: UpdateRule = rule or fedavg_rule
+        self.mechanism: Mechanism = mechanism or NoPrivacy(None, None)
         self.budget = budget
         self.state = DeviceState()
 
@@ -110,13 +98,12 @@ class DeviceAgent:
             return None  # not sampled this round (a secret coin from the device's CSPRNG)
         events: list = []
         if self.budget is not None:
-            events = self.budget.next_events(self.n_samples, self.state.exposures)
+            events = self.mechanism.release_events(self.n_samples, self.state.exposures)
             if not self.budget.allows(events, self.state.exposures):
                 self.state.stopped_reason = "budget_exhausted"
                 return None
-        update = self.rule(self, msg)
-        if update is None:
-            return None
+        # privatised on the device, before anything is encoded
+        update = self.mechanism.device_update(self, msg, self.state.exposures)
         if self.budget is not None:
             self.budget.events.extend(events)
         self.state.exposures += 1
@@ -126,17 +113,3 @@ class DeviceAgent:
     def status(self, online: bool) -> bytes:
         info = {"stopped": self.state.stopped_reason} if self.state.stopped_reason else {}
         return encode_status(Status(self.device_id, online, self.n_samples, info))
-
-
-def fedavg_rule(agent: DeviceAgent, msg: GlobalModel) -> DenseUpdate:
-    """Non-private local SGD; the update is the parameter delta."""
-    trained = local_sgd(agent.model, msg.params, agent.X, agent.y, agent.training, agent.rng)
-    return DenseUpdate(
-        device=agent.device_id,
-        round=msg.round,
-        base_version=msg.version,
-        n_samples=agent.n_samples,
-        delta=trained - msg.params,
-        wire_dtype=msg.wire_dtype,
-        mechanism="none",
-    )

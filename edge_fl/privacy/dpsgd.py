@@ -19,14 +19,9 @@ import numpy as np
 from dp_accounting import dp_event
 
 from edge_fl.privacy import _checks
-from edge_fl.privacy.accounting import (
-    RDP_ORDERS,
-    NeighboringRelation,
-    PrivacyEvent,
-    calibrate_noise_multiplier,
-    compose_epsilon,
-)
+from edge_fl.privacy.accountants import RDP_ORDERS, calibrate_noise_multiplier, compose_epsilon
 from edge_fl.privacy.clipping import clip_rows_l2
+from edge_fl.privacy.events import NeighboringRelation, PrivacyEvent
 from edge_fl.privacy.noise import gaussian_noise, poisson_mask
 
 __all__ = ["DpSgdConfig", "DpSgdStep", "calibrate_dpsgd_noise_multiplier", "dpsgd_epsilon"]

@@ -30,12 +30,9 @@ import numpy as np
 from dp_accounting import dp_event, get_sigma_gaussian
 
 from edge_fl.privacy import _checks
-from edge_fl.privacy.accounting import (
-    NeighboringRelation,
-    PrivacyEvent,
-    calibrate_noise_multiplier,
-)
+from edge_fl.privacy.accountants import calibrate_noise_multiplier
 from edge_fl.privacy.clipping import Clipped, clip_l2
+from edge_fl.privacy.events import NeighboringRelation, PrivacyEvent
 from edge_fl.privacy.noise import gaussian_noise
 
 __all__ = [

@@ -18,8 +18,8 @@ import numpy as np
 from dp_accounting import dp_event
 
 from edge_fl.privacy import _checks
-from edge_fl.privacy.accounting import NeighboringRelation, PrivacyEvent
 from edge_fl.privacy.clipping import clip_rows_l1
+from edge_fl.privacy.events import NeighboringRelation, PrivacyEvent
 from edge_fl.privacy.noise import laplace_noise
 
 __all__ = ["LaplaceConfig", "LaplaceRelease"]

@@ -16,7 +16,7 @@ import numpy as np
 from dp_accounting import dp_event
 
 from edge_fl.privacy import _checks
-from edge_fl.privacy.accounting import NeighboringRelation, PrivacyEvent
+from edge_fl.privacy.events import NeighboringRelation, PrivacyEvent
 
 __all__ = [
     "RrEstimate",

@@ -520,24 +520,32 @@ def select_batch(
 # Aggregator reconstruction
 
 
-def signds_vote(d: int, selections: Iterable[tuple[int, np.ndarray, float]]) -> np.ndarray:
-    """sum_i n_i s_i 1_{J_i} over (sign, indices, n_samples); float64 of length d.
+def add_vote(votes: np.ndarray, sign: int, indices: np.ndarray, weight: float) -> None:
+    """votes += weight * sign * 1_J in place: one client's contribution to the vote vector.
 
-    Indices must already be validated (ascending, unique, in range); this re-checks cheaply because
-    a duplicate would silently double a vote.
+    Re-checks the indices cheaply (the decoder validated them): a duplicate would silently
+    double a vote, an out-of-range one would corrupt another coordinate.
     """
-    d = _check_d(d)
-    votes = np.zeros(d, dtype=np.float64)
+    s = _check_sign(sign)
+    if not _is_real(weight) or not 0 <= float(weight) < math.inf:
+        raise ValueError(f"weight = {weight!r} is out of domain [0, inf)")
+    idx = np.asarray(indices)
+    if idx.ndim != 1 or not np.issubdtype(idx.dtype, np.integer):
+        raise ValueError("indices must be a 1-D integer array")
+    d = votes.shape[0]
+    if idx.size and (int(idx[0]) < 0 or int(idx[-1]) >= d or (np.diff(idx) <= 0).any()):
+        raise ValueError(f"indices must be strictly ascending in [0, d={d})")
+    votes[idx] += s * float(weight)
+
+
+def signds_vote(d: int, selections: Iterable[tuple[int, np.ndarray, float]]) -> np.ndarray:
+    """sum_i n_i s_i 1_{J_i} over (sign, indices, n_samples); float64 of length d."""
+    votes = np.zeros(_check_d(d), dtype=np.float64)
     for i, (sign, indices, n_samples) in enumerate(selections):
-        s = _check_sign(sign)
-        if not _is_real(n_samples) or not 0 <= float(n_samples) < math.inf:
-            raise ValueError(f"selection {i}: n_samples = {n_samples!r} is out of domain [0, inf)")
-        idx = np.asarray(indices)
-        if idx.ndim != 1 or not np.issubdtype(idx.dtype, np.integer):
-            raise ValueError(f"selection {i}: indices must be a 1-D integer array")
-        if idx.size and (int(idx[0]) < 0 or int(idx[-1]) >= d or (np.diff(idx) <= 0).any()):
-            raise ValueError(f"selection {i}: indices must be strictly ascending in [0, d={d})")
-        votes[idx] += s * float(n_samples)
+        try:
+            add_vote(votes, sign, indices, n_samples)
+        except ValueError as exc:
+            raise ValueError(f"selection {i}: {exc}") from None
     return votes
 
 
@@ -568,7 +576,7 @@ class PureDpRelease:
     """A pure eps-DP release dp-accounting has no event for (e.g. an exponential mechanism).
 
     Local DP: any two updates of one device are neighbours. Record it with
-    ``edge_fl.privacy.accounting.pure_privacy_event(eps, name)``, which uses the dominating
+    ``edge_fl.privacy.events.pure_privacy_event(eps, name)``, which uses the dominating
     randomized-response pair of a pure eps-DP release (relation replace-one, unit device).
     """
 

@@ -69,8 +69,8 @@ def encode_global(msg: GlobalModel) -> bytes:
     }
     if msg.selected is not None:
         body["sel"] = list(msg.selected)
-    if msg.signds is not None:
-        body["sd"] = msg.signds
+    if msg.mechanism_state is not None:
+        body["sd"] = msg.mechanism_state
     if msg.sample_rate is not None:
         body["q"] = float(msg.sample_rate)
     if msg.done:
@@ -263,8 +263,8 @@ def decode_global(payload: bytes, max_bytes: int = 1 << 30) -> GlobalModel:
     sel = obj.get("sel")
     if sel is not None and not (isinstance(sel, list) and all(isinstance(s, str) for s in sel)):
         raise PayloadRejected(Reject.BAD_FIELD, "field 'sel' is not a list of device ids")
-    signds = obj.get("sd")
-    if signds is not None and not isinstance(signds, dict):
+    state = obj.get("sd")
+    if state is not None and not isinstance(state, dict):
         raise PayloadRejected(Reject.BAD_FIELD, "field 'sd' is not a map")
     q = obj.get("q")
     if q is not None and not (isinstance(q, float | int) and 0 < q <= 1):
@@ -282,7 +282,7 @@ def decode_global(payload: bytes, max_bytes: int = 1 << 30) -> GlobalModel:
         deadline_s=float(deadline),
         config_digest=_field(obj, "cfg", str, "config digest"),
         wire_dtype=dt,
-        signds=signds,
+        mechanism_state=state,
         sample_rate=None if q is None else float(q),
         done=bool(obj.get("done", False)),
         issued_at=float(obj.get("ts", 0.0)),

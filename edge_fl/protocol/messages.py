@@ -54,7 +54,7 @@ class GlobalModel:
     deadline_s: float = 0.0  # seconds the round stays open (informational for devices)
     config_digest: str = ""
     wire_dtype: str = "f4"  # "f4" or "f2" on the wire
-    signds: dict | None = None  # MagRR state {"r_est", "reached", ...} when SignDS is on
+    mechanism_state: dict | None = None  # the mechanism's carried state (SignDS: MagRR)
     sample_rate: float | None = None  # devices self-select with this probability (Poisson)
     done: bool = False  # the job is over: devices disconnect
     issued_at: float = 0.0  # aggregator wall clock, for latency metrics

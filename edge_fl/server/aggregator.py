@@ -15,6 +15,8 @@ from typing import Any
 
 import numpy as np
 
+from edge_fl.mechanisms import Mechanism, Strategy
+from edge_fl.mechanisms.none import NoPrivacy
 from edge_fl.protocol import (
     GlobalModel,
     PayloadRejected,
@@ -25,12 +27,29 @@ from edge_fl.protocol import (
 )
 
 from .rounds import Decision, SyncRound
-from .strategy import FedAvg, Strategy
 
 log = logging.getLogger("edge_fl.aggregator")
 
 Evaluator = Callable[[np.ndarray], tuple[float, float]]  # params -> (accuracy, loss)
-StrategyFactory = Callable[[int], Strategy]  # round number -> fresh strategy
+
+#: record fields that reveal who or how many took part in a round; with amplification by Poisson
+#: sampling claimed they must not reach anything devices can read (pitfall 8)
+PARTICIPATION_FIELDS = (
+    "selected",
+    "target",
+    "received",
+    "late",
+    "rejected",
+    "rejected_by_reason",
+    "extended",
+    "bytes_up",
+    "messages_up",
+    "staleness_mean",
+    "staleness_max",
+    "staleness_hist",
+    "update_norm",
+    "online",
+)
 
 
 @dataclass(frozen=True)
@@ -61,60 +80,43 @@ class PrivacyAccounting:
     """The aggregator's ledger: records every release it sees and reports the running total.
 
     Local mechanisms: one event set per (device, round) received (a late update was still
-    released); central DP-FedAvg: the job-level event of every round that applied noise.
+    released); central DP-FedAvg: the job-level event of every round that applied noise. The
+    epsilon is always the tightest valid bound (``best_epsilon``), the same one devices check
+    their budgets with, so console, metrics, summary and plots cannot disagree.
     """
 
-    def __init__(self, mechanisms: Any, delta: float, accountant: str) -> None:
-        from edge_fl.privacy.accounting import PrivacyLedger
+    def __init__(self, mechanism: Mechanism, delta: float) -> None:
+        from edge_fl.privacy.ledger import PrivacyLedger
 
-        self.mechanisms = mechanisms
+        self.mechanism = mechanism
         self.delta = delta
-        self.accountant = accountant
         self.ledger = PrivacyLedger()
         self.exposures: Counter = Counter()
 
     def record_upload(self, device: str, n_samples: int, round_number: int) -> None:
-        events = self.mechanisms.device_events(n_samples, self.exposures[device])
+        events = self.mechanism.release_events(n_samples, self.exposures[device])
         self.exposures[device] += 1
         for event in events:
             self.ledger.add(event, device=device, round=round_number)
 
     def record_round(self, round_number: int) -> None:
-        for event in self.mechanisms.job_events_per_round():
+        for event in self.mechanism.round_events():
             self.ledger.add(event, device=None, round=round_number)
 
     def metrics(self) -> dict[str, Any]:
-        """Cumulative epsilon (worst device, all rounds, all mechanisms) at the job's delta.
-
-        For pure-DP releases (SignDS, RR, Laplace) basic composition is also a valid bound and,
-        for few rounds of large per-round epsilon, a tighter one than the accountant's: report
-        the smaller and name which one it is.
-        """
-        if not self.ledger.entries:
-            return {"epsilon": 0.0, "delta": self.delta, "accountant": self.accountant}
-        eps, name = self.ledger.epsilon(self.delta, self.accountant), self.accountant
-        try:
-            basic = self.ledger.epsilon(self.delta, "basic")
-        except (ValueError, TypeError):
-            basic = math.inf
-        if basic < eps:
-            eps, name = basic, "basic"
-        return {"epsilon": eps, "delta": self.delta, "accountant": name}
+        """Cumulative epsilon (worst device, all rounds, all mechanisms) at the job's delta, the
+        accountant that proved it, and every accountant's value."""
+        bound, _ = self.ledger.best(self.delta)
+        return {
+            "epsilon": bound.epsilon,
+            "delta": bound.delta,
+            "accountant": bound.accountant,
+            "epsilon_by_accountant": bound.values,
+        }
 
     def report(self) -> dict[str, Any]:
-        if not self.ledger.entries:
-            return {"epsilon": 0.0, "delta": self.delta, "events": 0}
-        out = self.ledger.report(self.delta, self.accountant)
-        other = "rdp" if self.accountant == "pld" else "pld"
-        pure = all(e.event.pure_epsilon is not None for e in self.ledger.entries)
-        # for pure-DP ledgers (SignDS, Laplace) the PLD cross-check costs minutes on long runs
-        # and cannot beat basic composition by more than a hair: skip it there
-        out[f"epsilon_{other}"] = math.inf if pure else self.ledger.epsilon(self.delta, other)
-        out.pop("basic_epsilon", None)  # the ledger's is for its own worst device; recompute
-        out.pop("advanced_epsilon", None)
-        out.update(self.metrics())  # the smallest valid bound, and which accountant gave it
-        if out[f"epsilon_{other}"] < out["epsilon"]:  # every accountant's result is an upper bound
-            out["epsilon"], out["accountant"] = out[f"epsilon_{other}"], other
+        out = self.ledger.report(self.delta)
+        out["guarantee"] = self.mechanism.guarantee.text()
         return out
 
 
@@ -144,7 +146,8 @@ class AggregatorCore:
         limits: UpdateLimits,
         rng: np.random.Generator,
         evaluate: Evaluator | None = None,
-        strategy_factory: StrategyFactory | None = None,
+        mechanism: Mechanism | None = None,
+        noise_rng: np.random.Generator | None = None,
         privacy: PrivacyAccounting | None = None,
     ) -> None:
         self.settings = settings
@@ -152,9 +155,8 @@ class AggregatorCore:
         self.limits = limits
         self.rng = rng
         self.evaluate = evaluate
-        self.make_strategy = strategy_factory or (
-            lambda _r: FedAvg(len(self.params), settings.server_lr)
-        )
+        self.mechanism = mechanism or _plain(len(self.params))
+        self.noise_rng = noise_rng if noise_rng is not None else rng
         self.version = 0
         self.round_number = 0  # rounds opened so far; the open round's number when one is open
         self.devices: dict[str, DeviceRecord] = {}
@@ -163,7 +165,7 @@ class AggregatorCore:
         self.tally = RoundTally()
         self.records: list[dict[str, Any]] = []
         self.privacy = privacy
-        self.signds_state: dict | None = None  # MagRR state carried in the global model
+        self.mechanism_state: Any = self.mechanism.initial_state()  # e.g. SignDS's MagRR state
         self.ended_early: str | None = None
         self._released: set[tuple[str, int]] = set()  # (device, round) already in the ledger
         self.releases: list[tuple[str, int, int]] = []  # (device, round, n): for checkpoints
@@ -240,7 +242,7 @@ class AggregatorCore:
             deadline_s=s.deadline_s,
             extend_when_short=s.extend_when_short,
         )
-        self.strategy = self.make_strategy(self.round_number)
+        self.strategy = self.new_strategy()
         if s.sample_rate is not None:
             return self.global_message(selected=None)
         return self.global_message(selected=tuple(sorted(selected)))
@@ -262,7 +264,7 @@ class AggregatorCore:
             deadline_s=self.settings.deadline_s,
             config_digest=self.settings.config_digest,
             wire_dtype=self.settings.wire_dtype,
-            signds=self.signds_state,
+            mechanism_state=self.mechanism.encode_state(self.mechanism_state),
             sample_rate=self.settings.sample_rate,
             done=done,
             issued_at=now,
@@ -305,6 +307,19 @@ class AggregatorCore:
         rnd.accept(device, update.base_version)
         return None
 
+    def new_strategy(self) -> Strategy:
+        """A fresh aggregation for the round (or async window) being opened."""
+        return self.mechanism.new_strategy(
+            self.mechanism_state, self.settings.server_lr, self.noise_rng
+        )
+
+    def public_record(self, record: dict[str, Any]) -> dict[str, Any]:
+        """What may go on the metrics topic, which devices can read: without participation
+        counts when amplification by Poisson sampling is claimed (they would void it)."""
+        if self.settings.sample_rate is None:
+            return record
+        return {k: v for k, v in record.items() if k not in PARTICIPATION_FIELDS}
+
     def record_release(self, device: str, round_number: int, n_samples: int) -> None:
         self._released.add((device, round_number))
         self.releases.append((device, round_number, n_samples))
@@ -343,7 +358,7 @@ class AggregatorCore:
         assert self.current is not None and self.strategy is not None
         rnd, strategy = self.current, self.strategy
         info: dict[str, Any] = {}
-        applies = strategy.count > 0 or self.settings.mechanism == "gaussian-central"
+        applies = strategy.count > 0 or self.mechanism.acts_on_empty_round
         if not skipped and applies:
             new_params, info = strategy.finish(self.params)
             if not np.isfinite(new_params).all():
@@ -356,9 +371,7 @@ class AggregatorCore:
             self.params = new_params
             self.version += 1
             self.record_noised_round(rnd.number)
-            carried = getattr(strategy, "state", None)  # SignDS: MagRR state for next round
-            if carried is not None:
-                self.signds_state = carried.to_dict()
+            self.mechanism_state = strategy.state
         accuracy = loss = None
         if self.evaluate is not None:
             accuracy, loss = self.evaluate(self.params)
@@ -394,3 +407,22 @@ class AggregatorCore:
         self.strategy = None
         self.tally = RoundTally()
         return record
+
+
+def _plain(n_params: int) -> Mechanism:
+    """Plain FedAvg for a core built without a job (tests, tools): only n_params matters."""
+    from edge_fl.config import PrivacyConfig
+    from edge_fl.mechanisms import JobFacts
+
+    facts = JobFacts(
+        rounds=1,
+        n_devices=1,
+        expected_participants=1.0,
+        n_params=n_params,
+        local_lr=0.1,
+        local_epochs=1,
+        batch_size=1,
+        min_dataset_size=1,
+        max_uploads=1,
+    )
+    return NoPrivacy(PrivacyConfig(), facts)

@@ -127,7 +127,7 @@ class AsyncAggregatorCore(AggregatorCore):
         self._applied = {k for k in self._applied if k[1] >= oldest}
         window.earlier = self._applied
         self.current = window  # type: ignore[assignment]
-        self.strategy = self.make_strategy(self.round_number)
+        self.strategy = self.new_strategy()
         held, self._held = self._held, []
         for device, payload in held:  # in arrival order; the overflow waits again
             self.on_update(device, payload, counted=True)

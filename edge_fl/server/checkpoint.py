@@ -42,7 +42,7 @@ def save_checkpoint(core: AggregatorCore, directory: str | Path) -> None:
         "config_digest": core.settings.config_digest,
         "version": core.version,
         "round_number": core.round_number,
-        "signds_state": core.signds_state,
+        "mechanism_state": core.mechanism.encode_state(core.mechanism_state),
         "releases": core.releases,
         "noised_rounds": core.noised_rounds,
     }
@@ -67,7 +67,10 @@ def load_checkpoint(core: AggregatorCore, directory: str | Path) -> None:
     core.params = params.astype(np.float32)
     core.version = int(state["version"])
     core.round_number = int(state["round_number"])
-    core.signds_state = state["signds_state"]
+    carried = state.get("mechanism_state")
+    core.mechanism_state = (
+        core.mechanism.decode_state(carried) if carried is not None else core.mechanism_state
+    )
     for device, rnd, n in state["releases"]:
         core.record_release(device, int(rnd), int(n))
     for rnd in state["noised_rounds"]:

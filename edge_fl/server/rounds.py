@@ -33,10 +33,10 @@ class SyncRound:
     accepted: set[str] = field(default_factory=set)
 
     def __post_init__(self) -> None:
-        lowest = 0 if self.target == 0 else 1
-        if not lowest <= self.min_updates <= self.target:
+        # 0 is for rounds that act without updates (central noise under Poisson selection)
+        if not 0 <= self.min_updates <= self.target:
             raise ValueError(
-                f"min_updates = {self.min_updates} must be in [1, target = {self.target}]"
+                f"min_updates = {self.min_updates} must be in [0, target = {self.target}]"
             )
         if self.target > len(self.selected):
             raise ValueError(f"target {self.target} exceeds {len(self.selected)} selected devices")

@@ -153,7 +153,8 @@ class AggregatorService:
 
                 save_checkpoint(core, self.checkpoint_dir)
             self.on_record(record)
-            await client.publish(self.topics.metrics, json.dumps(record, default=str), qos=0)
+            public = core.public_record(record)
+            await client.publish(self.topics.metrics, json.dumps(public, default=str), qos=0)
 
     async def _session(self) -> None:
         async with aiomqtt.Client(

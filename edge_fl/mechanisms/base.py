@@ -1,0 +1,238 @@
+"""What every privacy mechanism is: the contract between a mechanism module and the rest.
+
+A mechanism owns both halves of a release and its cost: the device rule (train, privatise, build
+the update), the server strategy (fold updates, finish the round, carry typed state), the
+dp-accounting events per release and per round, the wire kind of its updates, and the text of its
+guarantee. Device agents, the aggregator, the ledger, the CLI and the reports only talk to this
+interface; the registry (``edge_fl.mechanisms``) is the one place that maps names to modules.
+
+Pure: rules and strategies take an injected generator and never touch sockets or clocks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
+
+import numpy as np
+
+from edge_fl.models.training import LocalTraining, local_sgd
+from edge_fl.protocol import DenseUpdate, GlobalModel, Update
+
+if TYPE_CHECKING:  # dp-accounting is imported only by mechanisms that account
+    from edge_fl.config import PrivacyConfig
+    from edge_fl.models.base import Model
+    from edge_fl.privacy.events import PrivacyEvent
+
+
+@dataclass(frozen=True)
+class JobFacts:
+    """What a mechanism needs to know about the job besides the privacy config (all public)."""
+
+    rounds: int
+    n_devices: int
+    expected_participants: float
+    n_params: int
+    local_lr: float
+    local_epochs: int
+    batch_size: int
+    min_dataset_size: int
+    max_uploads: int  # L: uploads a device's budget is split over
+    mode: str = "sync"  # sync | fedbuff | fedasync
+    dataset_sizes: tuple[int, ...] = ()  # every device's |D|, for run.json parameters
+
+
+@dataclass(frozen=True)
+class Guarantee:
+    """What the reported epsilon means: unit, neighbouring relation, and what is assumed public."""
+
+    unit: str  # "example" | "device" | "none"
+    relation: str  # "replace_one" | "add_or_remove_one" | "none"
+    kind: str  # "pure" | "approximate" | "none"
+    public: tuple[str, ...] = ()
+
+    def text(self) -> str:
+        if self.kind == "none":
+            return "no privacy guarantee"
+        what = "pure eps-DP" if self.kind == "pure" else "(eps, delta)-DP"
+        out = f"{what} per {self.unit}, {self.relation.replace('_', '/')} neighbours"
+        if self.public:
+            out += "; assumed public: " + ", ".join(self.public)
+        return out
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "unit": self.unit,
+            "relation": self.relation,
+            "kind": self.kind,
+            "public": list(self.public),
+            "text": self.text(),
+        }
+
+
+class Device(Protocol):
+    """What a device rule may see of the device: its data, model, training settings and RNG."""
+
+    device_id: str
+    X: np.ndarray
+    y: np.ndarray
+    model: Model
+    training: LocalTraining
+    rng: np.random.Generator
+
+    @property
+    def n_samples(self) -> int: ...
+
+
+class Strategy(Protocol):
+    """One round's (or async batch's) aggregation: fold updates as they are accepted."""
+
+    def add(self, update: Update, weight: float) -> None:
+        """Fold in one accepted update; raise TypeError/ValueError if it cannot be (nothing
+        changes then)."""
+        ...
+
+    def finish(self, params: np.ndarray) -> tuple[np.ndarray, dict[str, Any]]:
+        """New global parameters and extra metrics for the round record."""
+        ...
+
+    @property
+    def count(self) -> int: ...
+
+    @property
+    def state(self) -> Any:
+        """The mechanism state to carry into the next round (None if stateless)."""
+        ...
+
+
+class Mechanism:
+    """Base class: plain FedAvg with no privacy. Subclasses override what they change."""
+
+    name: ClassVar[str] = "none"
+    #: update kind on the wire: "u" dense delta, "s" SignDS vote (see edge_fl.protocol.codec)
+    wire_kind: ClassVar[str] = "u"
+    #: the strategy runs (and the round counts as a release) even when no update arrived
+    acts_on_empty_round: ClassVar[bool] = False
+    guarantee: ClassVar[Guarantee] = Guarantee("none", "none", "none")
+
+    def __init__(self, cfg: PrivacyConfig | None, facts: JobFacts | None) -> None:
+        """``None``/``None`` only for the device half of plain FedAvg (no server, no ledger)."""
+        self.cfg: Any = cfg
+        self.facts: Any = facts
+        self.notes: list[str] = []
+
+    # --- device half ---------------------------------------------------------------------
+    def device_update(self, device: Device, msg: GlobalModel, exposure: int) -> Update:
+        """Train on ``msg`` and privatise; ``exposure`` = releases this device made before."""
+        return dense_update(device, msg, local_update(device, msg), self.name)
+
+    # --- server half ---------------------------------------------------------------------
+    def new_strategy(self, state: Any, server_lr: float, rng: np.random.Generator) -> Strategy:
+        return FedAvg(self.facts.n_params, server_lr)
+
+    def initial_state(self) -> Any:
+        return None
+
+    def encode_state(self, state: Any) -> dict | None:
+        """The state as a msgpack/JSON-safe dict (global message ``sd``, checkpoints)."""
+        return None
+
+    def decode_state(self, data: Any) -> Any:
+        return None
+
+    def selection_rate(self) -> float | None:
+        """Poisson rate q when devices select themselves with secret coins, else None."""
+        return None
+
+    # --- accounting ----------------------------------------------------------------------
+    @property
+    def accounts(self) -> bool:
+        """Whether releases cost privacy (False: no ledger, no dp-accounting import)."""
+        return self.guarantee.kind != "none"
+
+    def release_events(self, n_samples: int, exposure: int) -> list[PrivacyEvent]:
+        """The events of one upload by a device of ``n_samples``, its ``exposure``-th (0-based)."""
+        return []
+
+    def round_events(self) -> list[PrivacyEvent]:
+        """Job-level events of one applied round (central noise touches every device)."""
+        return []
+
+    def max_exposures(self) -> int | None:
+        """Uploads a device may make before its schedule is spent, if the schedule is finite."""
+        return None
+
+    # --- reporting -----------------------------------------------------------------------
+    def describe(self) -> dict[str, Any]:
+        """Every parameter needed to recompute the job's total epsilon (for run.json)."""
+        out: dict[str, Any] = {"mechanism": self.name, "guarantee": self.guarantee.as_dict()}
+        if self.accounts:
+            out["delta"] = self.cfg.delta
+        if self.notes:
+            out["notes"] = list(self.notes)
+        return out
+
+    def warnings(self) -> list[str]:
+        """Settings that are valid but likely to disappoint (logged and kept in run.json)."""
+        return []
+
+
+# ------------------------------------------------------------------------------------------
+# Shared pieces: local training and the dense update, and the FedAvg strategy
+
+
+def local_update(device: Device, msg: GlobalModel) -> np.ndarray:
+    """Plain local SGD from the broadcast model; returns ``w_local - w_global`` in float64."""
+    trained = local_sgd(device.model, msg.params, device.X, device.y, device.training, device.rng)
+    return trained.astype(np.float64) - msg.params
+
+
+def dense_update(device: Device, msg: GlobalModel, delta: np.ndarray, mechanism: str) -> Update:
+    return DenseUpdate(
+        device=device.device_id,
+        round=msg.round,
+        base_version=msg.version,
+        n_samples=device.n_samples,
+        delta=np.asarray(delta, np.float64).astype(np.float32),
+        wire_dtype=msg.wire_dtype,
+        mechanism=mechanism,
+    )
+
+
+@dataclass
+class FedAvg:
+    """Sample-count weighted mean of deltas, scaled by a server learning rate."""
+
+    n_params: int
+    server_lr: float = 1.0
+    _sum: np.ndarray = field(init=False)
+    _weight: float = field(default=0.0, init=False)
+    _count: int = field(default=0, init=False)
+
+    def __post_init__(self) -> None:
+        self._sum = np.zeros(self.n_params, dtype=np.float64)
+
+    def add(self, update: Update, weight: float) -> None:
+        """``weight`` scales an update's influence (staleness); it is NOT renormalised away, so
+        FedAsync with one update applies ``server_lr * f(s) * delta``."""
+        if not isinstance(update, DenseUpdate):
+            raise TypeError(f"FedAvg takes dense updates, got {type(update).__name__}")
+        self._sum += weight * update.n_samples * update.delta.astype(np.float64)
+        self._weight += update.n_samples
+        self._count += 1
+
+    @property
+    def count(self) -> int:
+        return self._count
+
+    @property
+    def state(self) -> None:
+        return None
+
+    def finish(self, params: np.ndarray) -> tuple[np.ndarray, dict[str, Any]]:
+        if self._count == 0 or self._weight <= 0:
+            return params.copy(), {}
+        step = self.server_lr * self._sum / self._weight
+        return (params.astype(np.float64) + step).astype(np.float32), {
+            "update_norm": float(np.linalg.norm(step))
+        }

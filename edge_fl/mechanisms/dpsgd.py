@@ -1,0 +1,104 @@
+"""DP-SGD inside the device (mechanism C): example-level (eps, delta), add/remove one example.
+
+Each round a device runs ``steps = round(epochs / q)`` DP-SGD steps (Poisson batches at rate q,
+per-example L2 clipping, Gaussian noise) from the broadcast model and uploads the difference.
+q and the step count depend on the device's |D|, which travels in clear in the update (``n``):
+the guarantee therefore assumes |D| is public (add/remove of an example with |D| fixed, as every
+DP-SGD accountant does). sigma is ``privacy.noise_multiplier`` or calibrated per (q, steps) so that
+L = ``privacy.max_uploads`` uploads together stay within ``privacy.epsilon``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+from edge_fl.mechanisms.base import Device, Guarantee, JobFacts, Mechanism, dense_update
+from edge_fl.privacy.dpsgd import DpSgdConfig, calibrate_dpsgd_noise_multiplier
+from edge_fl.privacy.events import PrivacyEvent
+from edge_fl.protocol import GlobalModel, Update
+
+
+class DpSgd(Mechanism):
+    name = "dpsgd"
+    guarantee = Guarantee(
+        "example",
+        "add_or_remove_one",
+        "approximate",
+        ("|D| (the device's sample count; it sets q and the step count)",),
+    )
+
+    def __init__(self, cfg: Any, facts: JobFacts) -> None:
+        super().__init__(cfg, facts)
+        if cfg.noise_multiplier is None and not math.isfinite(cfg.epsilon or math.inf):
+            raise ValueError(
+                "privacy.mechanism = 'dpsgd' needs privacy.noise_multiplier or a finite "
+                "privacy.epsilon (to calibrate it)"
+            )
+        self._by_size: dict[tuple[float, int], DpSgdConfig] = {}
+
+    def rate(self, n_samples: int) -> float:
+        return self.cfg.sample_rate or min(1.0, self.facts.batch_size / max(1, n_samples))
+
+    def steps(self, n_samples: int) -> int:
+        """Steps per round: ``epochs`` expected passes over the data at rate q."""
+        return max(1, round(self.facts.local_epochs / self.rate(n_samples)))
+
+    def params(self, n_samples: int) -> DpSgdConfig:
+        """DP-SGD for a device of this size; sigma calibrated once per (q, steps) when needed."""
+        key = (self.rate(n_samples), self.steps(n_samples))
+        if key not in self._by_size:
+            q, steps = key
+            sigma = self.cfg.noise_multiplier or calibrate_dpsgd_noise_multiplier(
+                self.cfg.epsilon,
+                self.cfg.delta,
+                q,
+                steps * self.facts.max_uploads,
+                self.cfg.accountant,
+            )
+            self._by_size[key] = DpSgdConfig(self.cfg.clip, sigma, q, self.facts.local_lr)
+        return self._by_size[key]
+
+    def device_update(self, device: Device, msg: GlobalModel, exposure: int) -> Update:
+        n = device.n_samples
+        cfg = self.params(n)
+        w = msg.params.astype(np.float64)
+        model, X, y = device.model, device.X, device.y
+        for _ in range(self.steps(n)):
+            w = cfg.step(
+                w, lambda idx, w=w: model.per_sample_grads(w, X[idx], y[idx]), n, device.rng
+            ).params
+        return dense_update(device, msg, w - msg.params, self.name)
+
+    def release_events(self, n_samples: int, exposure: int) -> list[PrivacyEvent]:
+        return [self.params(n_samples).privacy_event(self.steps(n_samples))]
+
+    def max_exposures(self) -> int | None:
+        """Calibrated for L uploads: a device stops after them (a given sigma has no cap)."""
+        return None if self.cfg.noise_multiplier else self.facts.max_uploads
+
+    def describe(self) -> dict[str, Any]:
+        for n in sorted(set(self.facts.dataset_sizes)):
+            self.params(n)  # calibrate every size the job has, so run.json lists them all
+        per_size = [
+            {
+                "sampling_rate": q,
+                "steps_per_round": steps,
+                "noise_multiplier": c.noise_multiplier,
+                "clip_l2": c.clip_norm,
+            }
+            for (q, steps), c in sorted(self._by_size.items())
+        ]
+        return {
+            **super().describe(),
+            "clip_l2": self.cfg.clip,
+            "target_epsilon": self.cfg.epsilon,
+            "max_uploads": self.max_exposures(),
+            "steps_rule": "round(training.epochs / q), q = privacy.sample_rate or batch_size/|D|",
+            "by_dataset_size": per_size,
+        }
+
+
+MECHANISM = DpSgd

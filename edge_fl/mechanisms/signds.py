@@ -1,0 +1,170 @@
+"""SignDS with MagRR step-size estimation (mechanism E, ``specs/signds.md``).
+
+Device: local SGD, then a random sign, h indices drawn by the exponential mechanism around the
+signed top-k set, and a MagRR bit (is my top-k magnitude below the server's estimate?) sent
+through randomized response. No values leave the device. Server: sample-weighted vote of the
+selected indices, step ``step_ratio * N * r_est``, then MagRR moves ``r_est`` from the debiased
+bits. The MagRR state is this mechanism's typed state: it travels in the global message (``sd``)
+and in checkpoints. Pure eps-DP per upload: ``sign_eps`` for the selection plus ``rr_eps`` for the
+bit, local DP (any two updates of a device are neighbours).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from edge_fl.mechanisms.base import Device, Guarantee, JobFacts, Mechanism, local_update
+from edge_fl.privacy.events import PrivacyEvent, pure_privacy_event
+from edge_fl.privacy.magrr import (
+    MagRRConfig,
+    MagRRState,
+    accept_r_est,
+    magrr_bit,
+    magrr_step,
+    randomized_response,
+)
+from edge_fl.privacy.randomized_response import rr_privacy_event
+from edge_fl.privacy.signds import (
+    SignDSParams,
+    add_vote,
+    check_dimension,
+    plan,
+    select,
+    signds_global_update,
+)
+from edge_fl.protocol import GlobalModel, SignDSUpdate, Update
+
+
+class SignDS(Mechanism):
+    name = "signds"
+    wire_kind = "s"
+    guarantee = Guarantee("device", "replace_one", "pure")
+
+    def __init__(self, cfg: Any, facts: JobFacts) -> None:
+        super().__init__(cfg, facts)
+        s, r = cfg.signds, cfg.magrr
+        self.params = SignDSParams(
+            k=s.sign_k,
+            eps=s.sign_eps,
+            thr_ratio=s.sign_thr_ratio,
+            global_lr=s.sign_global_lr,
+            dim_out=s.sign_dim_out,
+            max_dim_out=s.max_dim_out,
+        )
+        self.magrr = MagRRConfig(
+            r.r_est0, r.growth, r.shrink, r.reached_threshold, r.rr_eps, r.step_ratio,
+            r.fallback_ratio,
+        )  # fmt: skip
+        self.plan = plan(self.params, facts.n_params)
+        # the step is 3 N r_est with N the configured uploads per round (not the number received)
+        self.expected_n = max(1, round(facts.expected_participants))
+
+    def device_update(self, device: Device, msg: GlobalModel, exposure: int) -> Update:
+        update = local_update(device, msg)
+        if update.size != self.plan.d:
+            raise ValueError(f"model has {update.size} parameters, the SignDS plan {self.plan.d}")
+        selection = select(update, self.plan, device.rng)
+        carried = msg.mechanism_state or {}  # read leniently, as the reference client does
+        r_est = accept_r_est(carried.get("r_est", self.magrr.r_est0))
+        reached = carried.get("reached") in (1, True)
+        bit = magrr_bit(update, selection.sign, self.plan.topk, r_est, reached)
+        return SignDSUpdate(
+            device=device.device_id,
+            round=msg.round,
+            base_version=msg.version,
+            n_samples=device.n_samples,
+            sign=selection.sign,
+            indices=selection.indices,
+            magrr_bit=randomized_response(bit, self.magrr.rr_eps, device.rng),
+        )
+
+    def new_strategy(self, state: Any, server_lr: float, rng: np.random.Generator) -> Any:
+        return SignDSAggregate(
+            self.facts.n_params, state, self.magrr, self.params.global_lr, self.expected_n
+        )
+
+    def initial_state(self) -> MagRRState:
+        return MagRRState.initial(self.magrr)
+
+    def encode_state(self, state: MagRRState) -> dict:
+        return state.to_dict()
+
+    def decode_state(self, data: Any) -> MagRRState:
+        return MagRRState.from_dict(data)
+
+    def release_events(self, n_samples: int, exposure: int) -> list[PrivacyEvent]:
+        return [
+            pure_privacy_event(self.params.eps, "signds"),
+            rr_privacy_event(self.magrr.rr_eps, "magrr-bit"),
+        ]
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            **super().describe(),
+            "sign_eps": self.params.eps,
+            "rr_eps": self.magrr.rr_eps,
+            "epsilon_per_upload": self.params.eps + self.magrr.rr_eps,
+            "plan": self.plan.describe(),
+            "expected_uploads_per_round": self.expected_n,
+        }
+
+    def warnings(self) -> list[str]:
+        return check_dimension(self.params, self.facts.n_params)
+
+
+@dataclass
+class SignDSAggregate:
+    """Sample-weighted vote of the selections, step by MagRR's 3 N r_est, then update MagRR."""
+
+    n_params: int
+    start: MagRRState  # the MagRR state at the start of the round
+    magrr: MagRRConfig
+    global_lr: float
+    expected_n: int
+    _votes: np.ndarray = field(init=False)
+    _weight: float = field(default=0.0, init=False)
+    _bits: list[int] = field(default_factory=list, init=False)
+    _next: MagRRState | None = field(default=None, init=False)
+
+    def __post_init__(self) -> None:
+        self._votes = np.zeros(self.n_params, dtype=np.float64)
+
+    def add(self, update: Update, weight: float) -> None:
+        if not isinstance(update, SignDSUpdate):
+            raise TypeError(f"SignDS takes SignDS updates, got {type(update).__name__}")
+        add_vote(self._votes, update.sign, update.indices, weight * update.n_samples)
+        self._weight += update.n_samples
+        self._bits.append(update.magrr_bit)
+
+    @property
+    def count(self) -> int:
+        return len(self._bits)
+
+    @property
+    def state(self) -> MagRRState:
+        """After ``finish``: the state for the next round."""
+        return self._next or self.start
+
+    def finish(self, params: np.ndarray) -> tuple[np.ndarray, dict[str, Any]]:
+        step = self.start.step(self.expected_n, self.magrr)
+        new = params.copy()
+        if self._weight > 0:
+            new = signds_global_update(params.astype(np.float64), self._votes, self._weight, step)
+            new = new.astype(np.float32)
+        self._next, info = magrr_step(
+            self.start, np.asarray(self._bits, dtype=np.int64), self.expected_n, self.global_lr,
+            self.magrr,
+        )  # fmt: skip
+        return new, {
+            "signds_step": step,
+            "magrr_action": info.action,
+            "magrr_r_est": info.r_est,
+            "magrr_reached": self._next.is_reached,
+            "magrr_ones": info.ones,
+        }
+
+
+MECHANISM = SignDS

@@ -1,0 +1,165 @@
+"""Privacy events: a dp-accounting ``DpEvent`` with the relation and unit its numbers hold under.
+
+Conventions (they matter, see ``specs/privacy.md`` pitfalls 4, 6 and 8):
+
+* A :class:`PrivacyEvent` is a ``DpEvent`` plus the neighbouring relation and the unit (``example``
+  or ``device``) under which its numbers hold. Noise multipliers are always relative to the
+  sensitivity *under the declared relation* (replace-one sensitivity for ``REPLACE_ONE``).
+  dp-accounting 0.6.0 is not consistent about this: its RDP accountant ignores the relation for
+  ``GaussianDpEvent``, while ``PLDAccountant(REPLACE_ONE)`` reads the same multiplier as relative to
+  the add/remove sensitivity and doubles the shift (``GaussianDpEvent(1.1)`` at delta 1e-5: RDP
+  4.24, PLD 8.90). The ledger therefore builds PLDs itself from ``privacy_loss_distribution``
+  (un-sampled Gaussians always as the symmetric shift) so both accountants read events the same way.
+* Pure eps-DP releases with no dedicated event (the SignDS exponential mechanism, any generic
+  eps-DP step) are recorded by :func:`pure_dp_event` as binary randomized response with truth
+  probability e^eps/(1+e^eps). That is provably valid and the tightest generic choice: for any
+  eps-DP mechanism and neighbours, the output pair is a post-processing of the RR_eps pair
+  (Kairouz, Oh, Viswanath 2015, privacy region of eps-DP), so every Renyi divergence and every
+  hockey-stick divergence is at most RR's, and dominating pairs compose adaptively (Zhu, Dong,
+  Wang, AISTATS 2022). It is NOT
+  ``LaplaceDpEvent(1/eps)``: the Laplace RDP curve is strictly below RR's (eps = 1, order 1.1: 0.400
+  vs 0.500), so using it for a generic mechanism would understate eps. Bun-Steinke's
+  ``ZCDpEvent(eps^2/2)`` is valid but looser than RR at every order.
+* dp-accounting 0.6.0's PLD accountant ignores ``count`` for randomized response (composes it once).
+  The ledger composes RR PLDs with ``self_compose(count)``, which is correct.
+* Composition: all events of one device plus all job-level events (``device=None``, e.g. central
+  DP-FedAvg noise) compose into that device's epsilon; the job's epsilon is the maximum over
+  devices. This is parallel composition and assumes every example / device belongs to exactly one
+  device's data.
+* Events of different relations or units compose only when each one's guarantee implies the common
+  target: device-level replace-one events (local DP: any two inputs of the device) imply any
+  example-level relation; otherwise mixing raises :class:`IncompatibleEventsError`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Literal
+
+from dp_accounting import dp_event
+from dp_accounting.privacy_accountant import NeighboringRelation
+
+__all__ = [
+    "IncompatibleEventsError",
+    "NeighboringRelation",
+    "PrivacyEvent",
+    "Unit",
+    "check_delta",
+    "check_positive_epsilon",
+    "pure_dp_event",
+    "pure_epsilon_of",
+    "pure_privacy_event",
+    "relation_name",
+]
+
+Unit = Literal["example", "device"]
+_UNITS = ("example", "device")
+
+
+class IncompatibleEventsError(ValueError):
+    """Events whose neighbouring relations / units do not imply one common guarantee."""
+
+
+def relation_name(relation: NeighboringRelation) -> str:
+    return relation.name.lower()
+
+
+def check_delta(delta: float) -> float:
+    d = float(delta)
+    if not math.isfinite(d) or not 0.0 <= d < 1.0:
+        raise ValueError(f"delta must be in [0, 1), got {delta!r}")
+    return d
+
+
+def check_positive_epsilon(name: str, eps: float) -> float:
+    e = float(eps)
+    if not math.isfinite(e) or e <= 0:
+        raise ValueError(f"{name} must be a finite number > 0, got {eps!r}")
+    return e
+
+
+def pure_dp_event(epsilon: float) -> dp_event.RandomizedResponseDpEvent:
+    """The tight generic DpEvent of any pure ``epsilon``-DP release (see module docstring).
+
+    Record it with relation ``REPLACE_ONE``: that is the relation dp-accounting's RR formulas use
+    for the symmetric pair [e^eps, 1]/(1+e^eps) vs its swap.
+    """
+    e = check_positive_epsilon("epsilon", epsilon)
+    return dp_event.RandomizedResponseDpEvent(
+        noise_parameter=2.0 * math.exp(-e) / (1.0 + math.exp(-e)), num_buckets=2
+    )
+
+
+def pure_epsilon_of(event: dp_event.DpEvent, relation: NeighboringRelation) -> float | None:
+    """Pure eps of an event if it is pure DP (Laplace, RR, compositions of them), else None."""
+    if isinstance(event, dp_event.NoOpDpEvent):
+        return 0.0
+    if isinstance(event, dp_event.LaplaceDpEvent):
+        return math.inf if event.noise_multiplier == 0 else 1.0 / event.noise_multiplier
+    if isinstance(event, dp_event.RandomizedResponseDpEvent):
+        p, k = float(event.noise_parameter), int(event.num_buckets)
+        if k == 1 or p == 1:
+            return 0.0
+        if p == 0:
+            return math.inf
+        if relation == NeighboringRelation.REPLACE_ONE:
+            return math.log(k / p - k + 1)
+        if relation == NeighboringRelation.REPLACE_SPECIAL:
+            return max(math.log(k * (1 - p) + p), -math.log(p))
+        return None
+    if isinstance(event, dp_event.SelfComposedDpEvent):
+        inner = pure_epsilon_of(event.event, relation)
+        return None if inner is None else inner * event.count
+    if isinstance(event, dp_event.ComposedDpEvent):
+        parts = [pure_epsilon_of(e, relation) for e in event.events]
+        return None if any(p is None for p in parts) else math.fsum(parts)  # type: ignore[arg-type]
+    return None
+
+
+def _has_poisson(event: dp_event.DpEvent) -> bool:
+    if isinstance(event, dp_event.PoissonSampledDpEvent):
+        return True
+    if isinstance(event, dp_event.SelfComposedDpEvent):
+        return _has_poisson(event.event)
+    if isinstance(event, dp_event.ComposedDpEvent):
+        return any(_has_poisson(e) for e in event.events)
+    return False
+
+
+@dataclass(frozen=True)
+class PrivacyEvent:
+    """A DpEvent with the relation and unit its numbers refer to; what one release realises."""
+
+    event: dp_event.DpEvent
+    relation: NeighboringRelation
+    unit: Unit
+    mechanism: str = "unspecified"
+    #: derived from the event (never declared), so basic composition cannot be fed a wrong claim
+    pure_epsilon: float | None = field(default=None, init=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.event, dp_event.DpEvent):
+            raise TypeError(
+                f"event must be a dp_accounting DpEvent, got {type(self.event).__name__}"
+            )
+        if not isinstance(self.relation, NeighboringRelation):
+            raise ValueError(f"relation must be a NeighboringRelation, got {self.relation!r}")
+        if self.unit not in _UNITS:
+            raise ValueError(f"unit must be one of {_UNITS}, got {self.unit!r}")
+        object.__setattr__(self, "pure_epsilon", pure_epsilon_of(self.event, self.relation))
+
+    @property
+    def poisson_sampled(self) -> bool:
+        return _has_poisson(self.event)
+
+    @property
+    def key(self) -> tuple[str, NeighboringRelation, str]:
+        # attrs reprs are deterministic and round-trip floats, so they identify equal events even
+        # when the event holds a list (ComposedDpEvent) and is unhashable.
+        return (repr(self.event), self.relation, self.unit)
+
+
+def pure_privacy_event(epsilon: float, mechanism: str, unit: Unit = "device") -> PrivacyEvent:
+    """A pure eps-DP release (e.g. SignDS exponential mechanism) as a ledger event."""
+    return PrivacyEvent(pure_dp_event(epsilon), NeighboringRelation.REPLACE_ONE, unit, mechanism)
