@@ -48,13 +48,22 @@ def _common_job_options(f):
         click.option("--min-updates", type=int, help="updates needed to close a round"),
         click.option(
             "--mechanism",
-            help="none | laplace | gaussian | gaussian-central | dpsgd | nbafl | signds",
+            help="privacy mechanism (none by default); `edge-fl privacy mechanisms` lists them",
         ),
         click.option("--epsilon", type=float, help="privacy: target total epsilon"),
         click.option("--delta", type=float, help="privacy: delta for reporting/calibration"),
         click.option("--clip", type=float, help="privacy: clipping bound C"),
         click.option("--noise-multiplier", type=float, help="privacy: z or sigma"),
         click.option("--budget", type=float, help="privacy: per-device epsilon budget"),
+        click.option(
+            "--max-uploads", type=int, help="privacy: L, uploads a device's budget is split over"
+        ),
+        click.option(
+            "--poisson-selection",
+            is_flag=True,
+            default=None,
+            help="privacy: devices select themselves by secret coins (amplification claimed)",
+        ),
         click.option("--sign-k", type=float, help="SignDS top-k fraction (0, 0.25]"),
         click.option("--sign-eps", type=float, help="SignDS epsilon (0, 100]"),
         click.option("--mode", help="sync | fedbuff | fedasync"),
@@ -109,6 +118,8 @@ def _overrides(kw: dict[str, Any]) -> dict[str, Any]:
         "privacy.clip": kw.get("clip"),
         "privacy.noise_multiplier": kw.get("noise_multiplier"),
         "privacy.budget_epsilon": kw.get("budget"),
+        "privacy.max_uploads": kw.get("max_uploads"),
+        "privacy.poisson_selection": kw.get("poisson_selection"),
         "privacy.signds.sign_k": kw.get("sign_k"),
         "privacy.signds.sign_eps": kw.get("sign_eps"),
         "rounds.min_updates": kw.get("min_updates"),
@@ -118,6 +129,10 @@ def _overrides(kw: dict[str, Any]) -> dict[str, Any]:
 def _logging(verbose: int) -> None:
     level = logging.WARNING - 10 * min(verbose, 2)
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if verbose < 2:  # -vv shows every repetition
+        from edge_fl.logs import collapse_repeats
+
+        collapse_repeats()
 
 
 class _LazyGroup(click.Group):

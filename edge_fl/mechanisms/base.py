@@ -55,7 +55,8 @@ class Guarantee:
         if self.kind == "none":
             return "no privacy guarantee"
         what = "pure eps-DP" if self.kind == "pure" else "(eps, delta)-DP"
-        out = f"{what} per {self.unit}, {self.relation.replace('_', '/')} neighbours"
+        relation = {"add_or_remove_one": "add/remove-one", "replace_one": "replace-one"}
+        out = f"{what} per {self.unit}, {relation.get(self.relation, self.relation)} neighbours"
         if self.public:
             out += "; assumed public: " + ", ".join(self.public)
         return out

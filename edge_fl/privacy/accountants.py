@@ -96,6 +96,7 @@ class _Composer:
         self.dx = float(pld_discretization)
         self._rdp: dict[tuple, np.ndarray] = {}
         self._pld: dict[tuple, pld_lib.PrivacyLossDistribution] = {}
+        self._leaves: dict[tuple, pld_lib.PrivacyLossDistribution] = {}
 
     # --- RDP -------------------------------------------------------------------------------
     def _rdp_curve(self, ev: PrivacyEvent) -> np.ndarray:
@@ -121,6 +122,20 @@ class _Composer:
         return float(eps), float(order)
 
     # --- PLD -------------------------------------------------------------------------------
+    def _leaf(
+        self,
+        event: dp_event.DpEvent,
+        rel: NeighboringRelation,
+        make: Callable[[], pld_lib.PrivacyLossDistribution],
+    ) -> pld_lib.PrivacyLossDistribution:
+        """One run's PLD, built once per event: a ledger that grows each round re-composes
+        cached bases (FFT self-composition) instead of rebuilding them."""
+        key = (repr(event), rel)
+        base = self._leaves.get(key)
+        if base is None:
+            base = self._leaves[key] = make()
+        return base
+
     def _pld_of(
         self, event: dp_event.DpEvent, rel: NeighboringRelation, count: int
     ) -> list[pld_lib.PrivacyLossDistribution] | None:
@@ -155,8 +170,12 @@ class _Composer:
         if isinstance(event, dp_event.LaplaceDpEvent):
             if event.noise_multiplier == 0:
                 return None
-            base = pld_lib.from_laplace_mechanism(
-                parameter=event.noise_multiplier, value_discretization_interval=self.dx
+            base = self._leaf(
+                event,
+                rel,
+                lambda: pld_lib.from_laplace_mechanism(
+                    parameter=event.noise_multiplier, value_discretization_interval=self.dx
+                ),
             )
             return [base.self_compose(count) if count > 1 else base]
         if isinstance(event, dp_event.RandomizedResponseDpEvent):
@@ -169,11 +188,15 @@ class _Composer:
                 return []
             if event.noise_parameter == 0:
                 return None
-            base = pld_lib.from_randomized_response(
-                noise_parameter=event.noise_parameter,
-                num_buckets=event.num_buckets,
-                value_discretization_interval=self.dx,
-                neighboring_relation=rel,
+            base = self._leaf(
+                event,
+                rel,
+                lambda: pld_lib.from_randomized_response(
+                    noise_parameter=event.noise_parameter,
+                    num_buckets=event.num_buckets,
+                    value_discretization_interval=self.dx,
+                    neighboring_relation=rel,
+                ),
             )
             # Work-around for dp-accounting 0.6.0, whose PLDAccountant drops `count` for RR.
             return [base.self_compose(count) if count > 1 else base]
@@ -190,17 +213,25 @@ class _Composer:
                 if inner.noise_multiplier == 0:
                     return None
                 if isinstance(inner, dp_event.GaussianDpEvent):
-                    base = pld_lib.from_gaussian_mechanism(
-                        standard_deviation=inner.noise_multiplier,
-                        value_discretization_interval=self.dx,
-                        sampling_prob=q,
-                        neighboring_relation=rel,
+                    base = self._leaf(
+                        event,
+                        rel,
+                        lambda: pld_lib.from_gaussian_mechanism(
+                            standard_deviation=inner.noise_multiplier,
+                            value_discretization_interval=self.dx,
+                            sampling_prob=q,
+                            neighboring_relation=rel,
+                        ),
                     )
                 else:
-                    base = pld_lib.from_laplace_mechanism(
-                        parameter=inner.noise_multiplier,
-                        value_discretization_interval=self.dx,
-                        sampling_prob=q,
+                    base = self._leaf(
+                        event,
+                        rel,
+                        lambda: pld_lib.from_laplace_mechanism(
+                            parameter=inner.noise_multiplier,
+                            value_discretization_interval=self.dx,
+                            sampling_prob=q,
+                        ),
                     )
                 return [base.self_compose(count) if count > 1 else base]
         raise UnsupportedEventError(f"PLD accountant does not support {event}")

@@ -1,0 +1,57 @@
+"""Log hygiene for commands: a warning repeated by thousands of simulated devices is one line.
+
+The first occurrence of each (logger, message template) is printed; later ones are counted and
+summarised once at exit ("... repeated 119 more times"). dp-accounting's absl notices about
+fractional RDP orders it excludes (harmless: epsilon comes from the other orders) are collapsed
+the same way instead of flooding the terminal.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import sys
+from collections import Counter
+
+__all__ = ["RepeatCollapser", "collapse_repeats"]
+
+
+class RepeatCollapser(logging.Filter):
+    """A handler filter that lets the first record of each template through and counts the rest."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: Counter = Counter()
+        self.first: dict[tuple[str, str], str] = {}
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno >= logging.ERROR:
+            return True
+        key = (record.name, str(record.msg))
+        self.seen[key] += 1
+        if self.seen[key] == 1:
+            self.first[key] = record.getMessage()
+            return True
+        return False
+
+    def summary(self) -> list[str]:
+        return [
+            f"{name}: {self.first[(name, msg)][:120]} ... repeated {n - 1} more times"
+            for (name, msg), n in self.seen.items()
+            if n > 1
+        ]
+
+
+def collapse_repeats() -> RepeatCollapser:
+    """Install the collapser on the root handlers (and absl's logger), summarise at exit."""
+    collapser = RepeatCollapser()
+    for handler in logging.getLogger().handlers:
+        handler.addFilter(collapser)
+    logging.getLogger("absl").addFilter(collapser)
+
+    @atexit.register
+    def _report() -> None:
+        for line in collapser.summary():
+            print(f"edge-fl: {line}", file=sys.stderr)
+
+    return collapser
