@@ -42,9 +42,16 @@ class RepeatCollapser(logging.Filter):
         ]
 
 
+_installed: RepeatCollapser | None = None
+
+
 def collapse_repeats() -> RepeatCollapser:
-    """Install the collapser on the root handlers (and absl's logger), summarise at exit."""
-    collapser = RepeatCollapser()
+    """Install the collapser on the root handlers (and absl's logger), summarise at exit.
+    Idempotent: a second call returns the installed one."""
+    global _installed
+    if _installed is not None:
+        return _installed
+    collapser = _installed = RepeatCollapser()
     for handler in logging.getLogger().handlers:
         handler.addFilter(collapser)
     logging.getLogger("absl").addFilter(collapser)

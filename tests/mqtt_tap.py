@@ -1,4 +1,4 @@
-"""An independent MQTT subscriber for tests: records every update payload the broker forwards."""
+"""An independent MQTT subscriber for tests: records every payload the broker forwards on a topic."""
 
 from __future__ import annotations
 
@@ -14,9 +14,13 @@ from edge_fl.transport.url import parse_broker_url
 class UpdateTap:
     """Runs in a thread of its own, so it shares nothing with the run it observes."""
 
-    def __init__(self, url: str, topics: Topics, identifier: str = "tap") -> None:
+    def __init__(
+        self, url: str, topics: Topics, identifier: str = "tap", topic: str | None = None
+    ) -> None:
+        """``topic``: the filter to record (default: every device's update topic)."""
         self.spec = parse_broker_url(url)
         self.topics = topics
+        self.topic = topic or topics.all_updates
         self.identifier = identifier
         self.payloads: list[tuple[str, bytes]] = []
         self.ready = threading.Event()
@@ -26,7 +30,7 @@ class UpdateTap:
     async def _run(self) -> None:
         kwargs = self.spec.aiomqtt_kwargs()
         async with aiomqtt.Client(**kwargs, identifier=self.identifier) as client:
-            await client.subscribe(self.topics.all_updates, qos=1)
+            await client.subscribe(self.topic, qos=1)
             self.ready.set()
             while not self.stop.is_set():
                 try:
