@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -393,3 +394,77 @@ def audit_signds_cmd(
         as_json,
         lambda rng: audit_signds(eps, n, rng, d=d, k_count=k_count, h=h, alpha=alpha),
     )
+
+
+# ------------------------------------------------------------------------------------------
+# Through the mechanism registry: what exists, and what a job will cost before it runs
+
+
+@privacy_group.command("mechanisms")
+@_json_opt
+def mechanisms_cmd(as_json: bool) -> None:
+    """List the registered privacy mechanisms and what each guarantees."""
+    from edge_fl.mechanisms import mechanism_class, mechanism_names
+
+    rows = []
+    for name in mechanism_names():
+        cls = mechanism_class(name)
+        rows.append(
+            {
+                "name": name,
+                "guarantee": cls.guarantee.text(),
+                "wire": {"u": "dense delta", "s": "SignDS vote"}.get(cls.wire_kind, cls.wire_kind),
+                "server_noise_every_round": cls.acts_on_empty_round,
+                "summary": (sys.modules[cls.__module__].__doc__ or "").strip().split("\n")[0],
+            }
+        )
+    if as_json:
+        click.echo(json.dumps(rows))
+        return
+    table = Table(title="privacy mechanisms (edge_fl/mechanisms/)")
+    for column in ("name", "what", "guarantee", "wire"):
+        table.add_column(column)
+    for row in rows:
+        table.add_row(row["name"], row["summary"], row["guarantee"], row["wire"])
+    Console().print(table)
+
+
+@privacy_group.command("plan")
+@click.option("--config", "config", type=click.Path(dir_okay=False), help="job YAML or TOML")
+@click.option("--set", "pairs", multiple=True, help="override, e.g. --set privacy.epsilon=4")
+@_json_opt
+def plan_cmd(config: str | None, pairs: tuple[str, ...], as_json: bool) -> None:
+    """A job's mechanism as configured (calibrated noise, L, every parameter) and the worst-case
+    total epsilon if every device makes all the uploads its schedule allows."""
+    import yaml
+
+    from edge_fl.cli import _fail, _load
+    from edge_fl.config import ConfigError
+    from edge_fl.job import build_job
+    from edge_fl.privacy.accountants import best_epsilon
+
+    overrides = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep:
+            _fail(f"--set {pair!r}: expected KEY=VALUE")
+        overrides[key] = yaml.safe_load(value)
+    cfg = _load(config, overrides)
+    try:
+        job = build_job(cfg)
+    except ConfigError as exc:
+        _fail(str(exc))
+    mech = job.mechanism
+    out: dict[str, Any] = {**mech.describe(), "warnings": job.warnings}
+    if mech.accounts:
+        uploads = mech.max_exposures() or cfg.rounds.rounds
+        worst = max(job.facts.dataset_sizes, key=lambda n: -n)  # smallest |D|: largest q, steps
+        events = [e for i in range(uploads) for e in mech.release_events(worst, i)]
+        events += [e for _ in range(cfg.rounds.rounds) for e in mech.round_events()]
+        bound = _guarded(lambda: best_epsilon(events, cfg.privacy.delta))
+        out["worst_case_uploads_per_device"] = uploads
+        out["worst_case_total"] = bound.as_dict()
+    if as_json:
+        click.echo(json.dumps(out, default=str))
+        return
+    click.echo(yaml.safe_dump(json.loads(json.dumps(out, default=str)), sort_keys=False))
