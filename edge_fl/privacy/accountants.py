@@ -1,6 +1,7 @@
 """Accountants: the epsilon of a multiset of privacy events, and the tightest valid one.
 
-Four accountants bound the same composition: RDP and PLD (dp-accounting, for any supported event)
+Four accountants bound the same composition: RDP and PLD (dp-accounting, for any supported event;
+PLD is the exact analytic Gaussian when the ledger holds only un-sampled Gaussians)
 and, for pure eps-DP events only, basic and advanced composition. Each result is an upper bound,
 so the smallest is valid too; :func:`best_epsilon` computes every applicable one, says why any was
 skipped, and names the winner. The device's budget check and the aggregator's ledger both use it,
@@ -17,7 +18,7 @@ from importlib.metadata import version as _pkg_version
 from typing import Literal
 
 import numpy as np
-from dp_accounting import dp_event, mechanism_calibration
+from dp_accounting import dp_event, get_epsilon_gaussian, mechanism_calibration
 from dp_accounting.pld import pld_privacy_accountant
 from dp_accounting.pld import privacy_loss_distribution as pld_lib
 from dp_accounting.privacy_accountant import NeighboringRelation, UnsupportedEventError
@@ -52,6 +53,8 @@ Accountant = Literal["rdp", "pld", "basic", "advanced"]
 #: A pure release above this eps has a privacy-loss range too wide for a 1e-4 PLD grid (SignDS at
 #: eps 100 would need millions of points per composition): PLD is skipped, with this reason.
 PLD_MAX_PURE_EPSILON = 10.0
+#: Likewise for Gaussian noise this small relative to the sensitivity (eps in the hundreds).
+PLD_MIN_GAUSSIAN_SIGMA = 0.05
 
 # ----------------------------------------------------------------------------------------------
 # Composition of a multiset of PrivacyEvents
@@ -213,6 +216,11 @@ class _Composer:
                 if inner.noise_multiplier == 0:
                     return None
                 if isinstance(inner, dp_event.GaussianDpEvent):
+                    if inner.noise_multiplier < PLD_MIN_GAUSSIAN_SIGMA:
+                        raise UnsupportedEventError(
+                            f"noise multiplier {inner.noise_multiplier:g} < "
+                            f"{PLD_MIN_GAUSSIAN_SIGMA:g} is too narrow for a discretised PLD"
+                        )
                     base = self._leaf(
                         event,
                         rel,
@@ -265,10 +273,17 @@ class _Composer:
                 self._pld[cache_key] = cached
             plds.append(cached)
         if gauss_precision > 0:
+            sigma = 1.0 / math.sqrt(gauss_precision)
+            if not plds:  # only un-sampled Gaussians: one Gaussian, whose PLD is known exactly
+                return float(get_epsilon_gaussian(sigma, delta))
+            if sigma < PLD_MIN_GAUSSIAN_SIGMA:
+                raise UnsupportedEventError(
+                    f"composed Gaussian noise multiplier {sigma:.3g} < "
+                    f"{PLD_MIN_GAUSSIAN_SIGMA:g} is too narrow for a discretised PLD"
+                )
             plds.append(
                 pld_lib.from_gaussian_mechanism(
-                    standard_deviation=1.0 / math.sqrt(gauss_precision),
-                    value_discretization_interval=self.dx,
+                    standard_deviation=sigma, value_discretization_interval=self.dx
                 )
             )
         return float(_compose_all(plds, self.dx).get_epsilon_for_delta(delta))
@@ -463,8 +478,8 @@ def _best(composer: _Composer, events: Iterable[PrivacyEvent], delta: float) -> 
     else:
         try:
             values["pld"] = composer.pld(counted, by_key, delta)
-        except UnsupportedEventError as err:
-            skipped["pld"] = str(err)
+        except (UnsupportedEventError, MemoryError, OverflowError) as err:
+            skipped["pld"] = str(err) or type(err).__name__
     if all_pure:
         plist = _pure_list(counted, by_key, "basic")
         values["basic"] = _basic(plist)
