@@ -473,3 +473,14 @@ def test_audit_catches_doubled_epsilon(h):
     res = audit_signds(1.0, 100_000, seeded_generator(11), h=h, sampler_eps=2.0)
     assert res["claimed_epsilon"] == 1.0
     assert res["epsilon_lower_bound"] > 1.0
+
+
+def test_add_vote_rejects_descending_unsigned_indices():
+    """uint32 differences wrap around: [5, 1, 5] must still be seen as unsorted (a double vote)."""
+    from edge_fl.privacy.signds import add_vote
+
+    votes = np.zeros(650)
+    for bad in ([5, 1, 5], [700, 1]):
+        with pytest.raises(ValueError, match="strictly ascending"):
+            add_vote(votes, 1, np.array(bad, dtype=np.uint32), 1.0)
+    assert not votes.any()

@@ -40,10 +40,8 @@ class DeviceBudget:
     delta: float
     events: list = field(default_factory=list)
 
-    def allows(self, events: list, exposure: int) -> bool:
-        limit = self.mechanism.max_exposures()
-        if limit is not None and exposure >= limit:
-            return False  # the budget's schedule covers only this many releases
+    def allows(self, events: list) -> bool:
+        """Whether releasing ``events`` on top of what was released keeps within the budget."""
         if self.budget_epsilon is None:
             return True
         from edge_fl.privacy.accountants import best_epsilon
@@ -96,10 +94,14 @@ class DeviceAgent:
         self.state.answered_round = msg.round
         if msg.sample_rate is not None and self.rng.random() >= msg.sample_rate:
             return None  # not sampled this round (a secret coin from the device's CSPRNG)
+        limit = self.mechanism.max_exposures()
+        if limit is not None and self.state.exposures >= limit:
+            self.state.stopped_reason = "budget_exhausted"  # the schedule covers no more releases
+            return None
         events: list = []
         if self.budget is not None:
             events = self.mechanism.release_events(self.n_samples, self.state.exposures)
-            if not self.budget.allows(events, self.state.exposures):
+            if not self.budget.allows(events):
                 self.state.stopped_reason = "budget_exhausted"
                 return None
         # privatised on the device, before anything is encoded

@@ -532,6 +532,7 @@ def add_vote(votes: np.ndarray, sign: int, indices: np.ndarray, weight: float) -
     idx = np.asarray(indices)
     if idx.ndim != 1 or not np.issubdtype(idx.dtype, np.integer):
         raise ValueError("indices must be a 1-D integer array")
+    idx = idx.astype(np.int64)  # unsigned differences would wrap and hide a descending pair
     d = votes.shape[0]
     if idx.size and (int(idx[0]) < 0 or int(idx[-1]) >= d or (np.diff(idx) <= 0).any()):
         raise ValueError(f"indices must be strictly ascending in [0, d={d})")
