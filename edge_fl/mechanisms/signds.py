@@ -11,6 +11,7 @@ bit, local DP (any two updates of a device are neighbours).
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,6 +37,8 @@ from edge_fl.privacy.signds import (
     signds_global_update,
 )
 from edge_fl.protocol import GlobalModel, SignDSUpdate, Update
+
+log = logging.getLogger("edge_fl.signds")
 
 
 class SignDS(Mechanism):
@@ -158,6 +161,14 @@ class SignDSAggregate:
             self.start, np.asarray(self._bits, dtype=np.int64), self.expected_n, self.global_lr,
             self.magrr,
         )  # fmt: skip
+        if self._next.r_est >= 1:
+            log.warning(
+                "MagRR r_est = %.3g >= 1: devices clamp it to 1.0 and the server step "
+                "3 N r_est = %.3g is running away; use smaller local steps (e.g. --lr 0.05 "
+                "--epochs 1)",
+                self._next.r_est,
+                self._next.step(self.expected_n, self.magrr),
+            )
         return new, {
             "signds_step": step,
             "magrr_action": info.action,
