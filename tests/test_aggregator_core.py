@@ -30,7 +30,7 @@ def core(**kw) -> AggregatorCore:
         seeded_generator(1),
     )
     for i in range(5):
-        c.on_status(f"d{i}", encode_status(Status(f"d{i}", True, 10 * (i + 1))))
+        c.on_status(f"d{i}", encode_status(Status(f"d{i}", True, 1000)))
     return c
 
 

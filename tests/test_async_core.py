@@ -184,7 +184,7 @@ def async_core(mode: str = "fedbuff", **kw) -> AsyncAggregatorCore:
         evaluate=lambda w: (float(w[0]), 0.0),  # "accuracy" = first parameter: visible in records
     )
     for dev in DEVICES:
-        c.on_status(dev, encode_status(Status(dev, True, 10)))
+        c.on_status(dev, encode_status(Status(dev, True, 1000)))
     return c
 
 

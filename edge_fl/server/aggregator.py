@@ -10,7 +10,7 @@ import logging
 import math
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -21,6 +21,7 @@ from edge_fl.protocol import (
     GlobalModel,
     PayloadRejected,
     Reject,
+    Update,
     UpdateLimits,
     decode_status,
     decode_update,
@@ -29,6 +30,8 @@ from edge_fl.protocol import (
 from .rounds import Decision, SyncRound
 
 log = logging.getLogger("edge_fl.aggregator")
+
+INTERNAL_ERROR = "internal_error"  # a payload hit a bug of ours: counted, logged, never fatal
 
 Evaluator = Callable[[np.ndarray], tuple[float, float]]  # params -> (accuracy, loss)
 
@@ -136,6 +139,8 @@ class RoundTally:
     bytes_down: int = 0
     late: int = 0
     rejected: Counter = field(default_factory=Counter)
+    capped_samples: int = 0  # updates whose sample count exceeded the device's declared one
+    bad_status: Counter = field(default_factory=Counter)
 
 
 class AggregatorCore:
@@ -161,6 +166,7 @@ class AggregatorCore:
         self.round_number = 0  # rounds opened so far; the open round's number when one is open
         self.devices: dict[str, DeviceRecord] = {}
         self.current: SyncRound | None = None
+        self.previous: SyncRound | None = None  # the round that closed last (late releases)
         self.strategy: Strategy | None = None
         self.tally = RoundTally()
         self.records: list[dict[str, Any]] = []
@@ -180,8 +186,15 @@ class AggregatorCore:
             return
         try:
             status = decode_status(payload, topic_device=device)
-        except PayloadRejected:
-            return  # a broken status cannot make a device selectable
+        except PayloadRejected as exc:  # a broken status cannot make a device selectable
+            self.tally.bad_status[exc.reason] += 1
+            if sum(self.tally.bad_status.values()) <= 10:  # a few per round, not a flood
+                log.warning("status of %r rejected (%s): %s", device, exc.reason, exc.detail)
+            return
+        except Exception:
+            log.exception("status of %r: unexpected error; ignored", device)
+            self.tally.bad_status[INTERNAL_ERROR] += 1
+            return
         rec = self.devices.setdefault(device, DeviceRecord())
         rec.online = status.online
         rec.n_samples = status.n_samples
@@ -273,30 +286,43 @@ class AggregatorCore:
     def on_update(self, device: str, payload: bytes, *, counted: bool = False) -> Reject | None:
         """Decode, validate, admit and fold in one update. Returns the rejection reason, if any.
 
+        Never raises: whatever a payload does, it ends as a counted reason (a bug of ours as
+        ``internal_error``, logged), so no device can stop the aggregator.
         ``counted``: its bytes were already tallied (an update held back and replayed)."""
         if not counted:
             self.tally.bytes_up += len(payload)
             self.tally.messages_up += 1
         try:
+            return self._on_update(device, payload)
+        except Exception:
+            log.exception("update from %r: unexpected error; counted as internal_error", device)
+            self.tally.rejected[INTERNAL_ERROR] += 1
+            return INTERNAL_ERROR  # type: ignore[return-value]
+
+    def _on_update(self, device: str, payload: bytes) -> Reject | None:
+        try:
             update = decode_update(payload, self.limits, topic_device=device)
         except PayloadRejected as exc:
             self.tally.rejected[exc.reason] += 1
             return exc.reason
-        if (device, update.round) not in self._released:
-            # whatever happens to it next, this update was released over the broker
+        declared = self.devices.get(device, DeviceRecord()).n_samples
+        if 0 < declared < update.n_samples:  # a claim beyond the status's cannot buy weight
+            update = replace(update, n_samples=declared)
+            self.tally.capped_samples += 1
+        # admission before accounting: only a release this device could have made for a round it
+        # was asked for costs privacy; anything else is rejected below at O(1) and never charged
+        if (device, update.round) not in self._released and self._chargeable(device, update):
             self.record_release(device, update.round, update.n_samples)
         if self.current is None:
-            self.tally.late += 1
-            return Reject.LATE
+            reason = Reject.LATE if self._chargeable(device, update) else Reject.NOT_SELECTED
+            self._count_rejection(reason)
+            return reason
         rnd = self.current
         reason = rnd.admit(device, update.round, update.base_version)
         if reason is None and self.devices.get(device, DeviceRecord()).stopped:
             reason = Reject.BUDGET_EXHAUSTED
         if reason is not None:
-            if reason is Reject.LATE:
-                self.tally.late += 1
-            else:
-                self.tally.rejected[reason] += 1
+            self._count_rejection(reason)
             return reason
         assert self.strategy is not None
         try:
@@ -306,6 +332,24 @@ class AggregatorCore:
             return Reject.WRONG_MECHANISM
         rnd.accept(device, update.base_version)
         return None
+
+    def _count_rejection(self, reason: Reject) -> None:
+        if reason is Reject.LATE:
+            self.tally.late += 1
+        else:
+            self.tally.rejected[reason] += 1
+
+    def _oldest_chargeable(self) -> int:
+        """Releases for rounds before this can no longer be charged (no duplicate to guard)."""
+        return self.previous.number if self.previous is not None else 0
+
+    def _chargeable(self, device: str, update: Update) -> bool:
+        """Could this device have released this update? Selected for the open round, or for the
+        one that just closed (a late update was still released). O(1)."""
+        return any(
+            r is not None and update.round == r.number and device in r.selected
+            for r in (self.current, self.previous)
+        )
 
     def new_strategy(self) -> Strategy:
         """A fresh aggregation for the round (or async window) being opened."""
@@ -388,6 +432,8 @@ class AggregatorCore:
             "late": t.late,
             "rejected": sum(t.rejected.values()),
             "rejected_by_reason": {str(k): v for k, v in sorted(t.rejected.items())},
+            "capped_samples": t.capped_samples,
+            "bad_status": sum(t.bad_status.values()),
             "extended": rnd.extended,
             "bytes_up": t.bytes_up,
             "messages_up": t.messages_up,
@@ -403,8 +449,10 @@ class AggregatorCore:
         if self.privacy is not None:
             record.update(self.privacy.metrics())
         self.records.append(record)
-        self.current = None
+        self.previous, self.current = rnd, None
         self.strategy = None
+        oldest = self._oldest_chargeable()
+        self._released = {k for k in self._released if k[1] >= oldest}  # bounded: recent only
         self.tally = RoundTally()
         return record
 

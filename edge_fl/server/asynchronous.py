@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from edge_fl.protocol import GlobalModel, Reject
+from edge_fl.protocol import GlobalModel, Reject, Update
 
 from .aggregator import AggregatorCore
 from .rounds import Decision
@@ -104,6 +104,16 @@ class AsyncAggregatorCore(AggregatorCore):
             self._held.append((device, payload))
             return None
         return super().on_update(device, payload, counted=counted)
+
+    def _chargeable(self, device: str, update: Update) -> bool:
+        """Any known device may train on any version it could have received: the current one or
+        one within ``max_staleness`` (``update.round`` is the version it trained on)."""
+        if device not in self.devices:
+            return False
+        return self.version - self.settings.max_staleness <= update.round <= self.version
+
+    def _oldest_chargeable(self) -> int:
+        return self.version - self.settings.max_staleness
 
     def open_round(self, now: float) -> GlobalModel | None:
         s = self.settings

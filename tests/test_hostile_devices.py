@@ -1,0 +1,124 @@
+"""Hostile but decodable input against the aggregator core (no broker): admission comes before
+accounting, so nothing a device sends outside what it was asked for costs privacy, crashes the
+core, or grows its state."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from edge_fl.config import load_config
+from edge_fl.job import build_job
+from edge_fl.protocol import DenseUpdate, Reject, Status, encode_status, encode_update
+
+pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
+
+
+def laplace_core(rounds: int = 4):
+    cfg = load_config(
+        None,
+        {
+            "data.devices": 10,
+            "model.name": "logreg",
+            "rounds.rounds": rounds,
+            "rounds.clients_per_round": 5,
+            "rounds.min_updates": 1,
+            "privacy.mechanism": "laplace",
+            "privacy.epsilon": 4.0,
+            "reproducible": True,
+        },
+    )
+    job = build_job(cfg)
+    core = job.aggregator_core()
+    for i in range(10):
+        dev = f"d{i:05d}"
+        core.on_status(dev, encode_status(Status(dev, True, 30)))
+    return job, core
+
+
+def dense(core, device: str, rnd: int, n: int = 30, scale: float = 0.0) -> bytes:
+    delta = np.full(len(core.params), scale, np.float32)
+    return encode_update(DenseUpdate(device, rnd, core.version, n, delta, mechanism="laplace"))
+
+
+def test_future_rounds_and_strangers_cost_nothing_and_cannot_kill_the_core():
+    _job, core = laplace_core(rounds=4)
+    msg = core.open_round(0.0)
+    insider = msg.selected[0]
+    outsider = next(f"d{i:05d}" for i in range(10) if f"d{i:05d}" not in msg.selected)
+    # a legitimate device floods future rounds (this killed a Laplace job at round 21)
+    for r in range(2, 60):
+        assert core.on_update(insider, dense(core, insider, r)) is Reject.FUTURE
+    # a device that was not asked, and ids nobody has ever seen
+    assert core.on_update(outsider, dense(core, outsider, 1)) is Reject.NOT_SELECTED
+    for i in range(2000):
+        fake = f"fake{i}"
+        assert core.on_update(fake, dense(core, fake, 1)) is Reject.NOT_SELECTED
+    assert core.privacy.ledger.entries == ()  # none of it was a release anyone asked for
+    assert core.privacy.metrics()["epsilon"] == 0.0
+    # the insider's real answer is charged once, however often it is redelivered
+    assert core.on_update(insider, dense(core, insider, 1)) is None
+    assert core.on_update(insider, dense(core, insider, 1)) is Reject.DUPLICATE
+    assert len(core.privacy.ledger.entries) == 1
+    record = core.close_round(1.0, 0.1)
+    assert record["rejected_by_reason"]["future"] == 58
+    assert record["rejected_by_reason"]["not_selected"] == 2001
+    # between rounds: a late answer of a device selected in the round that just closed is a
+    # release (charged); the same from anyone else is not
+    late_dev = msg.selected[1]
+    assert core.on_update(late_dev, dense(core, late_dev, 1)) is Reject.LATE
+    assert core.on_update(outsider, dense(core, outsider, 1)) is Reject.NOT_SELECTED
+    assert len(core.privacy.ledger.entries) == 2
+    assert len(core._released) <= 2  # bounded by real participation
+
+
+def test_epsilon_after_a_hostile_flood_equals_a_clean_run():
+    def run(hostile: bool) -> float:
+        _job, core = laplace_core(rounds=3)
+        for r in range(1, 4):
+            msg = core.open_round(float(r))
+            for dev in msg.selected:
+                if hostile:
+                    for future in range(r + 1, r + 40):
+                        core.on_update(dev, dense(core, dev, future))
+                    core.on_update(f"x{r}{dev}", dense(core, f"x{r}{dev}", r))
+                assert core.on_update(dev, dense(core, dev, r)) is None
+            core.close_round(float(r) + 0.5, 0.1)
+        return core.privacy.report()["epsilon"], len(core.privacy.ledger.entries)
+
+    assert run(hostile=True) == run(hostile=False)
+
+
+def test_sample_count_is_capped_at_the_declared_one():
+    _job, core = laplace_core()
+    msg = core.open_round(0.0)
+    a, b = msg.selected[:2]
+    assert core.on_update(a, dense(core, a, 1, n=10_000_000, scale=100.0)) is None
+    assert core.on_update(b, dense(core, b, 1, n=30, scale=1.0)) is None
+    record = core.close_round(1.0, 0.1)
+    assert record["capped_samples"] == 1
+    # both weigh 30: the mean of 100 and 1, not ~100
+    np.testing.assert_allclose(core.params, np.full(len(core.params), 50.5), rtol=1e-5)
+
+
+def test_broken_statuses_are_counted_and_change_nothing(caplog):
+    _job, core = laplace_core()
+    before = dict(core.devices)
+    for junk in (b"\x00", b"\xc1", encode_status(Status("someone-else", True, 5))):
+        core.on_status("d00001", junk)
+    assert core.devices.keys() == before.keys() and core.devices["d00001"].n_samples == 30
+    assert sum(core.tally.bad_status.values()) == 3
+    assert "status of 'd00001' rejected" in caplog.text
+
+
+def test_an_internal_error_is_counted_not_raised(monkeypatch):
+    _job, core = laplace_core()
+    msg = core.open_round(0.0)
+    dev = msg.selected[0]
+
+    def broken(*_a, **_k):
+        raise RuntimeError("bug")
+
+    monkeypatch.setattr(core.strategy, "add", broken)
+    assert core.on_update(dev, dense(core, dev, 1)) == "internal_error"
+    assert core.tally.rejected["internal_error"] == 1
