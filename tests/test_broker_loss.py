@@ -135,3 +135,68 @@ def test_unreachable_broker_gives_a_precise_error():
     )
     with pytest.raises(BrokerUnavailable, match=rf"127\.0\.0\.1:{port}.*2 attempts"):
         asyncio.run(service.run())
+
+
+def test_five_broker_restarts_mid_round_skip_no_round_and_lose_no_update():
+    """Mosquitto dies while rounds are open (devices training, publishing, or already acked by
+    the dying broker), five times. Devices keep their round's update and publish it again when
+    the aggregator re-broadcasts the open round after reconnecting; every round closes with the
+    whole selection."""
+    port = free_port()
+    brokers = [EmbeddedBroker(kind="mosquitto", port=port).start()]
+    cfg = load_config(
+        None,
+        {
+            "job": f"restart5-{uuid.uuid4().hex[:6]}",
+            "broker.url": brokers[0].url,
+            "data.devices": 6,
+            "rounds.rounds": 8,
+            "rounds.clients_per_round": 6,
+            "rounds.min_updates": 6,  # a round missing one update would be short, then skipped
+            "rounds.deadline_s": 8.0,
+            "rounds.on_short_round": "skip",
+            "training.epochs": 40,  # ~0.1 s of training: the broker dies with work in flight
+            "fleet.train_workers": 2,
+        },
+    )
+    job = build_job(cfg)
+    core = job.aggregator_core()
+    spec = parse_broker_url(brokers[0].url)
+    records: list[dict] = []
+
+    async def scenario() -> tuple[int, int]:
+        service = AggregatorService(
+            core,
+            spec,
+            job.topics,
+            wait_for_devices_s=20,
+            expected_devices=6,
+            on_record=records.append,
+            reconnect_attempts=30,
+        )
+        agg = asyncio.create_task(service.run())
+        await service.connected.wait()
+        fleet = job.fleet_runtime(spec)
+        fleet_task = asyncio.create_task(fleet.run())
+        for k in range(1, 6):
+            while len(records) < k or core.current is None:
+                await asyncio.sleep(0.01)
+            await asyncio.sleep(0.02 * k)  # at a different point of the open round each time
+            brokers[-1].stop()
+            await asyncio.sleep(0.3)
+            brokers.append(EmbeddedBroker(kind="mosquitto", port=port).start())
+        await asyncio.wait_for(agg, 120)
+        await asyncio.wait_for(fleet_task, 30)
+        return fleet.resent, fleet.publish_failures
+
+    try:
+        resent, failures = asyncio.run(scenario())
+    finally:
+        for b in brokers:
+            b.stop()
+    assert len(brokers) == 6
+    assert [r["status"] for r in records] == ["closed"] * 8, records
+    assert all(r["received"] == 6 for r in records)
+    assert core.version == 8
+    assert resent > 0  # the restarts did catch updates in flight
+    print(f"resent {resent}, publish failures {failures}")

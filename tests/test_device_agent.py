@@ -261,3 +261,15 @@ def test_device_budget_allows_directly():
     assert DeviceBudget(gauss, one, 1e-5).allows([event]) is True
     assert DeviceBudget(gauss, one * 0.99, 1e-5).allows([event]) is False
     assert DeviceBudget(gauss, None, 1e-5).allows([event] * 1000) is True
+
+
+def test_the_rounds_update_is_offered_again_only_for_that_round():
+    a = agent()
+    first = a.on_global(gm(1))
+    assert first is not None
+    # the aggregator re-broadcasts round 1 (it lost the broker): the same bytes, no new release
+    assert a.pending_for(gm(1)) == first and a.on_global(gm(1)) is None
+    assert a.state.exposures == 1
+    assert a.pending_for(gm(2)) is None and a.pending_for(gm(1, done=True)) is None
+    second = a.on_global(gm(2))
+    assert a.pending_for(gm(1)) is None and a.pending_for(gm(2)) == second

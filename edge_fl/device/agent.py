@@ -25,6 +25,7 @@ class DeviceState:
     updates_sent: int = 0
     exposures: int = 0  # privatised releases made so far
     stopped_reason: str | None = None  # e.g. "budget_exhausted": the device no longer uploads
+    last_release: tuple[int, bytes] | None = None  # (round, payload): kept while its round is open
 
 
 @dataclass
@@ -110,7 +111,20 @@ class DeviceAgent:
             self.budget.events.extend(events)
         self.state.exposures += 1
         self.state.updates_sent += 1
-        return encode_update(update, dim=len(msg.params))
+        payload = encode_update(update, dim=len(msg.params))
+        self.state.last_release = (msg.round, payload)
+        return payload
+
+    def pending_for(self, msg: GlobalModel) -> bytes | None:
+        """The update this device released for ``msg``'s round, when that round's model arrives
+        again: the aggregator re-broadcasts an open round after it lost the broker, and a PUBACK
+        from a broker that then died proves nothing. Publishing the same bytes again is no new
+        release, and the aggregator admits (device, round) once (a copy it has is a counted
+        duplicate)."""
+        if self.state.last_release is None or msg.done:
+            return None
+        rnd, payload = self.state.last_release
+        return payload if rnd == msg.round else None
 
     def status(self, online: bool) -> bytes:
         info = {"stopped": self.state.stopped_reason} if self.state.stopped_reason else {}

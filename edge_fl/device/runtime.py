@@ -55,6 +55,11 @@ async def _session(agent: DeviceAgent, spec: BrokerSpec, topics: Topics, digest:
                     digest,
                 )
                 continue
+            resend = agent.pending_for(msg)
+            if resend is not None:  # released before the connection dropped: deliver it now
+                await client.publish(topics.update(agent.device_id), resend, qos=1)
+                log.info("round %d: re-sent %d bytes (round re-broadcast)", msg.round, len(resend))
+                continue
             stopped_before = agent.state.stopped_reason
             update = await asyncio.to_thread(agent.on_global, msg)
             if agent.state.stopped_reason != stopped_before:

@@ -54,6 +54,7 @@ class Fleet:
         self.crashed: set[str] = set()
         self.published = 0
         self.publish_failures = 0
+        self.resent = 0  # updates published again after a lost connection
         self.device_errors = 0
         self.connected = asyncio.Event()
         self.profiles = profiles or {}
@@ -188,18 +189,43 @@ class Fleet:
             if self._closing:
                 return  # the job is over and connections are closing
             self.publish_failures += 1
-            log.warning("device %s could not publish: %s", device, exc)
+            log.warning(
+                "device %s could not publish (re-sent if the round is re-broadcast): %s",
+                device,
+                exc,
+            )
+
+    async def _resend(self, agent: DeviceAgent, payload: bytes) -> None:
+        """Publish this round's update again: the aggregator re-broadcast the round."""
+        client = self.clients.get(agent.device_id)
+        if client is None:
+            return
+        try:
+            await client.publish(self.topics.update(agent.device_id), payload, qos=1)
+        except aiomqtt.MqttError as exc:
+            log.warning("device %s could not re-send: %s", agent.device_id, exc)
+            return
+        self.resent += 1
+
+    def _spawn(self, coro) -> None:
+        task = asyncio.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     def _on_global(self, msg: GlobalModel, model_bytes: int) -> None:
         for device, agent in self.agents.items():
-            if device in self.crashed or device in self.unavailable or not agent.wants(msg):
+            if device in self.crashed:
+                continue
+            resend = agent.pending_for(msg)
+            if resend is not None and device not in self._busy:
+                self._spawn(self._resend(agent, resend))
+                continue
+            if device in self.unavailable or not agent.wants(msg):
                 continue
             if device in self._busy:
                 self._pending[device] = msg  # train on the newest model when done
                 continue
-            task = asyncio.create_task(self._serve(agent, msg, model_bytes))
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
+            self._spawn(self._serve(agent, msg, model_bytes))
 
     async def _availability(self, agent: DeviceAgent, profile: DeviceProfile) -> None:
         """Follow the device's availability model: offline status outside its windows."""
