@@ -14,6 +14,7 @@ import math
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from functools import cache
 from importlib.metadata import version as _pkg_version
 from typing import Literal
 
@@ -503,5 +504,13 @@ def best_epsilon(
     orders: Sequence[float] = RDP_ORDERS,
     pld_discretization: float = 1e-4,
 ) -> Bound:
-    """The tightest valid epsilon of the adaptive composition of ``events`` at ``delta``."""
-    return _best(_Composer(orders, pld_discretization), events, delta)
+    """The tightest valid epsilon of the adaptive composition of ``events`` at ``delta``.
+
+    Uses one composer per (orders, discretisation) for the process, so the cached RDP curves and
+    PLDs of an event are built once however many devices check their budgets with it."""
+    return _best(_shared_composer(tuple(orders), float(pld_discretization)), events, delta)
+
+
+@cache
+def _shared_composer(orders: tuple[float, ...], pld_discretization: float) -> _Composer:
+    return _Composer(orders, pld_discretization)
