@@ -171,11 +171,11 @@ def test_relation_and_unit_mixing():
     dpsgd = DpSgdConfig(1.0, 1.0, 0.01).privacy_event(10)
     signds = pure_privacy_event(1.0, "signds")  # local DP: implies example-level guarantees
     res = compose_epsilon([dpsgd, signds], 1e-5, "rdp")
-    assert res.relation == AR and res.unit == "example"
+    assert res.relation == NeighboringRelation.REPLACE_SPECIAL and res.unit == "example"
     alone = compose_epsilon([dpsgd], 1e-5, "rdp").epsilon
     assert res.epsilon > alone
     laplace = LaplaceConfig(1.0, 0.1, 1.0, 1).privacy_event(0)  # replace-one, example
-    with pytest.raises(IncompatibleEventsError, match="add_or_remove_one/example"):
+    with pytest.raises(IncompatibleEventsError, match="replace_special/example"):
         compose_epsilon([dpsgd, laplace], 1e-5, "rdp")
     g_dev = PrivacyEvent(dpa.GaussianDpEvent(2.0), R1, "device")
     g_ex = PrivacyEvent(dpa.GaussianDpEvent(2.0), R1, "example")
@@ -244,7 +244,7 @@ def test_report_states_what_the_number_means():
     assert rep["epsilon"] == pytest.approx(0.392781, abs=2e-3) and rep["accountant"] == "pld"
     assert rep["delta"] == 1e-5
     assert DP_ACCOUNTING_VERSION in rep["accountant_impl"] and DP_ACCOUNTING_VERSION == "0.6.0"
-    assert rep["neighbouring_relation"] == "add_or_remove_one" and rep["unit"] == "example"
+    assert rep["neighbouring_relation"] == "replace_special" and rep["unit"] == "example"
     assert rep["sampling"].startswith("poisson")
     assert rep["rdp_order_at_grid_edge"] is False
     assert rep["mechanisms"] == ["dpsgd"] and rep["rounds"] == 3

@@ -47,7 +47,7 @@ class Guarantee:
     """What the reported epsilon means: unit, neighbouring relation, and what is assumed public."""
 
     unit: str  # "example" | "device" | "none"
-    relation: str  # "replace_one" | "add_or_remove_one" | "none"
+    relation: str  # "replace_one" | "add_or_remove_one" | "replace_special" | "none"
     kind: str  # "pure" | "approximate" | "none"
     public: tuple[str, ...] = ()
 
@@ -55,7 +55,11 @@ class Guarantee:
         if self.kind == "none":
             return "no privacy guarantee"
         what = "pure eps-DP" if self.kind == "pure" else "(eps, delta)-DP"
-        relation = {"add_or_remove_one": "add/remove-one", "replace_one": "replace-one"}
+        relation = {
+            "add_or_remove_one": "add/remove-one",
+            "replace_one": "replace-one",
+            "replace_special": "replace-one-by-null",
+        }
         out = f"{what} per {self.unit}, {relation.get(self.relation, self.relation)} neighbours"
         if self.public:
             out += "; assumed public: " + ", ".join(self.public)
@@ -144,6 +148,28 @@ class Mechanism:
     def selection_rate(self) -> float | None:
         """Poisson rate q when devices select themselves with secret coins, else None."""
         return None
+
+    def robust_support(self) -> frozenset[str]:
+        """What the server may do against poisoned updates (``robust`` config,
+        :mod:`edge_fl.server.robust`): ``"norm_bound"`` (clip or refuse a dense delta by its L2
+        norm), ``"sample_cap"`` (cap the sample count an update is weighted by), ``"aggregator"``
+        (a coordinate-wise trimmed mean or median instead of this mechanism's strategy).
+
+        All of it is post-processing of what devices released, so it costs no privacy; what
+        restricts it is the server half's own calibration. Central noise (a mechanism that acts
+        on empty rounds) already bounds every contribution by its clip over an unweighted sum
+        with a fixed denominator, and its participation counts may be secret: nothing. Votes
+        (not dense deltas) have no norm: only the sample cap. A mechanism with its own strategy
+        (e.g. NbAFL's downlink noise) must keep it: norm bound and sample cap. Plain FedAvg of
+        (locally privatised) deltas: everything. Override to say otherwise.
+        """
+        if self.acts_on_empty_round:
+            return frozenset()
+        if self.wire_kind != "u":
+            return frozenset({"sample_cap"})
+        if type(self).new_strategy is not Mechanism.new_strategy:
+            return frozenset({"norm_bound", "sample_cap"})
+        return frozenset({"norm_bound", "sample_cap", "aggregator"})
 
     # --- accounting ----------------------------------------------------------------------
     @property

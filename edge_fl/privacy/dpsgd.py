@@ -3,8 +3,10 @@
 Each step: Poisson-sample a batch (every example independently with prob q, from the CSPRNG),
 clip each per-sample gradient in L2 to C, sum, add N(0, sigma^2 C^2) with the hardened sampler,
 divide by the EXPECTED batch size q |D| (the realised size would leak, pitfall 4), step.
-Accounting per step: ``PoissonSampledDpEvent(q, GaussianDpEvent(sigma))`` under add/remove of one
-example; ``steps`` steps compose as ``SelfComposedDpEvent(..., steps)``, counting every local step
+Accounting per step: ``PoissonSampledDpEvent(q, GaussianDpEvent(sigma))`` under REPLACE_SPECIAL:
+one example replaced by a null example (|D| stays what it is, and public: q and the normaliser q|D|
+depend on it; under add/remove they would change with the neighbour and leak, measured by
+``tests/test_release_audit.py``); ``steps`` steps compose as ``SelfComposedDpEvent(..., steps)``, counting every local step
 of every round. Poisson sampling, not shuffled fixed batches, is what the accounting assumes
 (pitfall 8); an empty sample still gets the noise.
 """
@@ -43,7 +45,10 @@ class DpSgdConfig:
     learning_rate: float = 0.1
     secure_draws: int = 2
 
-    neighboring_relation = NeighboringRelation.ADD_OR_REMOVE_ONE
+    # |D| is public (it sets q and the normaliser q|D|, and travels in updates): neighbours replace
+    # one example by a null one that contributes no gradient; dp-accounting's Poisson-sampled
+    # Gaussian has the same RDP curve and PLD under this relation as under add/remove.
+    neighboring_relation = NeighboringRelation.REPLACE_SPECIAL
     unit = "example"
 
     def __post_init__(self) -> None:

@@ -60,7 +60,7 @@ def test_steps_and_rate_per_dataset_size(make_mechanism, make_facts):
 
 def test_release_event_is_self_composed_poisson_gaussian(make_mechanism):
     mech = make_mechanism("dpsgd", noise_multiplier=SIGMA)
-    rel = NeighboringRelation.ADD_OR_REMOVE_ONE
+    rel = NeighboringRelation.REPLACE_SPECIAL
     assert mech.release_events(40, 0) == [
         PrivacyEvent(
             dpa.SelfComposedDpEvent(dpa.PoissonSampledDpEvent(0.2, dpa.GaussianDpEvent(SIGMA)), 5),
@@ -117,7 +117,7 @@ def test_describe_lists_every_dataset_size(calibrated, make_mechanism):
         (0.4, 2, SIGMA),
     ]
     assert explicit["max_uploads"] is None
-    assert explicit["guarantee"]["relation"] == "add_or_remove_one"
+    assert explicit["guarantee"]["relation"] == "replace_special"
 
 
 def test_device_steps_are_clipped_full_batch_gradients(
