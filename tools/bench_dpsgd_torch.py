@@ -8,7 +8,7 @@ would use it; all steps are measured in the same run and the ratio to the plain 
 (target: < 3x). A last line times the same step through edge_fl.privacy.dpsgd (the project's
 mechanism: float64 clipping, hardened Gaussian sampler) with "expand" gradients. Never run in CI.
 
-    /work/main/.venv/bin/python tools/bench_dpsgd_torch.py [--batch 64] [--repeats 30] [--threads N]
+    .venv/bin/python tools/bench_dpsgd_torch.py [--batch 64] [--repeats 30] [--threads N]
 """
 
 from __future__ import annotations
