@@ -11,11 +11,14 @@ from hypothesis import strategies as st
 from edge_fl.protocol import (
     DenseUpdate,
     GlobalModel,
+    GlobalWindow,
     PayloadRejected,
     Reject,
+    SignDSUpdate,
     Status,
     Topics,
     UpdateLimits,
+    check_global,
     decode_global,
     decode_status,
     decode_update,
@@ -204,3 +207,416 @@ def test_topics():
         Topics("bad/job")
     with pytest.raises(ValueError, match="topic segment"):
         Topics("+")
+
+
+# ---------------------------------------------------------------- strict types (security issue)
+
+
+def global_msg(**kw) -> GlobalModel:
+    base = dict(
+        job="j1",
+        version=4,
+        round=5,
+        params=np.arange(D, dtype=np.float32),
+        selected=("d00001", "d00003"),
+        deadline_s=12.5,
+        config_digest="abc",
+        mechanism_state={"r_est": 1e-5, "reached": False, "reached_count": 0},
+        sample_rate=0.5,
+        nonce=bytes(range(16)),
+        issued_at=99.0,
+    )
+    base.update(kw)
+    return GlobalModel(**base)
+
+
+def global_raw(**kw) -> dict:
+    return msgpack.unpackb(encode_global(global_msg(**kw)), raw=False)
+
+
+def pack(obj) -> bytes:
+    return msgpack.packb(obj, use_bin_type=True)
+
+
+def global_rejected(payload: bytes, **kw) -> PayloadRejected:
+    with pytest.raises(PayloadRejected) as info:
+        decode_global(payload, **kw)
+    return info.value
+
+
+@pytest.mark.parametrize("version", [1.0, True, "1", None, [1], 2, 0, -1])
+@pytest.mark.parametrize("which", ["update", "global", "status"])
+def test_version_must_be_the_int_1(version, which):
+    if which == "update":
+        obj = raw(dense())
+    elif which == "global":
+        obj = global_raw()
+    else:
+        obj = msgpack.unpackb(encode_status(Status("d00001", True, 3)), raw=False)
+    obj["v"] = version
+    payload = pack(obj)
+    decoder = {
+        "update": lambda p: decode_update(p, LIMITS),
+        "global": decode_global,
+        "status": decode_status,
+    }[which]
+    with pytest.raises(PayloadRejected) as info:
+        decoder(payload)
+    assert info.value.reason is Reject.WRONG_VERSION
+
+
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [
+        ("ts", [1, 2]),  # the crash of the issue: float(list) raised TypeError
+        ("ts", "now"),
+        ("ts", float("nan")),
+        ("ts", float("inf")),
+        ("ts", True),
+        ("ts", None),
+        ("dl", -1.0),
+        ("dl", float("inf")),
+        ("dl", True),
+        ("ver", 1.0),
+        ("ver", True),
+        ("ver", -1),
+        ("ver", 2**40 + 1),
+        ("rnd", 2**64 - 1),
+        ("rnd", "5"),
+        ("job", "a/b"),
+        ("job", ""),
+        ("job", 7),
+        ("mode", "turbo"),
+        ("mode", 1),
+        ("cfg", 1),
+        ("cfg", "has space"),
+        ("sel", "d00001"),
+        ("sel", ["d00001", 3]),
+        ("sel", ["d00001", "+"]),
+        ("sel", ["d00001", "a/b"]),
+        ("sel", ["d00001", "d00001"]),
+        ("sel", None),
+        ("sd", [1]),
+        ("sd", {"r_est": [1]}),
+        ("sd", {"r_est": float("nan")}),
+        ("sd", {"r_est": "x"}),
+        ("sd", {"r_est": None}),
+        ("sd", {"r_est": {"a": 1}}),
+        ("sd", {"": 1}),
+        ("sd", {f"k{i}": i for i in range(65)}),
+        ("q", 0),
+        ("q", 0.0),
+        ("q", 1.5),
+        ("q", True),
+        ("q", float("nan")),
+        ("q", None),
+        ("done", 1),
+        ("done", "yes"),
+        ("done", None),
+        ("nc", b"short"),
+        ("nc", "0123456789abcdef"),
+        ("nc", None),
+        ("w", "text"),
+        ("w", None),
+        ("dt", "f8"),
+        ("dt", 4),
+        ("extra", 1),
+    ],
+)
+def test_global_fields_are_strict(key, value):
+    obj = global_raw()
+    obj[key] = value
+    err = global_rejected(pack(obj))
+    assert err.reason in (Reject.BAD_FIELD, Reject.WRONG_SHAPE), err
+    assert key in err.detail or "selection" in err.detail or "parameters" in err.detail, err
+
+
+@pytest.mark.parametrize("key", ["job", "ver", "rnd", "mode", "dt", "w", "dl", "cfg"])
+def test_global_missing_fields(key):
+    obj = global_raw()
+    del obj[key]
+    err = global_rejected(pack(obj))
+    assert err.reason is Reject.BAD_FIELD and "missing" in err.detail
+
+
+def test_global_optional_fields_default():
+    obj = global_raw()
+    for key in ("ts", "sel", "sd", "q", "nc"):
+        del obj[key]
+    back = decode_global(pack(obj))
+    assert back.issued_at == 0.0 and back.selected is None and back.mechanism_state is None
+    assert back.sample_rate is None and back.nonce is None and not back.done
+
+
+def test_global_expected_dim_and_shape():
+    payload = encode_global(global_msg())
+    assert decode_global(payload, expected_dim=D).params.shape == (D,)
+    err = global_rejected(payload, expected_dim=D - 1)
+    assert err.reason is Reject.WRONG_SHAPE and str(D - 1) in err.detail
+    obj = global_raw()
+    obj["w"] = b"\x00" * 7  # not a whole number of float32
+    assert global_rejected(pack(obj)).reason is Reject.WRONG_SHAPE
+    obj["w"] = b""  # no parameters at all
+    assert global_rejected(pack(obj)).reason is Reject.WRONG_SHAPE
+    bad = np.arange(D, dtype=np.float32)
+    bad[3] = np.nan
+    assert global_rejected(encode_global(global_msg(params=bad))).reason is Reject.NON_FINITE
+
+
+def test_global_round_trip_with_every_field():
+    msg = global_msg(done=True, mode="fedbuff", wire_dtype="f2")
+    back = decode_global(encode_global(msg))
+    assert back.done and back.mode == "fedbuff" and back.sample_rate == 0.5
+    assert back.nonce == msg.nonce and back.issued_at == 99.0 and back.wire_dtype == "f2"
+    # integral numbers are accepted where a float is meant (msgpack may shorten them)
+    obj = global_raw()
+    obj["ts"], obj["dl"], obj["q"] = 5, 3, 1
+    back = decode_global(pack(obj))
+    assert (back.issued_at, back.deadline_s, back.sample_rate) == (5.0, 3.0, 1.0)
+    assert isinstance(back.issued_at, float)
+
+
+def test_duplicate_map_keys_are_rejected():
+    # msgpack itself would keep the last value; a second parser could keep the first
+    pairs = list(global_raw().items())
+    packer = msgpack.Packer(use_bin_type=True)
+    err = global_rejected(packer.pack_map_pairs([*pairs, ("rnd", 2**40)]))
+    assert err.reason is Reject.MALFORMED and "repeats the key 'rnd'" in err.detail
+    nested = dict(pairs)
+    nested["sd"] = {"r_est": 1.0}
+    body = packer.pack(nested).replace(
+        packer.pack({"r_est": 1.0}), packer.pack_map_pairs([("r_est", 1.0), ("r_est", 2.0)])
+    )
+    assert global_rejected(body).reason is Reject.MALFORMED
+
+
+def test_wrong_kind_for_global_and_status():
+    assert global_rejected(encode_update(dense())).reason is Reject.WRONG_KIND
+    with pytest.raises(PayloadRejected) as info:
+        decode_status(encode_global(global_msg()))
+    assert info.value.reason is Reject.WRONG_KIND
+
+
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [
+        ("dev", "a/b"),
+        ("dev", ""),
+        ("dev", 1),
+        ("on", 1),
+        ("on", None),
+        ("n", -1),
+        ("n", 1.0),
+        ("n", True),
+        ("n", 10**8),
+        ("i", [1]),
+        ("i", {"stopped": 1}),
+        ("i", {"stopped": ""}),
+        ("i", {"stopped": ["budget"]}),
+        ("i", {"x": [1]}),
+        ("i", {"x": "y" * 300}),
+        ("i", {"x": float("inf")}),
+        ("i", {"a b": 1}),
+        ("x", 1),
+    ],
+)
+def test_status_fields_are_strict(key, value):
+    obj = msgpack.unpackb(encode_status(Status("d00001", True, 3, {"stopped": "b"})), raw=False)
+    obj[key] = value
+    with pytest.raises(PayloadRejected) as info:
+        decode_status(pack(obj))
+    assert info.value.reason is Reject.BAD_FIELD, info.value
+
+
+def test_status_optional_fields():
+    back = decode_status(pack({"v": 1, "k": "st", "dev": "d1", "on": False}))
+    assert back == Status("d1", False, 0, {})
+    info = {"stopped": "budget_exhausted", "battery": 0.5, "ok": True, "note": None, "n": 3}
+    assert decode_status(encode_status(Status("d1", True, 3, info))).info == info
+
+
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [
+        ("r", 1.0),
+        ("r", True),
+        ("bv", True),
+        ("n", 2.0),
+        ("n", 10**8),
+        ("r", 2**64 - 1),
+        ("dev", "a/b"),
+        ("m", "bad name!"),
+        ("m", ""),
+        ("x", "text"),
+        ("x", [1, 2]),
+        ("dt", 4),
+        ("nc", b"x" * 15),
+        ("nc", "n" * 16),
+        ("sb", 1),  # a SignDS field in a dense update
+        ("extra", None),
+    ],
+)
+def test_update_fields_are_strict(key, value):
+    obj = raw(dense())
+    obj[key] = value
+    err = rejected(pack(obj), device=None)
+    assert err.reason in (Reject.BAD_FIELD, Reject.WRONG_SHAPE), err
+    assert key in err.detail, err
+
+
+def test_update_nonce_round_trip():
+    nonce = bytes(range(16))
+    for update in (dense(nonce=nonce), dense(nonce=None)):
+        back = decode_update(encode_update(update), LIMITS, topic_device="d00001")
+        assert back.nonce == update.nonce
+    vote = SignDSUpdate("d00001", 3, 2, 17, -1, np.array([1, 5, 9], np.uint32), 1, nonce)
+    back = decode_update(encode_update(vote, dim=D), LIMITS, topic_device="d00001")
+    assert isinstance(back, SignDSUpdate) and back.nonce == nonce
+    assert (back.sign, back.magrr_bit, list(back.indices)) == (-1, 1, [1, 5, 9])
+    with pytest.raises(ValueError, match="nonce"):
+        encode_update(dense(nonce=b"short"))
+    with pytest.raises(ValueError, match="nonce"):
+        encode_global(global_msg(nonce=b"short"))
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "reason"),
+    [
+        ("sb", 4, Reject.BAD_FIELD),
+        ("sb", True, Reject.BAD_FIELD),
+        ("h", 0, Reject.BAD_FIELD),
+        ("h", 101, Reject.BAD_FIELD),
+        ("c", 7, Reject.BAD_INDICES),
+        ("c", 1.0, Reject.BAD_FIELD),
+        ("ix", "x", Reject.BAD_FIELD),
+        ("ix", b"", Reject.BAD_INDICES),
+        ("x", b"", Reject.BAD_FIELD),  # a dense field in a SignDS update
+    ],
+)
+def test_signds_fields_are_strict(key, value, reason):
+    vote = SignDSUpdate("d00001", 3, 2, 17, 1, np.array([1, 5, 9], np.uint32), 0)
+    obj = msgpack.unpackb(encode_update(vote, dim=D), raw=False)
+    obj[key] = value
+    err = rejected(pack(obj), device=None)
+    assert err.reason is reason, err
+
+
+@pytest.mark.parametrize("payload", ["a str", None, 12, [b"x"], np.zeros(3)])
+def test_non_bytes_payloads_are_malformed(payload):
+    for decode in (lambda p: decode_update(p, LIMITS), decode_global, decode_status):
+        with pytest.raises(PayloadRejected) as info:
+            decode(payload)
+        assert info.value.reason is Reject.MALFORMED
+
+
+def test_memoryview_and_bytearray_payloads():
+    payload = encode_global(global_msg())
+    assert decode_global(memoryview(payload)).round == 5
+    assert decode_global(bytearray(payload)).round == 5
+
+
+# ---------------------------------------------------------------- the device's window
+
+
+def test_window_monotonic_and_bounded():
+    w = GlobalWindow(max_ahead=3)
+    assert w.accept(global_msg(round=5, version=4)) is None  # first message: only caps apply
+    assert w.accept(global_msg(round=5, version=4)) is None  # QoS 1 redelivery / republish
+    assert w.accept(global_msg(round=6, version=5)) is None
+    err = w.accept(global_msg(round=4, version=5))  # a replayed older round
+    assert err is not None and err.reason is Reject.STALE and "round 4" in err.detail
+    err = w.accept(global_msg(round=6, version=4))  # an older version
+    assert err is not None and err.reason is Reject.STALE and "version 4" in err.detail
+    # the attack of the issue: one message far ahead must not freeze the device
+    err = w.accept(global_msg(round=2**40, version=2**40))
+    assert err is not None and err.reason is Reject.FUTURE
+    assert (w.last_round, w.last_version) == (6, 5)
+    assert w.accept(global_msg(round=7, version=6)) is None  # real rounds still accepted
+    assert w.accept(global_msg(round=10, version=9)) is None  # +3 is within the window
+    assert w.check(global_msg(round=14, version=9)).reason is Reject.FUTURE
+
+
+def test_window_done_marker_obeys_the_same_rules():
+    w = GlobalWindow(max_ahead=2)
+    w.accept(global_msg(round=8, version=8))
+    assert w.accept(global_msg(round=3, version=3, done=True)).reason is Reject.STALE
+    assert w.accept(global_msg(round=8, version=8, done=True)) is None
+
+
+def test_window_rejoin_lifts_only_the_step_bound():
+    w = GlobalWindow(max_ahead=2, max_round=1000)
+    w.accept(global_msg(round=5, version=5))
+    w.rejoin()  # reconnected: the retained model may be many rounds ahead
+    assert w.accept(global_msg(round=4, version=4)).reason is Reject.STALE  # never backwards
+    assert w.accept(global_msg(round=2000, version=6)).reason is Reject.FUTURE  # never past caps
+    assert w.accept(global_msg(round=500, version=400)) is None
+    assert not w.rejoining
+    assert w.accept(global_msg(round=900, version=900)).reason is Reject.FUTURE
+
+
+def test_window_caps_apply_to_the_first_message():
+    w = GlobalWindow(max_round=20, max_version=20)
+    assert w.accept(global_msg(round=2**40, version=0)).reason is Reject.FUTURE
+    assert w.accept(global_msg(round=0, version=21)).reason is Reject.FUTURE
+    assert w.last_round is None
+    assert check_global(global_msg(round=3, version=3), None, None) is None
+    assert check_global(global_msg(round=999, version=3), 3, 3, max_ahead=None) is None
+    with pytest.raises(ValueError):
+        GlobalWindow(max_ahead=-1)
+    with pytest.raises(ValueError):
+        GlobalWindow(max_round=True)
+
+
+@pytest.mark.parametrize("depth", [10, 999, 1000, 1023, 1024, 5000])
+@pytest.mark.parametrize("key", ["k", "v", "ts", "sel", "sd", "i", "unknown"])
+def test_deeply_nested_values_are_rejected_not_crashing(depth, key):
+    # msgpack accepts nesting up to 1023 levels, deeper than Python's recursion limit: a detail
+    # built with repr() of such a value raised RecursionError (the old decoder did, for "k")
+    nested = b"\x91" * depth + b"\xc0"
+    head = {"v": 1, "k": "g", "dev": "d1", "on": True}
+    head.pop(key, None)
+    payload = bytes([0x80 | (len(head) + 1)]) + b"".join(pack(k) + pack(v) for k, v in head.items())
+    payload += pack(key) + nested
+    for decode in (lambda p: decode_update(p, LIMITS), decode_global, decode_status):
+        with pytest.raises(PayloadRejected) as info:
+            decode(payload)
+        assert len(info.value.detail) < 300
+
+
+def test_huge_values_are_described_briefly():
+    obj = global_raw()
+    obj["k"] = b"x" * 100_000
+    err = global_rejected(pack(obj))
+    assert err.reason is Reject.WRONG_KIND and "100000 long" in err.detail
+    assert len(err.detail) < 200
+    obj = global_raw()
+    obj[b"\x00" * 50_000] = 1  # a bin key
+    err = global_rejected(pack(obj))
+    assert err.reason is Reject.BAD_FIELD and len(err.detail) < 200
+
+
+def test_a_trailing_newline_is_not_a_valid_id():
+    # re's "$" matches before a final newline: ids were checked with match(), not fullmatch()
+    with pytest.raises(PayloadRejected) as info:
+        decode_status(encode_status(Status("d1\n", True, 1)))
+    assert info.value.reason is Reject.BAD_FIELD
+    assert global_rejected(encode_global(global_msg(job="j1\n"))).reason is Reject.BAD_FIELD
+    assert global_rejected(encode_global(global_msg(selected=("d1\n",)))).reason is Reject.BAD_FIELD
+    assert global_rejected(encode_global(global_msg(config_digest="abc\n"))).reason is (
+        Reject.BAD_FIELD
+    )
+    obj = raw(dense())
+    obj["dev"] = "d00001\n"
+    assert rejected(pack(obj), device=None).reason is Reject.BAD_FIELD
+    with pytest.raises(ValueError, match="topic segment"):
+        Topics("job\n")
+    assert Topics("j").device_of("edgefl/j/up/d1\n", "up") is None
+
+
+def test_window_reset_for_a_new_run():
+    w = GlobalWindow(max_ahead=2)
+    w.accept(global_msg(round=9, version=9))
+    assert w.accept(global_msg(round=0, version=0)).reason is Reject.STALE
+    w.reset()
+    assert w.accept(global_msg(round=0, version=0)) is None
+    assert (w.last_round, w.last_version) == (0, 0)

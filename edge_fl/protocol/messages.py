@@ -2,12 +2,24 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from enum import StrEnum
 
 import numpy as np
 
 SCHEMA_VERSION = 1
+NONCE_BYTES = 16  # the per-round nonce the aggregator puts in the signed global message
+# Signed global messages (normative format: edge_fl/protocol/signing.py): Ed25519 over
+# GLOBAL_CONTEXT || body. Defined here so the codec needs no crypto import.
+GLOBAL_CONTEXT = b"edge-fl/global/v1\x00"
+SIGNATURE_BYTES = 64
+MODES = ("sync", "fedbuff", "fedasync")  # GlobalModel.mode values on the wire
+
+
+def new_nonce() -> bytes:
+    """A fresh random round nonce (``NONCE_BYTES`` bytes from the OS CSPRNG)."""
+    return os.urandom(NONCE_BYTES)
 
 
 class Reject(StrEnum):
@@ -23,6 +35,8 @@ class Reject(StrEnum):
     BAD_INDICES = "bad_indices"
     TOPIC_MISMATCH = "topic_mismatch"
     WRONG_MECHANISM = "wrong_mechanism"
+    UNSIGNED = "unsigned"  # a verifier was given and the global message carries no signature
+    BAD_SIGNATURE = "bad_signature"  # the signature does not verify under the aggregator's key
     # decided by the aggregation state, not the decoder:
     LATE = "late"
     FUTURE = "future"
@@ -30,6 +44,7 @@ class Reject(StrEnum):
     DUPLICATE = "duplicate"
     STALE = "stale"
     BUDGET_EXHAUSTED = "budget_exhausted"
+    WRONG_NONCE = "wrong_nonce"  # the update's nonce is not the one of the round it names
 
 
 class PayloadRejected(ValueError):
@@ -58,6 +73,7 @@ class GlobalModel:
     sample_rate: float | None = None  # devices self-select with this probability (Poisson)
     done: bool = False  # the job is over: devices disconnect
     issued_at: float = 0.0  # aggregator wall clock, for latency metrics
+    nonce: bytes | None = None  # the round's nonce; an update must echo it (signed with the model)
 
     def selects(self, device: str) -> bool:
         return self.selected is None or device in self._selected_set
@@ -82,6 +98,7 @@ class DenseUpdate:
     delta: np.ndarray  # float32 flat (decoded); float16 on the wire if wire_dtype == "f2"
     wire_dtype: str = "f4"
     mechanism: str = "none"
+    nonce: bytes | None = None  # echo of the global message's nonce (binds the update to the round)
 
 
 @dataclass(frozen=True)
@@ -95,6 +112,7 @@ class SignDSUpdate:
     sign: int  # +1 or -1
     indices: np.ndarray  # uint32, strictly ascending
     magrr_bit: int  # 0 or 1 (after randomized response)
+    nonce: bytes | None = None  # echo of the global message's nonce (binds the update to the round)
 
 
 Update = DenseUpdate | SignDSUpdate

@@ -10,7 +10,7 @@ _SEGMENT = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
 
 def check_segment(kind: str, value: str) -> str:
     """Job and device ids become topic levels: forbid wildcards, separators and empties."""
-    if not isinstance(value, str) or not _SEGMENT.match(value):
+    if not isinstance(value, str) or not _SEGMENT.fullmatch(value):
         raise ValueError(
             f"{kind} {value!r} is not a valid topic segment: use 1-64 characters from "
             "A-Z a-z 0-9 _ . -"
@@ -60,4 +60,4 @@ class Topics:
         if not topic.startswith(head):
             return None
         device = topic[len(head) :]
-        return device if _SEGMENT.match(device) else None
+        return device if _SEGMENT.fullmatch(device) else None
