@@ -34,9 +34,10 @@ def core(**kw) -> AggregatorCore:
     return c
 
 
-def update(device: str, rnd: int, version: int, value: float, n: int) -> bytes:
+def update(c: AggregatorCore, device: str, rnd: int, version: int, value: float, n: int) -> bytes:
+    """An honest device's update: it echoes the nonce of the round it answers."""
     delta = np.full(D, value, np.float32)
-    return encode_update(DenseUpdate(device, rnd, version, n, delta))
+    return encode_update(DenseUpdate(device, rnd, version, n, delta, nonce=c.nonce_of(rnd)))
 
 
 def test_selection_respects_availability():
@@ -60,11 +61,11 @@ def test_fedavg_is_sample_weighted_and_idempotent():
     msg = c.open_round(0.0)
     sel = list(msg.selected)
     values, ns = [1.0, 2.0, 4.0], [10, 30, 60]
-    first = update(sel[0], 1, 0, values[0], ns[0])
+    first = update(c, sel[0], 1, 0, values[0], ns[0])
     assert c.on_update(sel[0], first) is None
     assert c.on_update(sel[0], first) is Reject.DUPLICATE  # QoS 1 redelivery
     for dev, v, n in zip(sel[1:], values[1:], ns[1:], strict=True):
-        assert c.on_update(dev, update(dev, 1, 0, v, n)) is None
+        assert c.on_update(dev, update(c, dev, 1, 0, v, n)) is None
     assert c.decide(1.0) is Decision.CLOSE
     record = c.close_round(1.0, 0.5)
     expected = (1 * 10 + 2 * 30 + 4 * 60) / 100
@@ -81,16 +82,16 @@ def test_bad_input_never_touches_state():
     dev = msg.selected[0]
     bad = [
         b"\x00\x01garbage",
-        update(dev, 1, 0, float("nan"), 5),
+        update(c, dev, 1, 0, float("nan"), 5),
         encode_update(DenseUpdate(dev, 1, 0, 5, np.zeros(D + 3, np.float32))),
         msgpack.packb(  # names another device than the topic it came on
-            {**msgpack.unpackb(update(dev, 1, 0, 1.0, 5)), "dev": "d9"}, use_bin_type=True
+            {**msgpack.unpackb(update(c, dev, 1, 0, 1.0, 5)), "dev": "d9"}, use_bin_type=True
         ),
     ]
     for payload in bad:
         assert c.on_update(dev, payload) is not None
     assert c.current.accepted == set()
-    assert c.on_update(dev, update(dev, 1, 0, 3.0, 5)) is None  # the real one still counts
+    assert c.on_update(dev, update(c, dev, 1, 0, 3.0, 5)) is None  # the real one still counts
     record = c.close_round(20.0, 1.0)
     assert record["rejected"] == 4 and record["received"] == 1
     np.testing.assert_allclose(c.params, 3.0)
@@ -100,13 +101,13 @@ def test_late_and_not_selected_updates():
     c = core(target=2, min_updates=1)
     msg = c.open_round(0.0)
     outsider = next(d for d in ("d0", "d1", "d2", "d3", "d4") if d not in msg.selected)
-    assert c.on_update(outsider, update(outsider, 1, 0, 1.0, 5)) is Reject.NOT_SELECTED
+    assert c.on_update(outsider, update(c, outsider, 1, 0, 1.0, 5)) is Reject.NOT_SELECTED
     a, b = msg.selected
-    assert c.on_update(a, update(a, 1, 0, 1.0, 5)) is None
+    assert c.on_update(a, update(c, a, 1, 0, 1.0, 5)) is None
     assert c.decide(10.0) is Decision.CLOSE
     c.close_round(10.0, 1.0)
     c.open_round(11.0)
-    assert c.on_update(b, update(b, 1, 0, 1.0, 5)) is Reject.LATE
+    assert c.on_update(b, update(c, b, 1, 0, 1.0, 5)) is Reject.LATE
     assert c.tally.late == 1
 
 
@@ -114,7 +115,7 @@ def test_deadline_skip_leaves_model_unchanged():
     c = core(min_updates=2)
     msg = c.open_round(0.0)
     dev = msg.selected[0]
-    c.on_update(dev, update(dev, 1, 0, 5.0, 5))
+    c.on_update(dev, update(c, dev, 1, 0, 5.0, 5))
     assert c.decide(10.0) is Decision.EXTEND
     assert c.decide(20.0) is Decision.SKIP
     record = c.close_round(20.0, 20.0, skipped=True)
@@ -128,9 +129,9 @@ def test_over_selection_closes_on_target():
     assert len(msg.selected) == 3
     devs = list(msg.selected)
     for dev in devs[:2]:
-        assert c.on_update(dev, update(dev, 1, 0, 1.0, 5)) is None
+        assert c.on_update(dev, update(c, dev, 1, 0, 1.0, 5)) is None
     assert c.decide(0.1) is Decision.CLOSE
-    assert c.on_update(devs[2], update(devs[2], 1, 0, 1.0, 5)) is Reject.LATE
+    assert c.on_update(devs[2], update(c, devs[2], 1, 0, 1.0, 5)) is Reject.LATE
 
 
 def test_bad_status_is_ignored_and_cleared_status_forgets():
@@ -146,7 +147,7 @@ def test_non_finite_aggregate_leaves_the_model_unchanged():
     c = core(server_lr=10.0, min_updates=1)
     msg = c.open_round(0.0)
     dev = msg.selected[0]
-    assert c.on_update(dev, update(dev, 1, 0, 3e38, 5)) is None  # finite, but x10 overflows
+    assert c.on_update(dev, update(c, dev, 1, 0, 3e38, 5)) is None  # finite, but x10 overflows
     record = c.close_round(20.0, 1.0)
     assert record["status"] == "skipped" and record["diverged"] is True
     assert c.version == 0

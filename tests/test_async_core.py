@@ -188,17 +188,18 @@ def async_core(mode: str = "fedbuff", **kw) -> AsyncAggregatorCore:
     return c
 
 
-def update(device: str, base_version: int, value: float | np.ndarray, n: int) -> bytes:
+def update(c, device: str, base_version: int, value: float | np.ndarray, n: int) -> bytes:
     delta = np.broadcast_to(np.asarray(value, np.float32), (D,)).copy()
     # in async modes the round a device answers is the version it trained on
-    return encode_update(DenseUpdate(device, base_version, base_version, n, delta))
+    nonce = c.nonce_of(base_version)
+    return encode_update(DenseUpdate(device, base_version, base_version, n, delta, nonce=nonce))
 
 
 def apply_window(c: AsyncAggregatorCore, now: float, updates: list[tuple[str, int, float, int]]):
     msg = c.open_round(now)
     assert msg is not None
     for dev, base, value, n in updates:
-        assert c.on_update(dev, update(dev, base, value, n)) is None
+        assert c.on_update(dev, update(c, dev, base, value, n)) is None
     assert c.decide(now) is Decision.CLOSE
     return msg, c.close_round(now, 0.1)
 
@@ -209,7 +210,7 @@ def test_global_message_of_an_async_window_selects_nobody_and_names_the_version(
     assert msg.selected is None and msg.selects("anyone")
     assert msg.round == msg.version == 0
     assert msg.mode == "fedbuff"
-    assert c.on_update("d0", update("d0", 0, 1.0, 10)) is None
+    assert c.on_update("d0", update(c, "d0", 0, 1.0, 10)) is None
     assert c.decide(0.0) is Decision.WAIT  # 1 of K = 3
     assert c.decide(10.0) is Decision.CLOSE  # deadline with >= 1
     c.close_round(10.0, 0.1)
@@ -234,9 +235,9 @@ def test_fedbuff_applies_the_staleness_weighted_mean_exactly():
     vec = np.arange(1, D + 1, dtype=np.float64)
     msg = c.open_round(1.0)
     assert msg.version == 1
-    assert c.on_update("d3", update("d3", 1, 2.0, 20)) is None
-    assert c.on_update("d4", update("d4", 0, 6.0, 40)) is None
-    assert c.on_update("d5", update("d5", 0, vec, 40)) is None
+    assert c.on_update("d3", update(c, "d3", 1, 2.0, 20)) is None
+    assert c.on_update("d4", update(c, "d4", 0, 6.0, 40)) is None
+    assert c.on_update("d5", update(c, "d5", 0, vec, 40)) is None
     assert c.decide(1.0) is Decision.CLOSE
     rec2 = c.close_round(1.0, 0.1)
     step = 0.5 * (1.0 * 20 * 2.0 + 0.5 * 40 * 6.0 + 0.5 * 40 * vec) / (20 + 40 + 40)
@@ -275,7 +276,7 @@ def test_fedasync_window_closes_on_the_first_update():
     c.open_round(0.0)
     assert c.current.target == 1
     assert c.decide(0.0) is Decision.WAIT
-    assert c.on_update("d0", update("d0", 0, 1.0, 5)) is None
+    assert c.on_update("d0", update(c, "d0", 0, 1.0, 5)) is None
     assert c.decide(0.0) is Decision.CLOSE
 
 
@@ -285,10 +286,10 @@ def test_async_core_rejects_future_and_too_stale_updates():
         apply_window(c, float(v), [(DEVICES[i], v, 1.0, 5) for i in range(3)])
     before = c.params.copy()
     c.open_round(10.0)
-    assert c.on_update("d0", update("d0", 4, 1.0, 5)) is Reject.FUTURE
-    assert c.on_update("d1", update("d1", 1, 1.0, 5)) is Reject.STALE  # s = 2 > 1
-    assert c.on_update("d2", update("d2", 2, 1.0, 5)) is Reject.DUPLICATE  # applied at version 2
-    assert c.on_update("d3", update("d3", 2, 1.0, 5)) is None  # s = 1
+    assert c.on_update("d0", update(c, "d0", 4, 1.0, 5)) is Reject.FUTURE
+    assert c.on_update("d1", update(c, "d1", 1, 1.0, 5)) is Reject.STALE  # s = 2 > 1
+    assert c.on_update("d2", update(c, "d2", 2, 1.0, 5)) is Reject.DUPLICATE  # applied at version 2
+    assert c.on_update("d3", update(c, "d3", 2, 1.0, 5)) is None  # s = 1
     rec = c.close_round(20.0, 0.1)
     assert rec["rejected_by_reason"] == {"duplicate": 1, "future": 1, "stale": 1}
     assert rec["received"] == 1 and rec["staleness_hist"] == {"1": 1}
@@ -297,12 +298,12 @@ def test_async_core_rejects_future_and_too_stale_updates():
 
 def test_duplicate_across_windows_is_rejected_while_it_could_still_be_admitted():
     c = async_core(max_staleness=2)
-    first = update("d0", 0, 1.0, 10)
     apply_window(c, 0.0, [("d0", 0, 1.0, 10), ("d1", 0, 1.0, 10), ("d2", 0, 1.0, 10)])
+    first = update(c, "d0", 0, 1.0, 10)  # the same bytes as the one applied
     params = c.params.copy()
     c.open_round(1.0)
     assert c.on_update("d0", first) is Reject.DUPLICATE  # QoS 1 redelivery after the close
-    assert c.on_update("d0", update("d0", 1, 1.0, 10)) is None  # its new work counts
+    assert c.on_update("d0", update(c, "d0", 1, 1.0, 10)) is None  # its new work counts
     assert c.tally.rejected == {Reject.DUPLICATE: 1}
     c.close_round(20.0, 0.1)  # deadline close with one update
     assert c.version == 2
@@ -339,8 +340,8 @@ def test_fedasync_applies_each_update_of_a_burst_separately():
     c = async_core("fedasync", server_lr=1.0, staleness=Staleness("constant"))
     c.open_round(0.0)
     # two updates reach the core before the service gets to run decide()
-    c.on_update("d0", update("d0", 0, 1.0, 10))
-    c.on_update("d1", update("d1", 0, 3.0, 10))
+    c.on_update("d0", update(c, "d0", 0, 1.0, 10))
+    c.on_update("d1", update(c, "d1", 0, 3.0, 10))
     c.close_round(0.0, 0.1)
     np.testing.assert_allclose(c.params, 1.0)  # only the first one: delta applied in full
     c.open_round(0.1)  # the second belongs to the next application
@@ -352,6 +353,6 @@ def test_fedasync_applies_each_update_of_a_burst_separately():
 def test_async_update_between_windows_is_kept_for_the_next_window():
     c = async_core("fedasync")
     apply_window(c, 0.0, [("d0", 0, 1.0, 10)])
-    assert c.on_update("d1", update("d1", 0, 1.0, 10)) is None  # no window open right now
+    assert c.on_update("d1", update(c, "d1", 0, 1.0, 10)) is None  # no window open right now
     c.open_round(1.0)
     assert c.current.count == 1

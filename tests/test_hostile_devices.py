@@ -38,7 +38,10 @@ def laplace_core(rounds: int = 4):
 
 def dense(core, device: str, rnd: int, n: int = 30, scale: float = 0.0) -> bytes:
     delta = np.full(len(core.params), scale, np.float32)
-    return encode_update(DenseUpdate(device, rnd, core.version, n, delta, mechanism="laplace"))
+    nonce = core.nonce_of(rnd)
+    return encode_update(
+        DenseUpdate(device, rnd, core.version, n, delta, mechanism="laplace", nonce=nonce)
+    )
 
 
 def test_future_rounds_and_strangers_cost_nothing_and_cannot_kill_the_core():
@@ -122,3 +125,24 @@ def test_an_internal_error_is_counted_not_raised(monkeypatch):
     monkeypatch.setattr(core.strategy, "add", broken)
     assert core.on_update(dev, dense(core, dev, 1)) == "internal_error"
     assert core.tally.rejected["internal_error"] == 1
+
+
+def test_an_update_must_echo_its_rounds_nonce():
+    """An old update re-stamped with the new round number, or one without the nonce of the
+    signed global message, is no release of this round: rejected before the ledger sees it."""
+    _job, core = laplace_core(rounds=3)
+    msg = core.open_round(0.0)
+    dev = msg.selected[0]
+    assert msg.nonce is not None and len(msg.nonce) == 16
+    old = core.nonce_of(1)
+    core.on_update(dev, dense(core, dev, 1))
+    core.close_round(1.0, 0.1)
+    msg2 = core.open_round(2.0)
+    assert msg2.nonce != old
+    delta = np.zeros(len(core.params), np.float32)
+    dev2 = msg2.selected[0]
+    for nonce in (old, None, b"\x00" * 16):
+        forged = DenseUpdate(dev2, 2, core.version, 30, delta, mechanism="laplace", nonce=nonce)
+        assert core.on_update(dev2, encode_update(forged)) is Reject.WRONG_NONCE
+    assert len(core.privacy.ledger.entries) == 1
+    assert core.on_update(dev2, dense(core, dev2, 2)) is None  # the real answer still counts

@@ -9,17 +9,50 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import aiomqtt
 
 from edge_fl.device.agent import DeviceAgent
-from edge_fl.protocol import PayloadRejected, Topics, decode_global
+from edge_fl.protocol import GlobalModel, GlobalWindow, PayloadRejected, Topics, decode_global
 from edge_fl.transport.url import BrokerSpec
+
+if TYPE_CHECKING:
+    from edge_fl.protocol.signing import Verifier
 
 log = logging.getLogger("edge_fl.device")
 
 
-async def _session(agent: DeviceAgent, spec: BrokerSpec, topics: Topics, digest: str) -> bool:
+@dataclass
+class Trust:
+    """What a device accepts as the aggregator's word: a signature (when a key is configured),
+    the model's parameter count, and a round/version window (``edge_fl.protocol.window``)."""
+
+    verifier: Verifier | None = None
+    window: GlobalWindow = field(default_factory=GlobalWindow)
+    rejected: Counter = field(default_factory=Counter)
+
+    def admit(self, payload: bytes, topics: Topics, expected_dim: int) -> GlobalModel | None:
+        """The decoded global message, or None (counted, logged) if it must be ignored."""
+        try:
+            msg = decode_global(payload, verifier=self.verifier, expected_dim=expected_dim)
+            if msg.job != topics.job:
+                return None
+            rejection = self.window.accept(msg)
+            if rejection is not None:
+                raise rejection
+        except PayloadRejected as exc:
+            self.rejected[exc.reason] += 1
+            log.warning("ignoring a global model (%s): %s", exc.reason, exc.detail)
+            return None
+        return msg
+
+
+async def _session(
+    agent: DeviceAgent, spec: BrokerSpec, topics: Topics, digest: str, trust: Trust
+) -> bool:
     """One connection; returns True when the job is done."""
     will = aiomqtt.Will(topics.status(agent.device_id), agent.status(False), qos=1, retain=True)
     async with aiomqtt.Client(
@@ -28,16 +61,13 @@ async def _session(agent: DeviceAgent, spec: BrokerSpec, topics: Topics, digest:
         await client.publish(topics.status(agent.device_id), agent.status(True), qos=1, retain=True)
         await client.subscribe(topics.global_model, qos=1)
         log.info("device %s connected to %s", agent.device_id, spec.redacted())
+        trust.window.rejoin()  # rounds may have passed while this device was away
         async for message in client.messages:
             payload = message.payload
             if not isinstance(payload, bytes | bytearray) or not payload:
                 continue
-            try:
-                msg = decode_global(bytes(payload))
-            except PayloadRejected as exc:
-                log.warning("ignoring a bad global model: %s", exc)
-                continue
-            if msg.job != topics.job:
+            msg = trust.admit(bytes(payload), topics, agent.model.n_params)
+            if msg is None:
                 continue
             if msg.done:
                 if message.retain:
@@ -79,12 +109,14 @@ async def run_device(
     topics: Topics,
     digest: str = "",
     max_backoff_s: float = 60.0,
+    trust: Trust | None = None,
 ) -> int:
     """Serve rounds until the job is done; returns the number of updates sent."""
+    trust = trust or Trust()
     attempt = 0
     while True:
         try:
-            if await _session(agent, spec, topics, digest):
+            if await _session(agent, spec, topics, digest, trust):
                 return agent.state.updates_sent
             attempt = 0
         except aiomqtt.MqttError as exc:

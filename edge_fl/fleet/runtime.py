@@ -19,9 +19,10 @@ from concurrent.futures import ThreadPoolExecutor
 import aiomqtt
 
 from edge_fl.device.agent import DeviceAgent
+from edge_fl.device.runtime import Trust
 from edge_fl.fleet.clock import SimClock
 from edge_fl.fleet.profiles import AlwaysAvailable, DeviceProfile
-from edge_fl.protocol import GlobalModel, PayloadRejected, Topics, decode_global
+from edge_fl.protocol import GlobalModel, Topics
 from edge_fl.transport.limits import ensure_open_files
 from edge_fl.transport.url import BrokerSpec
 
@@ -43,8 +44,11 @@ class Fleet:
         clock: SimClock | None = None,
         dropout: float | None = None,
         digest: str = "",
+        trust: Trust | None = None,
     ) -> None:
         self.agents = {a.device_id: a for a in agents}
+        self.trust = trust or Trust()  # one downlink for the whole fleet: one window
+        self.n_params = agents[0].model.n_params if agents else 0
         self.spec = spec
         self.topics = topics
         self.connect_concurrency = connect_concurrency
@@ -261,17 +265,14 @@ class Fleet:
             **self.spec.aiomqtt_kwargs(), identifier=f"{self.client_prefix}-downlink"
         ) as downlink:
             await downlink.subscribe(self.topics.global_model, qos=1)
+            self.trust.window.rejoin()  # rounds may have passed while the downlink was away
             self.reconnect_attempt = 0
             async for message in downlink.messages:
                 payload = message.payload
                 if not isinstance(payload, bytes | bytearray) or not payload:
                     continue  # cleared retained message: no model yet
-                try:
-                    msg = decode_global(bytes(payload))
-                except PayloadRejected as exc:
-                    log.warning("ignoring a bad global model: %s", exc)
-                    continue
-                if msg.job != self.topics.job:
+                msg = self.trust.admit(bytes(payload), self.topics, self.n_params)
+                if msg is None:
                     continue
                 if msg.done:
                     if message.retain:

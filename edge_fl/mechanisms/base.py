@@ -223,6 +223,7 @@ def dense_update(device: Device, msg: GlobalModel, delta: np.ndarray, mechanism:
         delta=np.asarray(delta, np.float64).astype(np.float32),
         wire_dtype=msg.wire_dtype,
         mechanism=mechanism,
+        nonce=msg.nonce,
     )
 
 

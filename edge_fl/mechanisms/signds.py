@@ -82,6 +82,7 @@ class SignDS(Mechanism):
             sign=selection.sign,
             indices=selection.indices,
             magrr_bit=randomized_response(bit, self.magrr.rr_eps, device.rng),
+            nonce=msg.nonce,
         )
 
     def new_strategy(self, state: Any, server_lr: float, rng: np.random.Generator) -> Any:

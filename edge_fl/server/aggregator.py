@@ -25,6 +25,7 @@ from edge_fl.protocol import (
     UpdateLimits,
     decode_status,
     decode_update,
+    new_nonce,
 )
 
 from .rounds import Decision, SyncRound
@@ -254,6 +255,7 @@ class AggregatorCore:
             opened_at=now,
             deadline_s=s.deadline_s,
             extend_when_short=s.extend_when_short,
+            nonce=new_nonce(),
         )
         self.strategy = self.new_strategy()
         if s.sample_rate is not None:
@@ -281,6 +283,7 @@ class AggregatorCore:
             sample_rate=self.settings.sample_rate,
             done=done,
             issued_at=now,
+            nonce=None if done else self.current_nonce(),
         )
 
     def on_update(self, device: str, payload: bytes, *, counted: bool = False) -> Reject | None:
@@ -305,6 +308,11 @@ class AggregatorCore:
         except PayloadRejected as exc:
             self.tally.rejected[exc.reason] += 1
             return exc.reason
+        expected = self.nonce_of(update.round)
+        if expected is not None and update.nonce != expected:
+            # an old update re-stamped with another round, or a forgery: no release of this round
+            self.tally.rejected[Reject.WRONG_NONCE] += 1
+            return Reject.WRONG_NONCE
         declared = self.devices.get(device, DeviceRecord()).n_samples
         if 0 < declared < update.n_samples:  # a claim beyond the status's cannot buy weight
             update = replace(update, n_samples=declared)
@@ -338,6 +346,17 @@ class AggregatorCore:
             self.tally.late += 1
         else:
             self.tally.rejected[reason] += 1
+
+    def current_nonce(self) -> bytes | None:
+        return None if self.current is None else self.current.nonce
+
+    def nonce_of(self, round_number: int) -> bytes | None:
+        """The nonce of the open or just-closed round an update names (None: no such round,
+        which admission rejects anyway)."""
+        for r in (self.current, self.previous):
+            if r is not None and r.number == round_number:
+                return r.nonce
+        return None
 
     def _oldest_chargeable(self) -> int:
         """Releases for rounds before this can no longer be charged (no duplicate to guard)."""

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from edge_fl.protocol import GlobalModel, Reject, Update
+from edge_fl.protocol import GlobalModel, Reject, Update, new_nonce
 
 from .aggregator import AggregatorCore
 from .rounds import Decision
@@ -91,6 +91,7 @@ class AsyncAggregatorCore(AggregatorCore):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self._applied = set()
+        self.nonces: dict[int, bytes] = {}  # version -> nonce, for versions within max_staleness
         self._held: list[tuple[str, bytes]] = []  # arrived while no window had room
 
     def on_update(self, device: str, payload: bytes, *, counted: bool = False) -> Reject | None:
@@ -104,6 +105,13 @@ class AsyncAggregatorCore(AggregatorCore):
             self._held.append((device, payload))
             return None
         return super().on_update(device, payload, counted=counted)
+
+    def current_nonce(self) -> bytes | None:
+        return self.nonces.get(self.version)
+
+    def nonce_of(self, round_number: int) -> bytes | None:
+        """Updates echo the nonce of the version they trained on."""
+        return self.nonces.get(round_number)
 
     def _chargeable(self, device: str, update: Update) -> bool:
         """Any known device may train on any version it could have received: the current one or
@@ -135,6 +143,8 @@ class AsyncAggregatorCore(AggregatorCore):
         # it can still be admitted (within max_staleness)
         oldest = self.version - s.max_staleness
         self._applied = {k for k in self._applied if k[1] >= oldest}
+        self.nonces = {v: n for v, n in self.nonces.items() if v >= oldest}
+        self.nonces.setdefault(self.version, new_nonce())
         window.earlier = self._applied
         self.current = window  # type: ignore[assignment]
         self.strategy = self.new_strategy()

@@ -31,6 +31,7 @@ class SyncRound:
     extend_when_short: bool = True
     extended: bool = False
     accepted: set[str] = field(default_factory=set)
+    nonce: bytes | None = None  # in the round's signed global message; updates must echo it
 
     def __post_init__(self) -> None:
         # 0 is for rounds that act without updates (central noise under Poisson selection)
