@@ -15,7 +15,14 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 
 class ConfigError(ValueError):
@@ -183,6 +190,69 @@ class PrivacyConfig(_Section):
     )
 
 
+class RobustConfig(_Section):
+    """Server-side defences against poisoned updates (``edge_fl.server.robust``).
+
+    Post-processing of what devices released: no privacy cost. Defaults apply where the mechanism
+    allows them (``Mechanism.robust_support``: not with central Gaussian, whose clip already bounds
+    every update; SignDS votes have no norm); an explicit setting the mechanism cannot take fails
+    when the job is built. The aggregator also caps every update's sample count at the one the
+    device declared in its status (always on). Clipped/refused/capped updates are counted in the
+    round records (``norm_clipped``, ``norm_rejected``, ``max_samples_capped``).
+    """
+
+    norm_bound: float | Literal["auto", "off"] | None = Field(
+        "auto",
+        description="L2 bound on a dense update's delta: a number > 0, 'auto' (norm_multiplier x "
+        "the median norm of recently folded updates, fixed per round) or 'off' (also null)",
+    )
+    on_excess: Literal["clip", "reject"] = Field(
+        "clip", description="an update above the bound is scaled down to it, or refused"
+    )
+    norm_multiplier: float = Field(
+        3.0, ge=1, le=1000, description="auto: the bound is this multiple of the median norm"
+    )
+    norm_window: int = Field(
+        100, ge=1, le=1_000_000, description="auto: the median is over this many latest updates"
+    )
+    norm_min_updates: int = Field(
+        5,
+        ge=1,
+        le=10_000,
+        description="auto: updates needed before there is a bound; the job's first ones are "
+        "held until then (at the latest until their round closes)",
+    )
+    aggregator: Literal["mean", "trimmed_mean", "median"] = Field(
+        "mean",
+        description="mean = the mechanism's own (sample-weighted FedAvg); trimmed_mean / median "
+        "are coordinate-wise, unweighted, keep the round's deltas in memory (untrusted fleets)",
+    )
+    trim: float = Field(
+        0.1, ge=0, lt=0.5, description="trimmed_mean: fraction cut at each end of each coordinate"
+    )
+    max_samples: int | None = Field(
+        None, ge=1, description="cap on the sample count any update is weighted by; None = none"
+    )
+
+    @field_validator("norm_bound", mode="before")
+    @classmethod
+    def _no_bool(cls, value: Any) -> Any:
+        if value is False:  # YAML 1.1 reads an unquoted ``off`` (or no/false) as False
+            return "off"
+        if value is True:
+            raise ValueError("True is not a bound: a number > 0, 'auto' or 'off'")
+        return value
+
+    @model_validator(mode="after")
+    def _finite_bound(self) -> RobustConfig:
+        b = self.norm_bound
+        if isinstance(b, float) and not (math.isfinite(b) and b > 0):
+            raise ValueError(
+                f"norm_bound = {b!r} is out of domain: a finite number > 0, 'auto' or 'off'"
+            )
+        return self
+
+
 class FleetConfig(_Section):
     """How simulated devices behave: profile, modelled time and unreliability."""
 
@@ -216,6 +286,7 @@ class JobConfig(_Section):
     training: TrainingConfig = TrainingConfig()
     rounds: RoundsConfig = RoundsConfig()
     privacy: PrivacyConfig = PrivacyConfig()
+    robust: RobustConfig = RobustConfig()
     fleet: FleetConfig = FleetConfig()
     device: DeviceConfig = DeviceConfig()
 

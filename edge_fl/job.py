@@ -28,6 +28,7 @@ from edge_fl.privacy.rng import RngInfo, make_generator
 from edge_fl.protocol import Topics, UpdateLimits
 from edge_fl.server.aggregator import AggregatorCore, AggregatorSettings, PrivacyAccounting
 from edge_fl.server.asynchronous import AsyncAggregatorCore
+from edge_fl.server.robust import RobustAggregation, RobustSettings, resolve
 from edge_fl.server.staleness import Staleness
 
 log = logging.getLogger("edge_fl.job")
@@ -51,6 +52,11 @@ class Job:
     def mechanism(self) -> Mechanism:
         """The privacy mechanism, built and calibrated once for the job (from the registry)."""
         return build_mechanism(self.cfg.privacy, self.facts)
+
+    @cached_property
+    def robust(self) -> RobustSettings:
+        """The robust-aggregation options in effect (the config resolved against the mechanism)."""
+        return resolve(self.cfg.robust, self.mechanism)
 
     @property
     def private(self) -> bool:
@@ -139,13 +145,18 @@ class Job:
         )
         privacy = PrivacyAccounting(self.mechanism, p.delta) if self.private else None
         core_class = AggregatorCore if r.mode == "sync" else AsyncAggregatorCore
+        # the mechanism with every strategy wrapped by the robust options (one norm reference per
+        # core); the ledger above accounts with the mechanism itself
+        mechanism: Any = (
+            RobustAggregation(self.mechanism, self.robust) if self.robust.active else self.mechanism
+        )
         core = core_class(
             settings,
             self.initial_params(),
             limits,
             rng,
             evaluate=self._evaluator(),
-            mechanism=self.mechanism,
+            mechanism=mechanism,
             noise_rng=self.noise_rng,
             privacy=privacy,
         )
@@ -224,6 +235,7 @@ class Job:
             },
             "randomness": {"generator": info.kind, "secure": info.secure, "seed": info.seed},
             "privacy": self.mechanism.describe(),
+            "robust": self.robust.describe(),
             "started_at": time.time(),
             "warnings": self.warnings,
         }
@@ -247,6 +259,10 @@ def build_job(cfg: JobConfig) -> Job:
         mechanism = job.mechanism  # built now, so a bad privacy setting fails before anything runs
     except (UnknownMechanismError, ValueError) as exc:
         raise ConfigError(f"invalid configuration:\n  privacy: {exc}") from None
+    try:
+        job.robust  # noqa: B018 (resolved now: a setting the mechanism cannot take fails here)
+    except ValueError as exc:
+        raise ConfigError(f"invalid configuration:\n  robust: {exc}") from None
     for warning in mechanism.warnings():
         log.warning("%s", warning)
         job.warnings.append(warning)

@@ -28,11 +28,13 @@ from edge_fl.protocol import (
     new_nonce,
 )
 
+from .robust import NormBoundExceeded
 from .rounds import Decision, SyncRound
 
 log = logging.getLogger("edge_fl.aggregator")
 
 INTERNAL_ERROR = "internal_error"  # a payload hit a bug of ours: counted, logged, never fatal
+NORM_BOUND = "norm_bound"  # refused by the robust norm bound (robust.on_excess: reject)
 
 Evaluator = Callable[[np.ndarray], tuple[float, float]]  # params -> (accuracy, loss)
 
@@ -168,6 +170,7 @@ class AggregatorCore:
         self.devices: dict[str, DeviceRecord] = {}
         self.current: SyncRound | None = None
         self.previous: SyncRound | None = None  # the round that closed last (late releases)
+        self.refused: set[str] = set()  # devices of the open round whose update was refused
         self.strategy: Strategy | None = None
         self.tally = RoundTally()
         self.records: list[dict[str, Any]] = []
@@ -335,6 +338,10 @@ class AggregatorCore:
         assert self.strategy is not None
         try:
             self.strategy.add(update, rnd.weight(update.base_version))
+        except NormBoundExceeded:
+            self.tally.rejected[NORM_BOUND] += 1
+            self.refused.add(device)  # it answered: the round need not wait for it
+            return NORM_BOUND  # type: ignore[return-value]
         except (TypeError, ValueError):
             self.tally.rejected[Reject.WRONG_MECHANISM] += 1
             return Reject.WRONG_MECHANISM
@@ -406,7 +413,7 @@ class AggregatorCore:
         return decision
 
     def _can_still_answer(self, rnd: SyncRound) -> bool:
-        for device in rnd.selected - rnd.accepted:
+        for device in rnd.selected - rnd.accepted - self.refused:
             rec = self.devices.get(device)
             if rec is not None and rec.online and rec.stopped is None:
                 return True
@@ -469,6 +476,7 @@ class AggregatorCore:
             record.update(self.privacy.metrics())
         self.records.append(record)
         self.previous, self.current = rnd, None
+        self.refused = set()
         self.strategy = None
         oldest = self._oldest_chargeable()
         self._released = {k for k in self._released if k[1] >= oldest}  # bounded: recent only
