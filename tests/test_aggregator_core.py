@@ -145,6 +145,7 @@ def test_bad_status_is_ignored_and_cleared_status_forgets():
 
 def test_non_finite_aggregate_leaves_the_model_unchanged():
     c = core(server_lr=10.0, min_updates=1)
+    c.limits = UpdateLimits(D, max_abs=None)  # a deliberately huge delta, past plausibility
     msg = c.open_round(0.0)
     dev = msg.selected[0]
     assert c.on_update(dev, update(c, dev, 1, 0, 3e38, 5)) is None  # finite, but x10 overflows

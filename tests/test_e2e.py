@@ -130,4 +130,4 @@ def test_hostile_payloads_are_counted_and_do_not_disturb_the_run(mosquitto, tmp_
     reasons = set()
     for r in records:
         reasons |= set(r["rejected_by_reason"])
-    assert reasons & {"malformed", "bad_field", "wrong_version", "oversized"}
+    assert reasons & {"malformed", "missing_field", "wrong_version", "oversized"}

@@ -23,6 +23,7 @@ from hypothesis import strategies as st
 
 from edge_fl.protocol import (
     GLOBAL_CONTEXT,
+    Ack,
     DenseUpdate,
     GlobalModel,
     PayloadRejected,
@@ -30,17 +31,22 @@ from edge_fl.protocol import (
     SignDSUpdate,
     Status,
     UpdateLimits,
+    decode_ack,
     decode_global,
     decode_status,
     decode_update,
+    encode_ack,
     encode_global,
     encode_status,
     encode_update,
+    mechanism_params,
 )
 from edge_fl.protocol.signing import Signer
 
 D = 24
 LIMITS = UpdateLimits(n_params=D, max_indices=8)
+# the job's mechanism and SignDS plan checked too (wrong_mechanism, wrong_h)
+STRICT = UpdateLimits(n_params=D, max_indices=8, mechanism="signds", signds_h=3)
 SIGNER = Signer.generate()
 VERIFIER = SIGNER.verifier
 # CI runs 300 examples per test (< 20 s in all); EDGE_FL_FUZZ_EXAMPLES=20000 for a deep run
@@ -124,6 +130,30 @@ def global_models(draw: st.DrawFn) -> GlobalModel:
             }
         )
     )
+    mp = draw(
+        st.none()
+        | st.just(mechanism_params("none", lr=0.1, ep=1, bs=8))
+        | st.just(mechanism_params("gaussian", lr=0.1, ep=1, bs=8, clip=1.0, z=1.2, L=9))
+        | st.just(
+            mechanism_params(
+                "signds",
+                lr=0.1,
+                ep=1,
+                bs=8,
+                d=D,
+                k=0.25,
+                eps=10.0,
+                rho=0.6,
+                hout=0,
+                hmax=100,
+                K=6,
+                h=7,
+                nth=5,
+                rr=5.0,
+                r0=1e-5,
+            )
+        )
+    )
     return GlobalModel(
         job=draw(names),
         version=draw(st.integers(0, 2**40)),
@@ -139,6 +169,7 @@ def global_models(draw: st.DrawFn) -> GlobalModel:
         done=draw(st.booleans()),
         issued_at=draw(st.floats(-1e12, 1e12)),
         nonce=draw(nonces),
+        mechanism_params=mp,
     )
 
 
@@ -155,10 +186,18 @@ statuses = st.builds(
     | st.just({"stopped": "budget_exhausted"}),
 )
 
+acks = st.builds(
+    Ack,
+    device=st.just("d1"),
+    round=st.none() | st.integers(0, 2**40),
+    ok=st.booleans(),
+    detail=st.none() | st.text(max_size=300),
+).map(lambda a: a if a.ok else Ack(a.device, a.round, False, "late", a.detail))
+
 FIELD_NAMES = sorted(
     {"v", "k", "dev", "r", "bv", "n", "nc", "dt", "m", "x", "sb", "h", "c", "ix"}
-    | {"job", "ver", "rnd", "mode", "w", "dl", "cfg", "ts", "sel", "sd", "q", "done"}
-    | {"on", "i", "b", "sig"}
+    | {"job", "ver", "rnd", "mode", "w", "dl", "cfg", "ts", "sel", "sd", "q", "done", "mp"}
+    | {"on", "i", "b", "sig", "ok", "why", "d"}
 )
 
 
@@ -225,11 +264,12 @@ def raw(payload: bytes) -> dict[Any, Any]:
 # ---------------------------------------------------------------- the property and invariants
 
 
-def check_update(payload: Any) -> None:
+def check_update(payload: Any, limits: UpdateLimits = LIMITS) -> None:
     try:
-        update = decode_update(payload, LIMITS, topic_device="d1")
+        update = decode_update(payload, limits, topic_device="d1")
     except PayloadRejected as exc:
         assert isinstance(exc.reason, Reject) and exc.detail
+        assert exc.round is None or type(exc.round) is int
         return
     assert update.device == "d1"
     for value in (update.round, update.base_version, update.n_samples):
@@ -237,11 +277,13 @@ def check_update(payload: Any) -> None:
     assert update.nonce is None or (type(update.nonce) is bytes and len(update.nonce) == 16)
     if isinstance(update, DenseUpdate):
         assert update.delta.dtype == np.float32 and update.delta.shape == (D,)
-        assert np.isfinite(update.delta).all()
+        assert np.isfinite(update.delta).all() and np.abs(update.delta).max() <= 1e4
+        assert limits.mechanism is None or update.mechanism == limits.mechanism
     else:
         assert update.sign in (-1, 1) and update.magrr_bit in (0, 1)
         idx = update.indices
-        assert 1 <= idx.size <= LIMITS.max_indices and (idx < D).all()
+        assert 1 <= idx.size <= limits.max_indices and (idx < D).all()
+        assert limits.signds_h is None or idx.size == limits.signds_h
         assert (np.diff(idx.astype(np.int64)) > 0).all()
 
 
@@ -263,8 +305,25 @@ def check_global(payload: Any, **kw: Any) -> GlobalModel | None:
     if msg.mechanism_state is not None:
         for key, value in msg.mechanism_state.items():
             assert type(key) is str and type(value) in (bool, int, float)
+    if msg.mechanism_params is not None:
+        assert ID.fullmatch(msg.mechanism_params["m"])
+        for key, value in msg.mechanism_params.items():
+            assert ID.fullmatch(key) and type(value) in (bool, int, float, str)
+        if msg.mechanism_params["m"] == "signds":
+            assert msg.mechanism_params["d"] == msg.params.size
     msg.selects("d1")
     return msg
+
+
+def check_ack(payload: Any) -> None:
+    try:
+        ack = decode_ack(payload, topic_device="d1")
+    except PayloadRejected as exc:
+        assert isinstance(exc.reason, Reject) and exc.detail
+        return
+    assert type(ack.ok) is bool and (ack.reason is None) == ack.ok
+    assert ack.round is None or 0 <= ack.round <= 2**40
+    assert ack.detail is None or len(ack.detail) <= 256
 
 
 def check_status(payload: Any) -> None:
@@ -286,9 +345,11 @@ def check_status(payload: Any) -> None:
 @given(st.binary(max_size=400))
 def test_arbitrary_bytes(payload):
     check_update(payload)
+    check_update(payload, STRICT)
     check_global(payload)
     check_global(payload, verifier=VERIFIER, expected_dim=D)
     check_status(payload)
+    check_ack(payload)
 
 
 @FUZZ
@@ -296,13 +357,15 @@ def test_arbitrary_bytes(payload):
 def test_arbitrary_msgpack_values(value):
     payload = pack(value)
     check_update(payload)
+    check_update(payload, STRICT)
     check_global(payload)
     check_status(payload)
+    check_ack(payload)
 
 
 @FUZZ
 @given(
-    st.sampled_from(["update", "global", "status"]),
+    st.sampled_from(["update", "global", "status", "ack"]),
     st.sampled_from([*FIELD_NAMES, "zz"]),
     st.integers(990, 1030) | st.integers(0, 1100),  # around the 1000 / 1023 limits
     st.sampled_from([b"\x91", b"\x81\xa1a"]),
@@ -315,6 +378,7 @@ def test_deeply_nested_field(which, key, depth, opener, leaf):
         "update": encode_update(DenseUpdate("d1", 1, 1, 5, np.zeros(D, np.float32)), dim=D),
         "global": encode_global(GlobalModel("j", 1, 1, np.zeros(D, np.float32))),
         "status": encode_status(Status("d1", True, 5)),
+        "ack": encode_ack(Ack("d1", 1, True)),
     }[which]
     obj = raw(valid)
     obj.pop(key, None)
@@ -328,6 +392,7 @@ def test_deeply_nested_field(which, key, depth, opener, leaf):
         check_update(payload)
         check_global(payload)
         check_status(payload)
+        check_ack(payload)
     finally:
         sys.setrecursionlimit(limit)
 
@@ -341,13 +406,17 @@ def test_update_one_field_mutated(update, data):
     payload = encode_update(update, dim=D)
     back = decode_update(payload, LIMITS, topic_device="d1")  # the valid message decodes
     assert back.round == update.round and back.nonce == update.nonce
-    check_update(pack(data.draw(mutated(raw(payload)))))
+    mutated_payload = pack(data.draw(mutated(raw(payload))))
+    check_update(mutated_payload)
+    check_update(mutated_payload, STRICT)
 
 
 @FUZZ
 @given(dense_updates() | signds_updates(), st.data())
 def test_update_bytes_mutated(update, data):
-    check_update(data.draw(byte_mutations(encode_update(update, dim=D))))
+    mutated_payload = data.draw(byte_mutations(encode_update(update, dim=D)))
+    check_update(mutated_payload)
+    check_update(mutated_payload, STRICT)
 
 
 # ---------------------------------------------------------------- global messages
@@ -413,3 +482,16 @@ def test_status_one_field_mutated(status, data):
 @given(statuses, st.data())
 def test_status_bytes_mutated(status, data):
     check_status(data.draw(byte_mutations(encode_status(status))))
+
+
+# ---------------------------------------------------------------- acks
+
+
+@FUZZ
+@given(acks, st.data())
+def test_ack_one_field_mutated(ack, data):
+    payload = encode_ack(ack)
+    back = decode_ack(payload, topic_device="d1")
+    assert (back.round, back.ok, back.reason) == (ack.round, ack.ok, ack.reason)
+    check_ack(pack(data.draw(mutated(raw(payload)))))
+    check_ack(data.draw(byte_mutations(payload)))

@@ -234,7 +234,7 @@ def test_re_wrapped_bodies_are_rejected(signer, verifier):
     assert rejected(_envelope(body, bare), verifier=verifier).reason is Reject.BAD_SIGNATURE
     # wrong signature length, extra envelope fields, a signed envelope inside an envelope
     assert rejected(_envelope(body, good[:63]), verifier=verifier).reason is Reject.BAD_SIGNATURE
-    assert rejected(_envelope(body, good, x=1), verifier=verifier).reason is Reject.BAD_FIELD
+    assert rejected(_envelope(body, good, x=1), verifier=verifier).reason is Reject.UNKNOWN_FIELD
     nested = encode_global(model(), signer=signer)
     inner_sig = signer.sign(GLOBAL_CONTEXT + nested)
     assert rejected(_envelope(nested, inner_sig), verifier=verifier).reason is Reject.WRONG_KIND
@@ -262,3 +262,25 @@ def test_expected_dim_on_signed_messages(signer, verifier):
 def test_new_nonce_is_random_and_sized():
     a, b = new_nonce(), new_nonce()
     assert len(a) == len(b) == 16 and a != b
+
+
+def test_rfc8032_test_vector_1():
+    """Plain RFC 8032 Ed25519 (section 7.1, TEST 1): what a non-Python device must implement."""
+    seed = bytes.fromhex("9d61b19deffd5a60ba844af492ec2cc44449c5697b326919703bac031cae7f60")
+    signer = Signer.from_seed(seed)
+    assert signer.verifier.hex() == (
+        "d75a980182b10ab7d54bfed3c964073a0ee172f3daa62325af021a68f707511a"
+    )
+    assert signer.sign(b"").hex() == (
+        "e5564300c360ac729086e2cc806e828a84877f1eb8e5d974d873e065224901555fb8821590a33bacc61e39"
+        "701cf9b46bd25bf5f0595bbe24655141438e7a100b"
+    )
+    with pytest.raises(SigningKeyError):
+        Signer.from_seed(seed[:31])
+
+
+def test_signature_covers_context_and_exact_body(signer, verifier):
+    payload = encode_global(model(), signer=signer)
+    envelope = msgpack.unpackb(payload, raw=False)
+    assert verifier.verify(GLOBAL_CONTEXT + envelope["b"], envelope["sig"])
+    assert GLOBAL_CONTEXT.hex() == "656467652d666c2f676c6f62616c2f763100"

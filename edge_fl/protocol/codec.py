@@ -1,8 +1,11 @@
-"""msgpack encoding and strict validation of every message.
+"""msgpack encoding and strict validation of every message (normative spec: docs/protocol.md).
 
-Vectors travel as raw little-endian bytes (msgpack ``bin``); keys are short. Decoding never trusts
-the payload: it checks size first, then types, schema version, shapes, finiteness and index sets,
-and raises :class:`PayloadRejected` with a counted reason before anything touches aggregator state.
+Vectors travel as raw little-endian IEEE 754 bytes (msgpack ``bin``); keys are short. Decoding
+never trusts the payload: it checks size first, then the schema version and kind, unknown keys,
+then each field's presence, msgpack type and domain, then shapes, finiteness, plausibility and
+index sets, and raises :class:`PayloadRejected` with a specific reason (``missing_field``,
+``bad_type``, ``out_of_range``, ``bad_dtype``, ...) and a detail naming the key, the expected type
+and domain and the received value, before anything touches aggregator state.
 
 The decoders' contract: for ANY input (any object, any bytes) they return a message or raise
 :class:`PayloadRejected`; no other exception escapes (``tests/test_protocol_fuzz.py`` fuzzes this).
@@ -24,12 +27,15 @@ from typing import Any, Protocol
 import msgpack
 import numpy as np
 
+from edge_fl.protocol import fields as F
+from edge_fl.protocol.indices import CODES, CODINGS, IndexCodingError, decode_indices
 from edge_fl.protocol.messages import (
     GLOBAL_CONTEXT,
     MODES,
     NONCE_BYTES,
     SCHEMA_VERSION,
     SIGNATURE_BYTES,
+    Ack,
     DenseUpdate,
     GlobalModel,
     PayloadRejected,
@@ -38,17 +44,24 @@ from edge_fl.protocol.messages import (
     Status,
     Update,
 )
+from edge_fl.protocol.params import SIGNDS, check_mechanism_params
 
 WIRE_DTYPES = {"f4": np.dtype("<f4"), "f2": np.dtype("<f2")}
 MAX_SAMPLES = 10_000_000
 MAX_COUNTER = 2**40  # rounds and versions
 MAX_DEADLINE_S = 1e9
 MAX_STATUS_BYTES = 64 * 1024
+MAX_ACK_BYTES = 1024
+MAX_ACK_DETAIL = 256  # characters of an ack's detail ``d``
 MAX_MAP_ENTRIES = 64  # mechanism state ``sd`` and status info ``i``
 MAX_INFO_STR = 256
-# device ids, job ids, mechanism names, map keys: the topic-segment alphabet
-_NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
+MAX_STR = 4096  # any msgpack str in any message
+DEFAULT_MAX_ABS = 1e4  # plausibility bound on a dense delta's values (see UpdateLimits.max_abs)
 _DIGEST = re.compile(r"^[A-Za-z0-9_.\-]{0,128}$")
+_LITTLE_ENDIAN_HINT = (
+    "vectors are little-endian IEEE 754 (f4: float32, f2: float16); a byte-swapped "
+    "(big-endian) vector looks like this"
+)
 
 
 class Signs(Protocol):
@@ -61,11 +74,23 @@ class Verifies(Protocol):
 
 @dataclass(frozen=True)
 class UpdateLimits:
-    """What the aggregator expects of an update; anything else is rejected."""
+    """What the aggregator expects of an update; anything else is rejected.
+
+    ``n_params``: the model dimension d. ``max_indices``: the cap on a SignDS vote's h.
+    ``allowed_kinds``: "u" (dense) and/or "s" (SignDS vote). ``mechanism``: the job's mechanism
+    name; a dense update whose ``m`` differs, or a vote when the job is not SignDS, is
+    ``wrong_mechanism`` (None: not checked). ``signds_h``: the h of the job's SignDS plan; a vote
+    with another h is ``wrong_h`` (None: any h up to ``max_indices``). ``max_abs``: a dense delta
+    with any |value| above it is ``implausible`` (None: no bound); 1e4 is far beyond any real
+    delta and catches byte-swapped float32/float16 vectors.
+    """
 
     n_params: int
     max_indices: int = 100  # SignDS h cap
     allowed_kinds: frozenset[str] = frozenset({"u", "s"})
+    mechanism: str | None = None
+    signds_h: int | None = None
+    max_abs: float | None = DEFAULT_MAX_ABS
 
     @property
     def max_bytes(self) -> int:
@@ -77,6 +102,8 @@ def _pack(obj: dict[str, Any]) -> bytes:
 
 
 def _vector_bytes(vec: np.ndarray, wire_dtype: str) -> bytes:
+    if wire_dtype not in WIRE_DTYPES:
+        raise ValueError(f"wire dtype {wire_dtype!r} is not one of {', '.join(WIRE_DTYPES)}")
     return np.ascontiguousarray(vec, dtype=WIRE_DTYPES[wire_dtype]).tobytes()
 
 
@@ -107,6 +134,12 @@ def global_body(msg: GlobalModel) -> bytes:
         body["sel"] = list(msg.selected)
     if msg.mechanism_state is not None:
         body["sd"] = msg.mechanism_state
+    if msg.mechanism_params is not None:
+        try:
+            mp = check_mechanism_params(msg.mechanism_params, len(msg.params))
+        except PayloadRejected as exc:
+            raise ValueError(f"mechanism_params would be rejected by devices: {exc}") from None
+        body["mp"] = {"m": mp["m"], **{k: mp[k] for k in sorted(mp) if k != "m"}}
     if msg.sample_rate is not None:
         body["q"] = float(msg.sample_rate)
     if msg.done:
@@ -128,9 +161,11 @@ def encode_global(msg: GlobalModel, signer: Signs | None = None) -> bytes:
     return _pack({"v": SCHEMA_VERSION, "k": "gs", "b": body, "sig": signature})
 
 
-# SignDS index codings as one-byte codes on the wire
-_CODING_CODE = {"bp": 0, "dv": 1}
-_CODING_TAG = {v: k for k, v in _CODING_CODE.items()}
+def sign_bits(sign: int, magrr_bit: int) -> int:
+    """The ``sb`` field of a SignDS vote: bit 0 set iff the sign is +1, bit 1 = the MagRR bit."""
+    if sign not in (1, -1) or magrr_bit not in (0, 1):
+        raise ValueError(f"sign {sign!r} must be +1/-1 and the MagRR bit {magrr_bit!r} 0/1")
+    return (1 if sign > 0 else 0) | (int(magrr_bit) << 1)
 
 
 def encode_update(update: Update, dim: int | None = None) -> bytes:
@@ -138,8 +173,8 @@ def encode_update(update: Update, dim: int | None = None) -> bytes:
 
     The device id is NOT in the payload: the topic ``up/<device>`` is the identity, and the
     broker's ACL lets a device publish only there. A SignDS update packs sign and MagRR bit into
-    one small integer ``sb`` (bit 0: sign is +1, bit 1: MagRR bit): every byte counts there.
-    The round's nonce (from the global message), when the update has one, travels as ``nc``.
+    one small integer ``sb`` (:func:`sign_bits`): every byte counts there. The round's nonce (from
+    the global message), when the update has one, travels as ``nc``.
     """
     common: dict[str, Any] = {
         "v": SCHEMA_VERSION,
@@ -169,9 +204,9 @@ def encode_update(update: Update, dim: int | None = None) -> bytes:
         {
             **common,
             "k": "s",
-            "sb": (1 if update.sign > 0 else 0) | (int(update.magrr_bit) << 1),
+            "sb": sign_bits(update.sign, update.magrr_bit),
             "h": len(update.indices),
-            "c": _CODING_CODE[tag],
+            "c": CODES[tag],
             "ix": blob,
         }
     )
@@ -190,6 +225,40 @@ def encode_status(status: Status) -> bytes:
     return _pack(body)
 
 
+def _truncate(text: str, limit: int = MAX_ACK_DETAIL) -> str:
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def encode_ack(ack: Ack) -> bytes:
+    """The aggregator's answer to one update (topic ``ack/<device>``; the device is the topic).
+
+    ``{"v": 1, "k": "a", "r": round, "ok": bool, "why": reason, "d": detail}``; ``r`` is absent
+    when the rejected payload had no readable round, ``why`` only when not ok, ``d`` when given
+    (truncated to 256 characters)."""
+    body: dict[str, Any] = {"v": SCHEMA_VERSION, "k": "a"}
+    if ack.round is not None:
+        body["r"] = int(ack.round)
+    body["ok"] = bool(ack.ok)
+    if not ack.ok:
+        if not ack.reason:
+            raise ValueError("a negative ack needs a reason")
+        body["why"] = str(ack.reason)
+    elif ack.reason is not None:
+        raise ValueError("a positive ack has no reason")
+    if ack.detail:
+        body["d"] = _truncate(str(ack.detail))
+    return _pack(body)
+
+
+def ack_for(
+    device: str, reason: Reject | str | None, detail: str | None = None, round: int | None = None
+) -> Ack:
+    """The ack of an update: accepted (``reason`` None) or rejected with ``reason``."""
+    if reason is None:
+        return Ack(device, round, True, None, detail)
+    return Ack(device, round, False, str(reason), detail)
+
+
 # ---------------------------------------------------------------- decoding
 
 
@@ -205,24 +274,6 @@ def _map_without_duplicates(pairs: list[tuple[Any, Any]]) -> dict[Any, Any]:
             raise _DuplicateKey(key)
         out[key] = value
     return out
-
-
-def _describe(value: Any) -> str:
-    """A short, safe description of a hostile value for a rejection detail.
-
-    Never ``repr`` a container (msgpack nests up to 1023 levels, deeper than Python's recursion
-    limit: ``repr`` raised RecursionError) nor a whole str/bin (up to the payload size)."""
-    kind = type(value)
-    if kind in (list, dict):
-        return f"<{'list' if kind is list else 'map'} of {len(value)}>"
-    if kind in (str, bytes):
-        cut = 40 if kind is str else 16  # a byte may take 4 characters
-        text = repr(value[:cut])
-        return text if len(value) <= cut else f"{text[:-1]}...{text[-1]} ({len(value)} long)"
-    if kind in (int, float, bool) or value is None:
-        text = repr(value)
-        return text if len(text) <= 40 else text[:37] + "..."
-    return f"<{kind.__name__}>"
 
 
 def _unpack(payload: Any, max_bytes: int) -> dict[str, Any]:
@@ -243,110 +294,99 @@ def _unpack(payload: Any, max_bytes: int) -> dict[str, Any]:
             raw=False,
             strict_map_key=True,
             max_bin_len=max_bytes,
-            max_str_len=4096,
+            max_str_len=MAX_STR,
             object_pairs_hook=_map_without_duplicates,
         )
     except _DuplicateKey as exc:
         raise PayloadRejected(
-            Reject.MALFORMED, f"a map repeats the key {_describe(exc.args[0])}"
+            Reject.MALFORMED, f"a map repeats the key {F.describe(exc.args[0])}"
         ) from None
     except Exception as exc:  # msgpack raises several unrelated types
         raise PayloadRejected(Reject.MALFORMED, f"not valid msgpack ({exc})") from None
     if type(obj) is not dict:
-        raise PayloadRejected(Reject.MALFORMED, f"top level is {type(obj).__name__}, not a map")
+        raise PayloadRejected(
+            Reject.MALFORMED, f"top level is msgpack {F.wire_type(obj)}, not a map"
+        )
     version = obj.get("v")
     if type(version) is not int or version != SCHEMA_VERSION:
+        shown = "absent" if "v" not in obj else f"{F.wire_type(version)} {F.describe(version)}"
         raise PayloadRejected(
             Reject.WRONG_VERSION,
-            f"schema version {_describe(version)} ({type(version).__name__}), "
-            f"expected the int {SCHEMA_VERSION}",
+            f"schema version 'v' is {shown}; this peer speaks the int {SCHEMA_VERSION}",
+            field="v",
         )
     return obj
 
 
-def _check_keys(obj: dict[Any, Any], allowed: frozenset[str], what: str) -> None:
-    unknown = [k for k in obj if k not in allowed]
-    if unknown:
-        names = ", ".join(_describe(k) for k in unknown[:5])
-        raise PayloadRejected(Reject.BAD_FIELD, f"unknown field(s) in {what}: {names}")
-
-
-def _field(obj: dict[str, Any], key: str, kind: type | tuple[type, ...], what: str) -> Any:
-    """A required field of exactly one of the types ``kind`` (no subclasses: bool is not int)."""
-    if key not in obj:
-        raise PayloadRejected(Reject.BAD_FIELD, f"missing field {key!r} ({what})")
-    value = obj[key]
-    kinds = kind if isinstance(kind, tuple) else (kind,)
-    if type(value) not in kinds:
-        expected = " or ".join(k.__name__ for k in kinds)
+def _kind(obj: dict[str, Any], allowed: tuple[str, ...], what: str) -> str:
+    kind = obj.get("k")
+    if type(kind) is not str or kind not in allowed:
+        shown = "absent" if "k" not in obj else F.describe(kind)
         raise PayloadRejected(
-            Reject.BAD_FIELD,
-            f"field {key!r} ({what}) has type {type(value).__name__}, expected {expected}",
+            Reject.WRONG_KIND,
+            f"kind 'k' is {shown}; {what} has k = {' or '.join(map(repr, allowed))}",
+            field="k",
         )
-    return value
-
-
-def _int_field(obj: dict[str, Any], key: str, what: str, lo: int, hi: int) -> int:
-    value = _field(obj, key, int, what)
-    if not lo <= value <= hi:
-        raise PayloadRejected(Reject.BAD_FIELD, f"{what} {key!r} = {value} outside [{lo}, {hi}]")
-    return value
-
-
-def _number(value: Any, key: str, what: str, lo: float, hi: float) -> float:
-    """An int or float (never a bool), finite, in [lo, hi], as a float."""
-    if type(value) not in (int, float):
-        raise PayloadRejected(
-            Reject.BAD_FIELD,
-            f"field {key!r} ({what}) has type {type(value).__name__}, expected a number",
-        )
-    if not math.isfinite(value) or not lo <= value <= hi:
-        raise PayloadRejected(
-            Reject.BAD_FIELD, f"field {key!r} ({what}) = {value!r} is not finite in [{lo}, {hi}]"
-        )
-    return float(value)
-
-
-def _name_field(obj: dict[str, Any], key: str, what: str) -> str:
-    value = _field(obj, key, str, what)
-    if not _NAME.fullmatch(value):
-        raise PayloadRejected(
-            Reject.BAD_FIELD,
-            f"field {key!r} ({what}) = {_describe(value)} is not 1-64 of A-Z a-z 0-9 _ . -",
-        )
-    return value
+    return kind
 
 
 def _optional_nonce(obj: dict[str, Any]) -> bytes | None:
     if "nc" not in obj:
         return None
-    nonce = _field(obj, "nc", bytes, "round nonce")
+    nonce = F.get(obj, "nc", bytes, "round nonce", "bin")
     if len(nonce) != NONCE_BYTES:
-        raise PayloadRejected(
-            Reject.BAD_FIELD, f"round nonce 'nc' has {len(nonce)} bytes, expected {NONCE_BYTES}"
-        )
+        raise F.out_of_range("nc", "round nonce", nonce, f"bin of exactly {NONCE_BYTES} bytes")
     return nonce
 
 
-def _vector(blob: bytes, wire_dtype: str, n_params: int, what: str) -> np.ndarray:
-    dtype = WIRE_DTYPES.get(wire_dtype)
-    if dtype is None:
+def _dtype(obj: dict[str, Any]) -> str:
+    dt = F.get(obj, "dt", str, "wire dtype", "str")
+    if dt not in WIRE_DTYPES:
         raise PayloadRejected(
-            Reject.BAD_FIELD,
-            f"field 'dt' (wire dtype) = {_describe(wire_dtype)} is unknown (use f4 or f2)",
+            Reject.BAD_DTYPE,
+            f"field 'dt' (wire dtype): expected 'f4' (little-endian float32) or 'f2' "
+            f"(little-endian float16), got {F.describe(dt)}",
+            field="dt",
         )
+    return dt
+
+
+def _vector(blob: bytes, wire_dtype: str, n_params: int, key: str, what: str) -> np.ndarray:
+    dtype = WIRE_DTYPES[wire_dtype]
     if len(blob) != n_params * dtype.itemsize:
         raise PayloadRejected(
             Reject.WRONG_SHAPE,
-            f"{what} has {len(blob)} bytes; expected {n_params} x {dtype.itemsize} "
-            f"= {n_params * dtype.itemsize}",
+            f"field {key!r} ({what}) has {len(blob)} bytes; expected {n_params} x "
+            f"{dtype.itemsize} = {n_params * dtype.itemsize} ({n_params} {wire_dtype} values)",
+            field=key,
         )
     vec = np.frombuffer(blob, dtype=dtype).astype(np.float32)
     finite = np.isfinite(vec)
     if not finite.all():
-        bad = int((~finite).sum())
-        raise PayloadRejected(Reject.NON_FINITE, f"{what} has {bad} non-finite values")
+        bad = np.flatnonzero(~finite)
+        raise PayloadRejected(
+            Reject.NON_FINITE,
+            f"field {key!r} ({what}) has {bad.size} non-finite values (first at index "
+            f"{int(bad[0])}: {vec[bad[0]]!r}); {_LITTLE_ENDIAN_HINT} too",
+            field=key,
+        )
     return vec
+
+
+def _plausible(vec: np.ndarray, max_abs: float | None, key: str, what: str) -> None:
+    if max_abs is None or not vec.size:
+        return
+    mags = np.abs(vec)
+    if float(mags.max()) <= max_abs:
+        return
+    over = np.flatnonzero(mags > max_abs)
+    i = int(over[0])
+    raise PayloadRejected(
+        Reject.IMPLAUSIBLE,
+        f"field {key!r} ({what}): {over.size} of {vec.size} values exceed |x| <= {max_abs:g} "
+        f"(first at index {i}: {float(vec[i]):.6g}); {_LITTLE_ENDIAN_HINT}",
+        field=key,
+    )
 
 
 _UPDATE_COMMON = frozenset({"v", "k", "dev", "r", "bv", "n", "nc"})
@@ -359,37 +399,71 @@ def decode_update(payload: bytes, limits: UpdateLimits, topic_device: str | None
 
     The returned update's ``nonce`` is the payload's ``nc`` (None if absent); comparing it with
     the nonce of the round (or version) it names is the aggregator's job (``Reject.WRONG_NONCE``).
+    A rejection raised after the round ``r`` was read carries it (``PayloadRejected.round``).
     """
     obj = _unpack(payload, limits.max_bytes)
-    kind = obj.get("k")
-    if kind not in ("u", "s") or type(kind) is not str:
-        raise PayloadRejected(
-            Reject.WRONG_KIND, f"kind {_describe(kind)} is not an update (u or s)"
-        )
+    kind = _kind(obj, ("u", "s"), "an update")
     if kind not in limits.allowed_kinds:
+        kinds = " or ".join(sorted(limits.allowed_kinds)) or "none"
         raise PayloadRejected(
-            Reject.WRONG_MECHANISM, f"update kind {kind!r} is not the job's mechanism"
+            Reject.WRONG_MECHANISM,
+            f"update kind {kind!r} ({'dense delta' if kind == 'u' else 'SignDS vote'}) is not "
+            f"the job's (k = {kinds})",
+            field="k",
         )
-    _check_keys(obj, _DENSE_KEYS if kind == "u" else _SIGNDS_KEYS, f"an update of kind {kind!r}")
+    F.check_keys(obj, _DENSE_KEYS if kind == "u" else _SIGNDS_KEYS, f"an update of kind {kind!r}")
+    rnd: int | None = None
+    try:
+        if "r" in obj and type(obj["r"]) is int and 0 <= obj["r"] <= MAX_COUNTER:
+            rnd = obj["r"]  # known early, so that any rejection below can name it
+        return _decode_update(obj, kind, limits, topic_device)
+    except PayloadRejected as exc:
+        if exc.round is None:
+            exc.round = rnd
+        raise
+
+
+def _decode_update(
+    obj: dict[str, Any], kind: str, limits: UpdateLimits, topic_device: str | None
+) -> Update:
     device = topic_device or ""
     if "dev" in obj:  # optional: the topic is the identity; if a payload names one, it must agree
-        named = _name_field(obj, "dev", "device id")
+        named = F.name_field(obj, "dev", "device id")
         if topic_device is not None and named != topic_device:
             raise PayloadRejected(
                 Reject.TOPIC_MISMATCH,
-                f"device {named!r} published on the topic of {topic_device!r}",
+                f"field 'dev' names device {named!r}, but it was published on the topic of "
+                f"{topic_device!r}",
+                field="dev",
             )
         device = named
-    rnd = _int_field(obj, "r", "round", 0, MAX_COUNTER)
-    base = _int_field(obj, "bv", "base version", 0, MAX_COUNTER)
-    n = _int_field(obj, "n", "sample count", 1, MAX_SAMPLES)
+    rnd = F.int_field(obj, "r", "round", 0, MAX_COUNTER)
+    base = F.int_field(obj, "bv", "base version", 0, MAX_COUNTER)
+    n = F.int_field(obj, "n", "sample count", 1, MAX_SAMPLES)
     nonce = _optional_nonce(obj)
-    if kind == "u":
-        dt = _field(obj, "dt", str, "wire dtype")
-        mech = _name_field(obj, "m", "mechanism") if "m" in obj else "none"
-        delta = _vector(_field(obj, "x", bytes, "delta vector"), dt, limits.n_params, "delta")
-        return DenseUpdate(device, rnd, base, n, delta, dt, mech, nonce)
-    return _decode_signds(obj, limits, device, rnd, base, n, nonce)
+    if kind == "s":
+        if limits.mechanism is not None and limits.mechanism != SIGNDS:
+            raise PayloadRejected(
+                Reject.WRONG_MECHANISM,
+                f"a SignDS vote (k = 's'), but this job runs mechanism {limits.mechanism!r}",
+                field="k",
+            )
+        return _decode_signds(obj, limits, device, rnd, base, n, nonce)
+    mech = F.name_field(obj, "m", "mechanism") if "m" in obj else "none"
+    if mech == SIGNDS or (limits.mechanism is not None and mech != limits.mechanism):
+        expected = limits.mechanism if limits.mechanism is not None else "a dense mechanism"
+        raise PayloadRejected(
+            Reject.WRONG_MECHANISM,
+            f"field 'm' (mechanism) is {mech!r}{' (the default)' if 'm' not in obj else ''}; "
+            f"this job expects {expected!r} (the global message's mp.m)"
+            + ("; SignDS updates are votes of kind 's'" if mech == SIGNDS else ""),
+            field="m",
+        )
+    dt = _dtype(obj)
+    blob = F.get(obj, "x", bytes, "delta vector", "bin")
+    delta = _vector(blob, dt, limits.n_params, "x", "delta vector")
+    _plausible(delta, limits.max_abs, "x", "delta vector")
+    return DenseUpdate(device, rnd, base, n, delta, dt, mech, nonce)
 
 
 def _decode_signds(
@@ -401,24 +475,41 @@ def _decode_signds(
     n: int,
     nonce: bytes | None,
 ) -> SignDSUpdate:
-    from edge_fl.protocol.indices import IndexCodingError, decode_indices
-
-    flags = _int_field(obj, "sb", "sign/MagRR-bit flags", 0, 3)
+    flags = F.int_field(obj, "sb", "sign/MagRR-bit flags", 0, 3)
     sign, bit = (1 if flags & 1 else -1), (flags >> 1) & 1
-    count = _int_field(obj, "h", "index count", 1, limits.max_indices)
-    code = _int_field(obj, "c", "index coding", 0, 255)
-    tag = _CODING_TAG.get(code, f"code {code}")
-    blob = _field(obj, "ix", bytes, "indices")
+    count = F.int_field(obj, "h", "index count", 1, limits.max_indices)
+    if limits.signds_h is not None and count != limits.signds_h:
+        raise PayloadRejected(
+            Reject.WRONG_H,
+            f"field 'h' (index count) = {count}; the job's SignDS plan has h = "
+            f"{limits.signds_h} (the global message's mp.h)",
+            field="h",
+        )
+    if "c" not in obj:
+        raise F.missing("c", "index coding")
+    code = obj["c"]
+    if type(code) is not int:
+        raise F.bad_type("c", "index coding", code, "int")
+    if code not in CODINGS:
+        raise F.out_of_range(
+            "c", "index coding", code, "0 (bit-packing) or 1 (delta + LEB128 varints)"
+        )
+    blob = F.get(obj, "ix", bytes, "indices", "bin")
     try:
-        indices = decode_indices(tag, blob, limits.n_params, count, limits.max_indices)
+        indices = decode_indices(code, blob, limits.n_params, count, limits.max_indices)
     except IndexCodingError as exc:
-        raise PayloadRejected(Reject.BAD_INDICES, str(exc)) from None
+        raise PayloadRejected(
+            Reject.BAD_INDICES,
+            f"field 'ix' (indices, c = {code}) does not decode to {count} strictly ascending "
+            f"indices in [0, {limits.n_params}): {exc.reason}: {exc}",
+            field="ix",
+        ) from None
     return SignDSUpdate(device, rnd, base, n, sign, indices, bit, nonce)
 
 
 _SIGNED_KEYS = frozenset({"v", "k", "b", "sig"})
 _GLOBAL_KEYS = frozenset(
-    {"v", "k", "job", "ver", "rnd", "mode", "dt", "w", "dl", "cfg", "ts", "sel", "sd", "q"}
+    {"v", "k", "job", "ver", "rnd", "mode", "dt", "w", "dl", "cfg", "ts", "sel", "sd", "mp", "q"}
     | {"done", "nc"}
 )
 
@@ -439,15 +530,16 @@ def decode_global(
     ``WRONG_SHAPE``. Round/version freshness is :class:`edge_fl.protocol.window.GlobalWindow`'s.
     """
     obj = _unpack(payload, max_bytes)
-    kind = obj.get("k")
-    if kind == "gs" and type(kind) is str:
-        _check_keys(obj, _SIGNED_KEYS, "a signed global message")
-        body = _field(obj, "b", bytes, "signed body")
-        signature = _field(obj, "sig", bytes, "signature")
+    kind = _kind(obj, ("g", "gs"), "a global message")
+    if kind == "gs":
+        F.check_keys(obj, _SIGNED_KEYS, "a signed global message")
+        body = F.get(obj, "b", bytes, "signed body", "bin")
+        signature = F.get(obj, "sig", bytes, "signature", "bin")
         if len(signature) != SIGNATURE_BYTES:
             raise PayloadRejected(
                 Reject.BAD_SIGNATURE,
-                f"signature has {len(signature)} bytes, expected {SIGNATURE_BYTES}",
+                f"field 'sig' (signature) has {len(signature)} bytes, expected {SIGNATURE_BYTES}",
+                field="sig",
             )
         if verifier is not None:
             try:
@@ -456,76 +548,73 @@ def decode_global(
                 valid = False
             if not valid:
                 raise PayloadRejected(
-                    Reject.BAD_SIGNATURE, "the signature does not verify under the aggregator key"
+                    Reject.BAD_SIGNATURE,
+                    "the signature does not verify under the aggregator key over "
+                    "'edge-fl/global/v1\\x00' + b",
+                    field="sig",
                 )
         obj = _unpack(body, len(body))
         inner = obj.get("k")
         if inner != "g" or type(inner) is not str:
             raise PayloadRejected(
-                Reject.WRONG_KIND, f"signed body of kind {_describe(inner)}, not a global model"
+                Reject.WRONG_KIND,
+                f"the signed body has kind {F.describe(inner)}, not 'g' (a global model)",
+                field="b",
             )
-    elif kind == "g" and type(kind) is str:
-        if verifier is not None:
-            raise PayloadRejected(
-                Reject.UNSIGNED, "an unsigned global message where a signature is required"
-            )
-    else:
+    elif verifier is not None:
         raise PayloadRejected(
-            Reject.WRONG_KIND, f"kind {_describe(kind)} is not a global model (g or gs)"
+            Reject.UNSIGNED, "an unsigned global message (k = 'g') where a signature is required"
         )
     return _decode_global_body(obj, expected_dim)
 
 
 def _decode_global_body(obj: dict[str, Any], expected_dim: int | None) -> GlobalModel:
-    _check_keys(obj, _GLOBAL_KEYS, "a global message")
-    job = _name_field(obj, "job", "job id")
-    version = _int_field(obj, "ver", "version", 0, MAX_COUNTER)
-    rnd = _int_field(obj, "rnd", "round", 0, MAX_COUNTER)
-    mode = _field(obj, "mode", str, "mode")
+    F.check_keys(obj, _GLOBAL_KEYS, "a global message")
+    job = F.name_field(obj, "job", "job id")
+    version = F.int_field(obj, "ver", "version", 0, MAX_COUNTER)
+    rnd = F.int_field(obj, "rnd", "round", 0, MAX_COUNTER)
+    mode = F.get(obj, "mode", str, "mode", "str")
     if mode not in MODES:
-        raise PayloadRejected(
-            Reject.BAD_FIELD, f"field 'mode' = {_describe(mode)} is not one of {', '.join(MODES)}"
-        )
-    digest = _field(obj, "cfg", str, "config digest")
+        raise F.out_of_range("mode", "mode", mode, "one of " + ", ".join(map(repr, MODES)))
+    digest = F.get(obj, "cfg", str, "config digest", "str")
     if not _DIGEST.fullmatch(digest):
-        raise PayloadRejected(
-            Reject.BAD_FIELD,
-            f"field 'cfg' (config digest) = {_describe(digest)} is not 0-128 of A-Z a-z 0-9 _ . -",
+        raise F.out_of_range(
+            "cfg", "config digest", digest, "a str of 0-128 characters of A-Z a-z 0-9 _ . -"
         )
-    deadline = _number(
-        _field(obj, "dl", (int, float), "deadline"), "dl", "deadline", 0, MAX_DEADLINE_S
-    )
+    if "dl" not in obj:
+        raise F.missing("dl", "deadline in seconds")
+    deadline = F.number(obj["dl"], "dl", "deadline in seconds", 0, MAX_DEADLINE_S)
     issued = 0.0
     if "ts" in obj:
-        issued = _number(obj["ts"], "ts", "issue time", -math.inf, math.inf)
+        issued = F.number(
+            obj["ts"], "ts", "issue time", -math.inf, math.inf, hi_open=True, lo_open=True
+        )
     selected = _optional_selection(obj)
     state = _optional_state(obj)
     rate = None
     if "q" in obj:
-        rate = _number(obj["q"], "q", "sample rate", 0.0, 1.0)
-        if rate == 0.0:
-            raise PayloadRejected(Reject.BAD_FIELD, "sample rate 'q' = 0 is not in (0, 1]")
-    done = _field(obj, "done", bool, "done marker") if "done" in obj else False
+        rate = F.number(obj["q"], "q", "Poisson sample rate", 0.0, 1.0, lo_open=True)
+    done = F.boolean(obj, "done", "done marker") if "done" in obj else False
     nonce = _optional_nonce(obj)
-    dt = _field(obj, "dt", str, "wire dtype")
-    dtype = WIRE_DTYPES.get(dt)
-    if dtype is None:
-        raise PayloadRejected(
-            Reject.BAD_FIELD, f"field 'dt' (wire dtype) = {_describe(dt)} is unknown (use f4 or f2)"
-        )
-    blob = _field(obj, "w", bytes, "parameters")
+    dt = _dtype(obj)
+    dtype = WIRE_DTYPES[dt]
+    blob = F.get(obj, "w", bytes, "parameters", "bin")
     if len(blob) % dtype.itemsize or not blob:
         raise PayloadRejected(
             Reject.WRONG_SHAPE,
-            f"parameters 'w' have {len(blob)} bytes: not a non-empty multiple of {dtype.itemsize}",
+            f"field 'w' (parameters) has {len(blob)} bytes: not a non-empty multiple of "
+            f"{dtype.itemsize} ({dt})",
+            field="w",
         )
     n_params = len(blob) // dtype.itemsize
     if expected_dim is not None and n_params != expected_dim:
         raise PayloadRejected(
             Reject.WRONG_SHAPE,
-            f"parameters 'w' have {n_params} values; this model has {expected_dim}",
+            f"field 'w' (parameters) has {n_params} values; this model has {expected_dim}",
+            field="w",
         )
-    params = _vector(blob, dt, n_params, "parameters")
+    mp = check_mechanism_params(obj["mp"], n_params) if "mp" in obj else None
+    params = _vector(blob, dt, n_params, "w", "parameters")
     return GlobalModel(
         job=job,
         version=version,
@@ -541,51 +630,48 @@ def _decode_global_body(obj: dict[str, Any], expected_dim: int | None) -> Global
         done=done,
         issued_at=issued,
         nonce=nonce,
+        mechanism_params=mp,
     )
 
 
 def _optional_selection(obj: dict[str, Any]) -> tuple[str, ...] | None:
     if "sel" not in obj:
         return None
-    sel = _field(obj, "sel", list, "selection")
+    sel = F.get(obj, "sel", list, "selection", "array of str")
     for i, device in enumerate(sel):
-        if type(device) is not str or not _NAME.fullmatch(device):
-            raise PayloadRejected(
-                Reject.BAD_FIELD, f"field 'sel' entry {i} = {_describe(device)} is not a device id"
+        if type(device) is not str:
+            raise F.bad_type(f"sel[{i}]", "selected device id", device, "str")
+        if not F.NAME.fullmatch(device):
+            raise F.out_of_range(
+                f"sel[{i}]", "selected device id", device, f"a str of {F.NAME_DOMAIN}"
             )
-    if len(set(sel)) != len(sel):
-        raise PayloadRejected(Reject.BAD_FIELD, "field 'sel' (selection) names a device twice")
+    seen: set[str] = set()
+    for device in sel:
+        if device in seen:
+            raise F.out_of_range("sel", "selection", device, "distinct device ids (named twice)")
+        seen.add(device)
     return tuple(sel)
 
 
 def _scalar_map(value: Any, key: str, what: str, *, text: bool) -> dict[str, Any]:
     """A flat map of names to finite numbers and bools (and, with ``text``, short strings/nil)."""
     if type(value) is not dict:
-        raise PayloadRejected(
-            Reject.BAD_FIELD, f"field {key!r} ({what}) has type {type(value).__name__}, not map"
-        )
+        raise F.bad_type(key, what, value, "map")
     if len(value) > MAX_MAP_ENTRIES:
-        raise PayloadRejected(
-            Reject.BAD_FIELD,
-            f"field {key!r} ({what}) has {len(value)} entries (max {MAX_MAP_ENTRIES})",
-        )
+        raise F.out_of_range(key, what, value, f"at most {MAX_MAP_ENTRIES} entries")
     for name, item in value.items():
-        if type(name) is not str or not _NAME.fullmatch(name):
-            raise PayloadRejected(
-                Reject.BAD_FIELD, f"field {key!r} ({what}) has a bad key {_describe(name)}"
-            )
+        if type(name) is not str or not F.NAME.fullmatch(name):
+            raise F.out_of_range(key, f"{what} key", name, f"a str of {F.NAME_DOMAIN}")
+        sub = f"{key}.{name}"
         kind = type(item)
-        ok = (
-            kind is bool
-            or kind is int
-            or (kind is float and math.isfinite(item))
-            or (text and (item is None or (kind is str and len(item) <= MAX_INFO_STR)))
-        )
-        if not ok:
-            raise PayloadRejected(
-                Reject.BAD_FIELD,
-                f"field {key!r} ({what}) entry {name!r} = {_describe(item)} is not allowed",
-            )
+        if kind is float and not math.isfinite(item):
+            raise F.out_of_range(sub, what, item, "a finite number")
+        if text and kind is str and len(item) > MAX_INFO_STR:
+            raise F.out_of_range(sub, what, item, f"a str of at most {MAX_INFO_STR} characters")
+        allowed = (bool, int, float, str, type(None)) if text else (bool, int, float)
+        if kind not in allowed:
+            expected = "bool, int, float, str or nil" if text else "bool, int or float"
+            raise F.bad_type(sub, what, item, expected)
     return value
 
 
@@ -600,24 +686,50 @@ _STATUS_KEYS = frozenset({"v", "k", "dev", "on", "n", "i"})
 
 def decode_status(payload: bytes, topic_device: str | None = None) -> Status:
     obj = _unpack(payload, MAX_STATUS_BYTES)
-    kind = obj.get("k")
-    if kind != "st" or type(kind) is not str:
-        raise PayloadRejected(Reject.WRONG_KIND, f"kind {_describe(kind)} is not a status")
-    _check_keys(obj, _STATUS_KEYS, "a status")
-    device = _name_field(obj, "dev", "device id")
+    _kind(obj, ("st",), "a status")
+    F.check_keys(obj, _STATUS_KEYS, "a status")
+    device = F.name_field(obj, "dev", "device id")
     if topic_device is not None and device != topic_device:
         raise PayloadRejected(
-            Reject.TOPIC_MISMATCH, f"status of {device!r} on the topic of {topic_device!r}"
+            Reject.TOPIC_MISMATCH,
+            f"field 'dev' names device {device!r}, but it was published on the status topic of "
+            f"{topic_device!r}",
+            field="dev",
         )
-    online = _field(obj, "on", bool, "online flag")
-    n = _int_field(obj, "n", "sample count", 0, MAX_SAMPLES) if "n" in obj else 0
+    online = F.boolean(obj, "on", "online flag")
+    n = F.int_field(obj, "n", "sample count", 0, MAX_SAMPLES) if "n" in obj else 0
     info: dict[str, Any] = {}
     if "i" in obj:
         info = _scalar_map(obj["i"], "i", "status info", text=True)
-        stopped = info.get("stopped")
-        if "stopped" in info and (type(stopped) is not str or not stopped):
-            raise PayloadRejected(
-                Reject.BAD_FIELD,
-                f"status info 'stopped' = {_describe(stopped)} is not a non-empty reason",
-            )
+        if "stopped" in info:
+            stopped = info["stopped"]
+            if type(stopped) is not str:
+                raise F.bad_type("i.stopped", "why the device stopped", stopped, "str")
+            if not stopped:
+                raise F.out_of_range(
+                    "i.stopped", "why the device stopped", stopped, "a non-empty str"
+                )
     return Status(device, online, n, info)
+
+
+_ACK_KEYS = frozenset({"v", "k", "r", "ok", "why", "d"})
+
+
+def decode_ack(payload: bytes, topic_device: str | None = None) -> Ack:
+    """Decode an ack (what a device reads on ``ack/<device>``); strict like every decoder."""
+    obj = _unpack(payload, MAX_ACK_BYTES)
+    _kind(obj, ("a",), "an ack")
+    F.check_keys(obj, _ACK_KEYS, "an ack")
+    rnd = F.int_field(obj, "r", "round", 0, MAX_COUNTER) if "r" in obj else None
+    ok = F.boolean(obj, "ok", "accepted")
+    reason = None
+    if ok and "why" in obj:
+        raise F.out_of_range("why", "rejection reason", obj["why"], "absent when ok is true")
+    if not ok:
+        reason = F.name_field(obj, "why", "rejection reason")
+    detail = None
+    if "d" in obj:
+        detail = F.get(obj, "d", str, "detail", "str")
+        if len(detail) > MAX_ACK_DETAIL:
+            raise F.out_of_range("d", "detail", detail, f"at most {MAX_ACK_DETAIL} characters")
+    return Ack(topic_device or "", rnd, ok, reason, detail)

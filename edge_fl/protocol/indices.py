@@ -1,17 +1,24 @@
 """Compact coding of a strictly ascending index list for a known dimension d (SignDS uploads).
 
-Two codings; the encoder sends whichever is shorter (ties go to bit-packing):
+Two codings; the encoder sends whichever is shorter (ties go to bit-packing). On the wire the
+coding travels as the **integer** ``c`` of a SignDS update (:data:`CODINGS`):
 
-- ``"bp"`` bit-packing: every index in ``w = max(1, ceil(log2 d))`` bits, most significant bit
-  first, concatenated and zero-padded to a whole byte. Fixed size ``ceil(h w / 8)``.
-- ``"dv"`` delta + unsigned LEB128: the first index, then the gaps to the previous index, each as a
-  varint (7 bits per byte, low group first, high bit = "more bytes follow"). Small when indices
-  cluster or d is large relative to h.
+- ``c = 0`` (:data:`CODE_BITPACK`, internal name ``"bp"``) bit-packing: every index in
+  ``w = max(1, ceil(log2 d))`` bits, most significant bit first, concatenated and zero-padded to a
+  whole byte. Fixed size ``ceil(h w / 8)``.
+- ``c = 1`` (:data:`CODE_DELTA_VARINT`, internal name ``"dv"``) delta + unsigned LEB128: the first
+  index, then the gaps to the previous index, each as a varint (7 bits per byte, low group first,
+  high bit = "more bytes follow"). Small when indices cluster or d is large relative to h.
 
-The decoder trusts nothing: it rejects (never repairs or skips) an unknown tag, more indices than
-allowed, truncated input, trailing bytes or non-zero padding, over-long or non-minimal varints,
-out-of-range, duplicate or unsorted indices. Each rejection is an ``IndexCodingError`` whose
-``reason`` is one of ``REASONS``, so the aggregator can count rejections by cause.
+The short strings ``"bp"``/``"dv"`` are this module's names for logs and benchmarks only; they
+never travel. :func:`encode_indices_coded` returns the wire code, :func:`encode_indices` the name,
+and :func:`decode_indices` takes either.
+
+The decoder trusts nothing: it rejects (never repairs or skips) an unknown coding, more indices
+than allowed, truncated input, trailing bytes or non-zero padding, over-long or non-minimal
+varints, out-of-range, duplicate or unsorted indices. Each rejection is an ``IndexCodingError``
+whose ``reason`` is one of ``REASONS`` (the codec reports all of them as ``bad_indices``, with the
+sub-reason in the detail), so the aggregator can count rejections by cause.
 """
 
 from __future__ import annotations
@@ -21,6 +28,10 @@ from typing import Any
 import numpy as np
 
 __all__ = [
+    "CODES",
+    "CODE_BITPACK",
+    "CODE_DELTA_VARINT",
+    "CODINGS",
     "REASONS",
     "TAG_BITPACK",
     "TAG_DELTA_VARINT",
@@ -29,11 +40,16 @@ __all__ = [
     "encode_bitpack",
     "encode_delta_varint",
     "encode_indices",
+    "encode_indices_coded",
     "index_width",
 ]
 
 TAG_BITPACK = "bp"
 TAG_DELTA_VARINT = "dv"
+CODE_BITPACK = 0  # the wire value of ``c`` for bit-packing
+CODE_DELTA_VARINT = 1  # the wire value of ``c`` for delta + LEB128 varints
+CODINGS: dict[int, str] = {CODE_BITPACK: TAG_BITPACK, CODE_DELTA_VARINT: TAG_DELTA_VARINT}
+CODES: dict[str, int] = {tag: code for code, tag in CODINGS.items()}
 MAX_DIM = 2**32  # indices are uint32
 _MAX_VARINT_BYTES = 5  # ceil(32 / 7)
 
@@ -138,12 +154,21 @@ def encode_delta_varint(indices: Any, d: int) -> bytes:
 
 
 def encode_indices(indices: Any, d: int) -> tuple[str, bytes]:
-    """(tag, bytes) of the shorter coding; bit-packing on a tie (fixed size, cheaper to check)."""
+    """(name, bytes) of the shorter coding; bit-packing on a tie (fixed size, cheaper to check).
+
+    The name is ``"bp"`` or ``"dv"``; the wire carries ``CODES[name]`` (see
+    :func:`encode_indices_coded`)."""
     packed = encode_bitpack(indices, d)
     varint = encode_delta_varint(indices, d)
     if len(varint) < len(packed):
         return TAG_DELTA_VARINT, varint
     return TAG_BITPACK, packed
+
+
+def encode_indices_coded(indices: Any, d: int) -> tuple[int, bytes]:
+    """(wire code ``c``, bytes) of the shorter coding: what a SignDS update carries."""
+    tag, blob = encode_indices(indices, d)
+    return CODES[tag], blob
 
 
 # ---------------------------------------------------------------------------------------------
@@ -208,9 +233,13 @@ def _decode_delta_varint(buf: np.ndarray, count: int) -> np.ndarray:
     return np.cumsum(gaps, dtype=np.uint64)
 
 
-def decode_indices(tag: str, data: Any, d: int, count: int, max_count: int) -> np.ndarray:
-    """``count`` strictly ascending indices in [0, d) as uint32, or raise IndexCodingError."""
+def decode_indices(tag: str | int, data: Any, d: int, count: int, max_count: int) -> np.ndarray:
+    """``count`` strictly ascending indices in [0, d) as uint32, or raise IndexCodingError.
+
+    ``tag``: the wire code ``c`` (0 or 1) or the internal name (``"bp"`` or ``"dv"``)."""
     d = _check_dim(d)
+    if type(tag) is int:
+        tag = CODINGS.get(tag, f"code {tag}")
     for name, value in (("count", count), ("max_count", max_count)):
         if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < 0:
             raise IndexCodingError("bad_type", f"{name} = {value!r} is not an integer >= 0")
@@ -228,7 +257,8 @@ def decode_indices(tag: str, data: Any, d: int, count: int, max_count: int) -> n
     else:
         raise IndexCodingError(
             "bad_tag",
-            f"unknown index coding {tag!r} (expected {TAG_BITPACK!r} or {TAG_DELTA_VARINT!r})",
+            f"unknown index coding {tag!r} (expected c = {CODE_BITPACK} bit-packing or "
+            f"c = {CODE_DELTA_VARINT} delta-varint)",
         )
     _check_order(vals, d)
     return vals.astype(np.uint32)

@@ -23,20 +23,29 @@ def new_nonce() -> bytes:
 
 
 class Reject(StrEnum):
-    """Why an incoming update was not accepted; counted per reason in the round metrics."""
+    """Why a payload was not accepted; counted per reason in the round metrics and sent back to
+    the device in an :class:`Ack`. ``docs/protocol.md`` (section "Rejection reasons") is the
+    normative list; :data:`REJECT_MEANING` holds the same one-line meanings."""
 
+    # decided by the decoders (the payload alone, plus the job's UpdateLimits)
     OVERSIZED = "oversized"
     MALFORMED = "malformed"
     WRONG_VERSION = "wrong_version"
     WRONG_KIND = "wrong_kind"
-    BAD_FIELD = "bad_field"
+    MISSING_FIELD = "missing_field"
+    UNKNOWN_FIELD = "unknown_field"
+    BAD_TYPE = "bad_type"
+    OUT_OF_RANGE = "out_of_range"
+    BAD_DTYPE = "bad_dtype"
     WRONG_SHAPE = "wrong_shape"
     NON_FINITE = "non_finite"
+    IMPLAUSIBLE = "implausible"
     BAD_INDICES = "bad_indices"
     TOPIC_MISMATCH = "topic_mismatch"
     WRONG_MECHANISM = "wrong_mechanism"
-    UNSIGNED = "unsigned"  # a verifier was given and the global message carries no signature
-    BAD_SIGNATURE = "bad_signature"  # the signature does not verify under the aggregator's key
+    WRONG_H = "wrong_h"
+    UNSIGNED = "unsigned"
+    BAD_SIGNATURE = "bad_signature"
     # decided by the aggregation state, not the decoder:
     LATE = "late"
     FUTURE = "future"
@@ -44,16 +53,67 @@ class Reject(StrEnum):
     DUPLICATE = "duplicate"
     STALE = "stale"
     BUDGET_EXHAUSTED = "budget_exhausted"
-    WRONG_NONCE = "wrong_nonce"  # the update's nonce is not the one of the round it names
+    WRONG_NONCE = "wrong_nonce"
+    NORM_EXCEEDED = "norm_exceeded"
+
+
+#: one line per reason: what it means and what the sender should fix (docs/protocol.md repeats it)
+REJECT_MEANING: dict[Reject, str] = {
+    Reject.OVERSIZED: "the payload is larger than the limit for its message type",
+    Reject.MALFORMED: "not a msgpack map (invalid msgpack, trailing bytes, a repeated key, "
+    "a non-string key, or not a map at the top level)",
+    Reject.WRONG_VERSION: "'v' is absent, not an int, or not a schema version this peer speaks",
+    Reject.WRONG_KIND: "'k' is absent or names another message type than the topic carries",
+    Reject.MISSING_FIELD: "a required key is absent",
+    Reject.UNKNOWN_FIELD: "a key the schema of this message (version, kind) does not define",
+    Reject.BAD_TYPE: "a key's value has another msgpack type than the schema says",
+    Reject.OUT_OF_RANGE: "a value of the right type outside its domain (range, length, "
+    "pattern or allowed set)",
+    Reject.BAD_DTYPE: "'dt' names no known vector encoding (only f4 and f2 exist)",
+    Reject.WRONG_SHAPE: "a vector's byte length is not the model's dimension times the item size",
+    Reject.NON_FINITE: "a vector holds NaN or an infinity",
+    Reject.IMPLAUSIBLE: "a delta has a value beyond the plausibility bound (abs(x) > 1e4 by default): "
+    "almost always a byte-swapped (big-endian) or otherwise mis-encoded vector",
+    Reject.BAD_INDICES: "a SignDS index list that does not decode to h strictly ascending "
+    "indices in [0, d)",
+    Reject.TOPIC_MISMATCH: "the payload names another device than the topic it was published on",
+    Reject.WRONG_MECHANISM: "the update's kind or mechanism ('m') is not the job's",
+    Reject.WRONG_H: "a SignDS vote whose index count h is not the h of the job's SignDS plan",
+    Reject.UNSIGNED: "a device that holds the aggregator's key got an unsigned global message",
+    Reject.BAD_SIGNATURE: "the Ed25519 signature does not verify over the signed body",
+    Reject.LATE: "the update's round has closed (or is already full)",
+    Reject.FUTURE: "the update names a round or version that has not been issued",
+    Reject.NOT_SELECTED: "the device was not selected for that round",
+    Reject.DUPLICATE: "the device already delivered an update for that round (or version)",
+    Reject.STALE: "computed on an older model than the round's (sync) or staler than the job's "
+    "max_staleness (async)",
+    Reject.BUDGET_EXHAUSTED: "the device declared it has stopped (its privacy budget is spent)",
+    Reject.WRONG_NONCE: "'nc' is absent or not the nonce of the round (version) the update names",
+    Reject.NORM_EXCEEDED: "the delta's L2 norm exceeds the job's bound (gaussian-central's clip, "
+    "or the robust norm bound with on_excess = reject)",
+}
 
 
 class PayloadRejected(ValueError):
-    """A payload that must not touch aggregation state: a counted reason and a precise detail."""
+    """A payload that must not touch aggregation state: a counted reason and a precise detail.
 
-    def __init__(self, reason: Reject, detail: str) -> None:
+    ``field``: the offending key (dotted for nested maps, e.g. ``mp.h``) when one is to blame;
+    ``round``: the round the payload named, when it was read before the rejection (for an ack).
+    """
+
+    def __init__(
+        self,
+        reason: Reject,
+        detail: str,
+        *,
+        field: str | None = None,
+        round: int | None = None,
+    ) -> None:
         super().__init__(f"{reason.value}: {detail}")
         self.reason = reason
         self.detail = detail
+        self.field = field
+        self.round = round
 
 
 @dataclass(frozen=True)
@@ -74,6 +134,8 @@ class GlobalModel:
     done: bool = False  # the job is over: devices disconnect
     issued_at: float = 0.0  # aggregator wall clock, for latency metrics
     nonce: bytes | None = None  # the round's nonce; an update must echo it (signed with the model)
+    # public parameters of the job's mechanism (wire ``mp``; schema in edge_fl/protocol/params.py)
+    mechanism_params: dict | None = None
 
     def selects(self, device: str) -> bool:
         return self.selected is None or device in self._selected_set
@@ -126,3 +188,15 @@ class Status:
     online: bool
     n_samples: int = 0
     info: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Ack:
+    """The aggregator's optional answer to one update, on ``ack/<device>`` (only that device may
+    read it). ``round`` is None when the rejected payload carried no readable round."""
+
+    device: str
+    round: int | None
+    ok: bool
+    reason: str | None = None  # a Reject value (or "internal_error") when not ok
+    detail: str | None = None  # what exactly was wrong (or, when ok, what was adjusted)

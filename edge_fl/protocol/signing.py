@@ -48,6 +48,7 @@ from edge_fl.protocol.messages import GLOBAL_CONTEXT, SIGNATURE_BYTES
 
 __all__ = [
     "GLOBAL_CONTEXT",
+    "PRIVATE_SEED_BYTES",
     "PUBLIC_KEY_BYTES",
     "SIGNATURE_BYTES",
     "Signer",
@@ -59,6 +60,7 @@ __all__ = [
 ]
 
 PUBLIC_KEY_BYTES = 32
+PRIVATE_SEED_BYTES = 32
 PRIVATE_KEY_FILE = "aggregator_ed25519.pem"
 PUBLIC_KEY_FILE = "aggregator_ed25519.pub"
 _HEX_KEY = re.compile(r"^[0-9a-fA-F]{64}$")
@@ -190,6 +192,14 @@ class Signer:
     def generate(cls) -> Signer:
         """A fresh key pair (the OS CSPRNG)."""
         return cls(Ed25519PrivateKey.generate())
+
+    @classmethod
+    def from_seed(cls, seed: bytes) -> Signer:
+        """The key pair of a 32-byte RFC 8032 private seed. For test vectors and hardware-held
+        seeds; a production key comes from :meth:`generate` (never a guessable seed)."""
+        if not isinstance(seed, bytes | bytearray) or len(seed) != PRIVATE_SEED_BYTES:
+            raise SigningKeyError(f"an Ed25519 private seed is {PRIVATE_SEED_BYTES} raw bytes")
+        return cls(Ed25519PrivateKey.from_private_bytes(bytes(seed)))
 
     @classmethod
     def from_pem(cls, pem: bytes | str) -> Signer:

@@ -1,4 +1,7 @@
-"""MQTT topic names. One place, so ACLs, the aggregator and devices cannot disagree."""
+"""MQTT topic names. One place, so ACLs, the aggregator and devices cannot disagree.
+
+Normative table (QoS, retain, who publishes, who may read): docs/protocol.md, section "Topics".
+"""
 
 from __future__ import annotations
 
@@ -46,6 +49,10 @@ class Topics:
     def status(self, device: str) -> str:
         return f"{self.base}/status/{device}"
 
+    def ack(self, device: str) -> str:
+        """The aggregator's optional per-update answers to ``device`` (only it may read them)."""
+        return f"{self.base}/ack/{device}"
+
     @property
     def all_updates(self) -> str:
         return f"{self.base}/up/+"
@@ -55,7 +62,7 @@ class Topics:
         return f"{self.base}/status/+"
 
     def device_of(self, topic: str, kind: str) -> str | None:
-        """The device id of an ``up``/``status`` topic of this job, or None if it is not one."""
+        """The device id of an ``up``/``status``/``ack`` topic of this job, or None if not one."""
         head = f"{self.base}/{kind}/"
         if not topic.startswith(head):
             return None
