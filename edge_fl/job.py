@@ -140,8 +140,13 @@ class Job:
         )
         rng, _ = self.rng(STREAM_SELECT)
         p = self.cfg.privacy
+        m = self.mechanism
         limits = UpdateLimits(
-            self.model.n_params, p.signds.max_dim_out, frozenset({self.mechanism.wire_kind})
+            self.model.n_params,
+            p.signds.max_dim_out,
+            frozenset({m.wire_kind}),
+            mechanism=m.name,
+            signds_h=m.vote_size(),
         )
         privacy = PrivacyAccounting(self.mechanism, p.delta) if self.private else None
         core_class = AggregatorCore if r.mode == "sync" else AsyncAggregatorCore

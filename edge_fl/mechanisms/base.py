@@ -145,6 +145,10 @@ class Mechanism:
     def decode_state(self, data: Any) -> Any:
         return None
 
+    def vote_size(self) -> int | None:
+        """For vote updates (wire kind "s"): the exact number of indices every vote carries."""
+        return None
+
     def selection_rate(self) -> float | None:
         """Poisson rate q when devices select themselves with secret coins, else None."""
         return None
@@ -202,6 +206,20 @@ class Mechanism:
     def warnings(self) -> list[str]:
         """Settings that are valid but likely to disappoint (logged and kept in run.json)."""
         return []
+
+    def public_params(self) -> dict[str, Any]:
+        """What a device needs to run this mechanism, for the signed global message (``mp``,
+        docs/protocol.md): the local-training settings plus :meth:`public_extra`."""
+        from edge_fl.protocol import mechanism_params
+
+        f = self.facts
+        return mechanism_params(
+            self.name, lr=f.local_lr, ep=f.local_epochs, bs=f.batch_size, **self.public_extra()
+        )
+
+    def public_extra(self) -> dict[str, Any]:
+        """The mechanism's own public parameters (None values are left out)."""
+        return {}
 
 
 # ------------------------------------------------------------------------------------------

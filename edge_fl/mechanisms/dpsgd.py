@@ -102,5 +102,14 @@ class DpSgd(Mechanism):
             "by_dataset_size": per_size,
         }
 
+    def public_extra(self) -> dict[str, Any]:
+        c = self.cfg
+        return {
+            "clip": c.clip,
+            "z": c.noise_multiplier,
+            "q": c.sample_rate,
+            "L": self.max_exposures(),
+        }
+
 
 MECHANISM = DpSgd

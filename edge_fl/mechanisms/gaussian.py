@@ -52,6 +52,9 @@ class LocalGaussian(Mechanism):
             "max_uploads": self._cap,
         }
 
+    def public_extra(self) -> dict[str, Any]:
+        return {"clip": self.params.clip_norm, "z": self.params.noise_multiplier, "L": self._cap}
+
 
 def _calibrated(cfg: Any, rounds: int) -> float:
     if cfg.epsilon is None:

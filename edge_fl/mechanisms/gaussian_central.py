@@ -26,7 +26,7 @@ from edge_fl.mechanisms.base import (
 )
 from edge_fl.privacy.events import PrivacyEvent
 from edge_fl.privacy.gaussian import CentralGaussianConfig, calibrate_central_noise_multiplier
-from edge_fl.protocol import DenseUpdate, GlobalModel, Update
+from edge_fl.protocol import DenseUpdate, GlobalModel, PayloadRejected, Reject, Update
 
 
 class CentralGaussian(Mechanism):
@@ -97,6 +97,9 @@ class CentralGaussian(Mechanism):
             "rounds": self.facts.rounds,
         }
 
+    def public_extra(self) -> dict[str, Any]:
+        return {"clip": self.params.clip_norm, "z": self.params.noise_multiplier}
+
 
 @dataclass
 class CentralGaussianSum:
@@ -117,7 +120,10 @@ class CentralGaussianSum:
             raise TypeError(f"central Gaussian takes dense updates, got {type(update).__name__}")
         norm = float(np.linalg.norm(update.delta.astype(np.float64)))
         if norm > self.central.clip_norm * (1 + 1e-5):
-            raise ValueError(f"update norm {norm:.4g} exceeds the clip bound")
+            raise PayloadRejected(
+                Reject.NORM_EXCEEDED,
+                f"delta L2 norm {norm:.4g} exceeds the clip bound S = {self.central.clip_norm:g}",
+            )
         self._sum += update.delta
         self._count += 1
 

@@ -61,5 +61,16 @@ class Laplace(Mechanism):
             "max_exposures": self.max_exposures(),
         }
 
+    def public_extra(self) -> dict[str, Any]:
+        p = self.params
+        geometric = p.schedule == "geometric"
+        return {
+            "clip": p.clip_l1,
+            "eps": p.epsilon,
+            "L": p.rounds,
+            "sched": p.schedule,
+            "decay": p.decay if geometric else None,
+        }
+
 
 MECHANISM = Laplace

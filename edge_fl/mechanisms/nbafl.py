@@ -98,6 +98,15 @@ class NbAfl(Mechanism):
             ]
         return []
 
+    def public_extra(self) -> dict[str, Any]:
+        p = self.params
+        return {
+            "clip": p.clip_norm,
+            "sigma": p.sigma_uplink,
+            "L": p.exposures,
+            "mmin": p.min_dataset_size,
+        }
+
 
 @dataclass
 class NbAflFedAvg(FedAvg):

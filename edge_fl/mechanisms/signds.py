@@ -90,6 +90,9 @@ class SignDS(Mechanism):
             self.facts.n_params, state, self.magrr, self.params.global_lr, self.expected_n
         )
 
+    def vote_size(self) -> int:
+        return self.plan.h
+
     def initial_state(self) -> MagRRState:
         return MagRRState.initial(self.magrr)
 
@@ -117,6 +120,23 @@ class SignDS(Mechanism):
 
     def warnings(self) -> list[str]:
         return check_dimension(self.params, self.facts.n_params)
+
+    def public_extra(self) -> dict[str, Any]:
+        p, plan, r = self.params, self.plan, self.magrr
+        return {
+            "d": plan.d,
+            "k": p.k,
+            "eps": p.eps,
+            "rho": p.thr_ratio,
+            "hout": p.dim_out,
+            "hmax": p.max_dim_out,
+            "K": plan.topk,
+            "h": plan.h,
+            "nth": plan.nu_th,
+            "rr": r.rr_eps,
+            "r0": r.r_est0,
+            "glr": p.global_lr,
+        }
 
 
 @dataclass

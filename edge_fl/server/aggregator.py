@@ -28,13 +28,11 @@ from edge_fl.protocol import (
     new_nonce,
 )
 
-from .robust import NormBoundExceeded
 from .rounds import Decision, SyncRound
 
 log = logging.getLogger("edge_fl.aggregator")
 
 INTERNAL_ERROR = "internal_error"  # a payload hit a bug of ours: counted, logged, never fatal
-NORM_BOUND = "norm_bound"  # refused by the robust norm bound (robust.on_excess: reject)
 
 Evaluator = Callable[[np.ndarray], tuple[float, float]]  # params -> (accuracy, loss)
 
@@ -171,6 +169,8 @@ class AggregatorCore:
         self.current: SyncRound | None = None
         self.previous: SyncRound | None = None  # the round that closed last (late releases)
         self.refused: set[str] = set()  # devices of the open round whose update was refused
+        self.last_rejection: PayloadRejected | None = None  # its detail, for logs and acks
+        self.public_params: dict[str, Any] = self.mechanism.public_params()
         self.strategy: Strategy | None = None
         self.tally = RoundTally()
         self.records: list[dict[str, Any]] = []
@@ -287,6 +287,7 @@ class AggregatorCore:
             done=done,
             issued_at=now,
             nonce=None if done else self.current_nonce(),
+            mechanism_params=self.public_params,
         )
 
     def on_update(self, device: str, payload: bytes, *, counted: bool = False) -> Reject | None:
@@ -338,10 +339,11 @@ class AggregatorCore:
         assert self.strategy is not None
         try:
             self.strategy.add(update, rnd.weight(update.base_version))
-        except NormBoundExceeded:
-            self.tally.rejected[NORM_BOUND] += 1
-            self.refused.add(device)  # it answered: the round need not wait for it
-            return NORM_BOUND  # type: ignore[return-value]
+        except PayloadRejected as exc:  # e.g. the norm bound: the device answered, refused
+            self.tally.rejected[exc.reason] += 1
+            self.last_rejection = exc
+            self.refused.add(device)  # the round need not wait for it
+            return exc.reason
         except (TypeError, ValueError):
             self.tally.rejected[Reject.WRONG_MECHANISM] += 1
             return Reject.WRONG_MECHANISM

@@ -34,16 +34,19 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from edge_fl.protocol import DenseUpdate, Update
+from edge_fl.protocol import DenseUpdate, PayloadRejected, Reject, Update
 
 if TYPE_CHECKING:
     from edge_fl.config import RobustConfig
     from edge_fl.mechanisms.base import Mechanism, Strategy
 
 
-class NormBoundExceeded(ValueError):
-    """An update refused by the norm bound (``on_excess: reject``); a ValueError, so the core
-    counts it as a rejection and nothing changes."""
+class NormBoundExceeded(PayloadRejected):
+    """An update refused by the norm bound (``on_excess: reject``): counted by the core as
+    ``norm_exceeded``, and nothing changes."""
+
+    def __init__(self, detail: str) -> None:
+        super().__init__(Reject.NORM_EXCEEDED, detail)
 
 
 @dataclass(frozen=True)
