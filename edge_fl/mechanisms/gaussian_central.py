@@ -28,6 +28,11 @@ from edge_fl.privacy.events import PrivacyEvent
 from edge_fl.privacy.gaussian import CentralGaussianConfig, calibrate_central_noise_multiplier
 from edge_fl.protocol import DenseUpdate, GlobalModel, PayloadRejected, Reject, Update
 
+#: A delta clipped to S on the device may exceed S after float16 rounding (up to ~5e-4 relative):
+#: within this slack the aggregator projects it back onto the S-ball (the sum's sensitivity is S
+#: either way); beyond it the update is refused as norm_exceeded.
+ROUNDING_SLACK = 1e-3
+
 
 class CentralGaussian(Mechanism):
     name = "gaussian-central"
@@ -118,13 +123,16 @@ class CentralGaussianSum:
     def add(self, update: Update, weight: float) -> None:
         if not isinstance(update, DenseUpdate):
             raise TypeError(f"central Gaussian takes dense updates, got {type(update).__name__}")
-        norm = float(np.linalg.norm(update.delta.astype(np.float64)))
-        if norm > self.central.clip_norm * (1 + 1e-5):
+        delta = update.delta.astype(np.float64)
+        norm, bound = float(np.linalg.norm(delta)), self.central.clip_norm
+        if norm > bound * (1 + ROUNDING_SLACK):
             raise PayloadRejected(
                 Reject.NORM_EXCEEDED,
-                f"delta L2 norm {norm:.4g} exceeds the clip bound S = {self.central.clip_norm:g}",
+                f"delta L2 norm {norm:.4g} exceeds the clip bound S = {bound:g}",
             )
-        self._sum += update.delta
+        if norm > bound:  # float16/float32 rounding of a clipped delta: project onto the S-ball
+            delta *= bound / norm
+        self._sum += delta
         self._count += 1
 
     @property

@@ -174,3 +174,14 @@ def test_config_refusals(central, make_facts, make_mechanism):
     mech = central()
     assert isinstance(mech, CentralGaussian)
     assert mech.guarantee.relation == "add_or_remove_one" and mech.guarantee.unit == "device"
+
+
+def test_rounding_level_excess_is_projected_onto_the_clip_ball(central):
+    """A delta clipped to S and sent as float16 may come back a hair above S: the aggregator
+    projects it (the sum's sensitivity stays S) instead of refusing an honest device."""
+    mech = central()
+    v = np.random.default_rng(3).normal(size=21)
+    hair = S * (1 + 4e-4) * v / np.linalg.norm(v)
+    s = mech.new_strategy(None, 1.0, seeded_generator(5))
+    s.add(dense(hair), 1.0)
+    assert np.linalg.norm(s._sum) == pytest.approx(S, rel=1e-9)
