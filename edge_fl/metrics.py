@@ -1,15 +1,36 @@
 """Run records on disk: ``metrics.jsonl`` (one object per round), ``summary.json``, ``run.json``.
 
-JSONL is the primary record: appended and flushed per round, so a run cut short still leaves every
-round it finished. CSV and plots are derived from it by ``edge-fl report``.
+JSONL is the primary record: appended, flushed and fsynced per round, so a run cut short still
+leaves every round it finished. CSV and plots are derived from it by ``edge-fl report``.
+
+A write that fails (disk full, read-only or unwritable directory) raises :class:`OutputError`, one
+clear sentence naming the file and the OS's reason; a failed append is cut back to the last whole
+line, so ``metrics.jsonl`` never ends in half a record. When a run is resumed the file is read back,
+a torn last line (a crash mid-write) is dropped, and :meth:`RunRecorder.reconcile` makes it agree
+with the checkpoint (whose last record is the commit point of a round).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import math
+import os
 from pathlib import Path
 from typing import Any
+
+log = logging.getLogger("edge_fl.metrics")
+
+
+class OutputError(RuntimeError):
+    """An output file could not be written: disk full, read-only or unwritable directory."""
+
+    def __init__(self, path: str | os.PathLike[str], exc: OSError) -> None:
+        self.path = Path(path)
+        self.errno = exc.errno
+        reason = exc.strerror or str(exc) or type(exc).__name__
+        super().__init__(f"cannot write {self.path}: {reason}")
 
 
 def _clean(value: Any) -> Any:
@@ -23,9 +44,72 @@ def _clean(value: Any) -> Any:
     return value
 
 
+def _default(value: Any) -> Any:
+    """numpy scalars and anything else a record may carry."""
+    if hasattr(value, "item"):
+        return _clean(value.item())
+    return str(value)
+
+
+def dumps_record(record: dict[str, Any]) -> str:
+    """One record as one line of strict JSON (also what checkpoints store)."""
+    return json.dumps(_clean(record), allow_nan=False, default=_default)
+
+
+def fsync_dir(directory: Path) -> None:
+    """Make a rename or a new file in ``directory`` durable (best effort where unsupported)."""
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        with contextlib.suppress(OSError):
+            os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def atomic_write(path: Path, data: bytes) -> None:
+    """Write ``path`` whole or not at all (temp file, fsync, rename); OutputError on failure."""
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError as exc:
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)  # give back the space a partial temp file holds
+        raise OutputError(path, exc) from None
+    fsync_dir(path.parent)
+
+
 def write_json(path: Path, obj: Any) -> None:
-    """Standard JSON (no Infinity/NaN tokens: they become null)."""
-    path.write_text(json.dumps(_clean(obj), indent=2, allow_nan=False) + "\n")
+    """Standard JSON (no Infinity/NaN tokens: they become null), written atomically."""
+    text = json.dumps(_clean(obj), indent=2, allow_nan=False, default=_default) + "\n"
+    atomic_write(Path(path), text.encode())
+
+
+def _read_records(path: Path) -> tuple[list[dict[str, Any]], int, int]:
+    """Records of an existing metrics.jsonl, the byte length of its whole lines and its size.
+
+    Reading stops at the first line that is not a whole JSON object (a write torn by a crash)."""
+    data = path.read_bytes()
+    records: list[dict[str, Any]] = []
+    good = 0
+    for line in data.splitlines(keepends=True):
+        if not line.endswith(b"\n"):
+            break
+        try:
+            obj = json.loads(line)
+        except ValueError:
+            break
+        if not isinstance(obj, dict):
+            break
+        records.append(obj)
+        good += len(line)
+    return records, good, len(data)
 
 
 class RunRecorder:
@@ -36,12 +120,23 @@ class RunRecorder:
         self.out_dir = Path(out_dir) if out_dir else None
         self.records: list[dict[str, Any]] = []
         self._jsonl = None
-        if self.out_dir is not None:
+        if self.out_dir is None:
+            return
+        path = self.path = self.out_dir / "metrics.jsonl"
+        try:
             self.out_dir.mkdir(parents=True, exist_ok=True)
-            path = self.out_dir / "metrics.jsonl"
             if append and path.exists():
-                self.records = [json.loads(x) for x in path.read_text().splitlines() if x]
-            self._jsonl = path.open("a" if append else "w")
+                self.records, good, size = _read_records(path)
+                if good < size:
+                    log.warning(
+                        "%s: dropped %d bytes after the last whole record (a torn write)",
+                        path,
+                        size - good,
+                    )
+                    os.truncate(path, good)
+            self._jsonl = path.open("ab" if append else "wb", buffering=0)
+        except OSError as exc:
+            raise OutputError(getattr(exc, "filename", None) or path, exc) from None
 
     def write_meta(self, meta: dict[str, Any]) -> None:
         if self.out_dir is not None:
@@ -49,9 +144,47 @@ class RunRecorder:
 
     def add(self, record: dict[str, Any]) -> None:
         self.records.append(record)
-        if self._jsonl is not None:
-            self._jsonl.write(json.dumps(_clean(record)) + "\n")
-            self._jsonl.flush()
+        if self._jsonl is None:
+            return
+        fd = self._jsonl.fileno()
+        start = os.fstat(fd).st_size  # append mode: the line goes at the end
+        data = memoryview((dumps_record(record) + "\n").encode())
+        try:
+            while data:
+                data = data[os.write(fd, data) :]
+            os.fsync(fd)
+        except OSError as exc:
+            self.records.pop()
+            with contextlib.suppress(OSError):  # no half record left behind
+                os.ftruncate(fd, start)
+            raise OutputError(self.path, exc) from None
+
+    def reconcile(self, through_round: int, last_record: dict[str, Any] | None) -> list[str]:
+        """Make the records agree with a checkpoint that covers rounds up to ``through_round``.
+
+        A round is committed when its checkpoint is written (the checkpoint carries the round's
+        record); its metrics line follows. A crash or a full disk between the two leaves the line
+        missing: it is restored from the checkpoint. Lines beyond the checkpoint (not written by
+        this version's order) are dropped: those rounds are replayed from the journal."""
+        notes: list[str] = []
+        if self._jsonl is None:
+            return notes
+        ahead = [r for r in self.records if int(r.get("round", 0)) > through_round]
+        if ahead:
+            keep = [r for r in self.records if int(r.get("round", 0)) <= through_round]
+            self._jsonl.close()
+            text = "".join(dumps_record(r) + "\n" for r in keep)
+            atomic_write(self.path, text.encode())
+            self._jsonl = self.path.open("ab", buffering=0)
+            self.records = keep
+            notes.append(f"dropped {len(ahead)} metrics records beyond checkpointed round")
+        have = int(self.records[-1].get("round", 0)) if self.records else 0
+        if last_record is not None and have < through_round == int(last_record.get("round", -1)):
+            self.add(dict(last_record))
+            notes.append(
+                f"restored the metrics record of round {through_round} from the checkpoint"
+            )
+        return notes
 
     def summary(self, extra: dict[str, Any] | None = None) -> dict[str, Any]:
         closed = [r for r in self.records if r.get("status") != "skipped"]
@@ -78,8 +211,12 @@ class RunRecorder:
         if privacy:  # the ledger's final word (it also holds releases after the last round)
             summary["epsilon"], summary["accountant"] = privacy["epsilon"], privacy["accountant"]
         if self._jsonl is not None:
-            self._jsonl.close()
-            self._jsonl = None
+            try:
+                self._jsonl.close()
+            except OSError as exc:
+                raise OutputError(self.path, exc) from None
+            finally:
+                self._jsonl = None
         if self.out_dir is not None:
             write_json(self.out_dir / "summary.json", summary)
         return summary

@@ -17,8 +17,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from edge_fl.config import JobConfig
 from edge_fl.job import Job, build_job
-from edge_fl.metrics import RunRecorder
-from edge_fl.server.service import AggregatorService
+from edge_fl.metrics import OutputError, RunRecorder, write_json
+from edge_fl.server.service import AggregatorService, StopSignals
 from edge_fl.transport.broker import EmbeddedBroker
 from edge_fl.transport.url import BrokerSpec, parse_broker_url
 
@@ -69,8 +69,12 @@ async def run_job(
     *,
     progress: bool = False,
     fleet_hook: Any = None,
+    signals: StopSignals | None = None,
 ) -> dict[str, Any]:
-    """Aggregator and fleet on one event loop; returns the run summary."""
+    """Aggregator and fleet on one event loop; returns the run summary.
+
+    With ``signals``, SIGTERM/SIGINT stop the job cleanly: the open round is decided, the fleet is
+    told the job ended (and leaves), and the summary says ``stopped``."""
     cfg = job.cfg
     core = job.aggregator_core()
     t0 = time.perf_counter()
@@ -95,6 +99,7 @@ async def run_job(
         wait_for_devices_s=cfg.rounds.wait_for_devices_s,
         expected_devices=cfg.data.devices,
         on_record=on_record,
+        signals=signals,
     )
     fleet = job.fleet_runtime(spec)
     with bar:
@@ -109,14 +114,22 @@ async def run_job(
         timings["fleet_connected_s"] = round(time.perf_counter() - t0, 4)
         try:
             await aggregator
-        finally:
-            with contextlib.suppress(TimeoutError, asyncio.CancelledError):
-                await asyncio.wait_for(fleet_task, timeout=10)
-            if not fleet_task.done():
-                fleet_task.cancel()
+        except BaseException:
+            fleet_task.cancel()  # no done marker was published: the fleet would wait for one
+            with contextlib.suppress(BaseException):
+                await fleet_task
+            raise
+        with contextlib.suppress(TimeoutError, asyncio.CancelledError):
+            await asyncio.wait_for(fleet_task, timeout=10)
+        if not fleet_task.done():
+            fleet_task.cancel()
     timings["run_s"] = round(time.perf_counter() - t0, 4)
     if recorder.out_dir is not None:
-        job.export_model(core.params, recorder.out_dir / "model.onnx")
+        path = recorder.out_dir / "model.onnx"
+        try:
+            job.export_model(core.params, path)
+        except OSError as exc:
+            raise OutputError(path, exc) from None
     return recorder.close(
         {
             "mechanism": cfg.privacy.mechanism,
@@ -130,6 +143,7 @@ async def run_job(
             "stopped_devices": sum(1 for a in fleet.agents.values() if a.state.stopped_reason),
             "privacy": core.privacy.report() if core.privacy is not None else None,
             "ended_early": core.ended_early,
+            "stopped": service.stopped,
         }
     )
 
@@ -141,7 +155,25 @@ def simulate(
     progress: bool = False,
     fleet_hook: Any = None,
 ) -> dict[str, Any]:
-    """Run a whole simulation; the embedded broker unless ``cfg.broker.url`` is set."""
+    """Run a whole simulation; the embedded broker unless ``cfg.broker.url`` is set.
+
+    SIGTERM and SIGINT (from the main thread's point of view) stop it cleanly: the summary and
+    model are written, the fleet leaves, and the summary's ``stopped`` names the signal."""
+    signals = StopSignals().install()
+    try:
+        return _simulate(cfg, out_dir, progress=progress, fleet_hook=fleet_hook, signals=signals)
+    finally:
+        signals.restore()
+
+
+def _simulate(
+    cfg: JobConfig,
+    out_dir: str | Path | None,
+    *,
+    progress: bool,
+    fleet_hook: Any,
+    signals: StopSignals,
+) -> dict[str, Any]:
     t_start = time.perf_counter()
     job = build_job(cfg)
     recorder = RunRecorder(out_dir)
@@ -164,12 +196,10 @@ def simulate(
             timings["broker_ready_s"] = round(time.perf_counter() - t_start, 4)
         recorder.write_meta(meta)
         summary = asyncio.run(
-            run_job(job, spec, recorder, progress=progress, fleet_hook=fleet_hook)
+            run_job(job, spec, recorder, progress=progress, fleet_hook=fleet_hook, signals=signals)
         )
     summary["timings"] = {**timings, **summary.get("timings", {})}
     summary["timings"]["total_s"] = round(time.perf_counter() - t_start, 4)
     if out_dir:
-        from edge_fl.metrics import write_json
-
         write_json(Path(out_dir) / "summary.json", summary)
     return summary

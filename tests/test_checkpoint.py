@@ -29,12 +29,19 @@ def signds_core():
     return job, core
 
 
+def h_of(core) -> int:
+    """The index count h of the job's SignDS plan (what the aggregator admits)."""
+    return getattr(core.limits, "signds_h", None) or 10
+
+
 def play_round(core, now):
     msg = core.open_round(now)
     d = len(core.params)
     for k, dev in enumerate(msg.selected):
-        idx = np.sort(np.random.default_rng(k).choice(d, 10, replace=False)).astype(np.uint32)
-        upd = SignDSUpdate(dev, msg.round, msg.version, 30, 1 if k % 2 else -1, idx, k % 2)
+        idx = np.sort(np.random.default_rng(k).choice(d, h_of(core), replace=False))
+        idx = idx.astype(np.uint32)
+        sign = 1 if k % 2 else -1
+        upd = SignDSUpdate(dev, msg.round, msg.version, 30, sign, idx, k % 2, nonce=msg.nonce)
         assert core.on_update(dev, encode_update(upd, dim=d)) is None
     return core.close_round(now + 1, 1.0)
 
@@ -68,3 +75,106 @@ def test_missing_checkpoint_is_a_clear_error(tmp_path):
     _, core = signds_core()
     with pytest.raises(ValueError, match="cannot read the checkpoint"):
         load_checkpoint(core, tmp_path / "nowhere")
+
+
+def test_a_late_update_after_resume_is_charged_like_without_the_restart(tmp_path):
+    """The round that closed last is part of the checkpoint: a late update for it that arrives
+    after a restart is still a release (it was one), as it would have been without the restart."""
+    _, core = signds_core()
+    msg = core.open_round(0.0)
+    d = len(core.params)
+    late_dev = msg.selected[-1]
+    for k, dev in enumerate(msg.selected[:-1]):
+        idx = np.sort(np.random.default_rng(k).choice(d, h_of(core), replace=False))
+        idx = idx.astype(np.uint32)
+        assert (
+            core.on_update(
+                dev, encode_update(SignDSUpdate(dev, 1, 0, 30, 1, idx, 0, nonce=msg.nonce), dim=d)
+            )
+            is None
+        )
+    core.close_round(1.0, 1.0)
+    save_checkpoint(core, tmp_path)
+    _, resumed = signds_core()
+    load_checkpoint(resumed, tmp_path)
+    idx = np.arange(h_of(core), dtype=np.uint32)
+    late = encode_update(SignDSUpdate(late_dev, 1, 0, 30, 1, idx, 0, nonce=msg.nonce), dim=d)
+    assert core.on_update(late_dev, late) == resumed.on_update(late_dev, late) == "late"
+    assert resumed.releases == core.releases and (late_dev, 1, 30) in resumed.releases
+    assert resumed.privacy.metrics() == core.privacy.metrics()
+
+
+def test_disk_full_leaves_the_previous_checkpoint(tmp_path, monkeypatch):
+    import errno
+    import os
+
+    from edge_fl.metrics import OutputError
+
+    _, core = signds_core()
+    play_round(core, 0.0)
+    save_checkpoint(core, tmp_path)
+    play_round(core, 1.0)
+    real_fsync = os.fsync
+
+    def full(fd):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(os, "fsync", full)
+    with pytest.raises(OutputError, match=r"cannot write .*checkpoint.*: No space left on device"):
+        save_checkpoint(core, tmp_path)
+    monkeypatch.setattr(os, "fsync", real_fsync)
+    assert not list(tmp_path.glob("*.tmp"))  # no partial temp file holds the space
+    _, resumed = signds_core()
+    load_checkpoint(resumed, tmp_path)
+    assert resumed.round_number == 1  # the previous, complete checkpoint
+
+
+def test_a_crash_between_the_two_files_leaves_the_previous_checkpoint(tmp_path, monkeypatch):
+    from edge_fl.server import checkpoint
+
+    _, core = signds_core()
+    play_round(core, 0.0)
+    save_checkpoint(core, tmp_path)
+    params_1 = core.params.copy()
+    play_round(core, 1.0)
+    real = checkpoint.atomic_write
+
+    def crash_on_state(path, data):
+        if path.name == "checkpoint.json":
+            raise KeyboardInterrupt  # the process dies after the new parameters file
+        real(path, data)
+
+    monkeypatch.setattr(checkpoint, "atomic_write", crash_on_state)
+    with pytest.raises(KeyboardInterrupt):
+        save_checkpoint(core, tmp_path)
+    monkeypatch.undo()
+    _, resumed = signds_core()
+    load_checkpoint(resumed, tmp_path)
+    assert resumed.round_number == 1
+    np.testing.assert_array_equal(resumed.params, params_1)
+    save_checkpoint(core, tmp_path)  # the next checkpoint removes the orphan
+    assert len(list(tmp_path.glob("checkpoint*.npy"))) == 1
+
+
+def test_generator_states_only_for_seeded_runs(tmp_path):
+    """A resumed reproducible run selects as an uninterrupted one; the production CSPRNG's state
+    is never written to disk (it would predict every later selection and noise draw)."""
+    import json
+
+    job = build_job(load_config(None, {**OVERRIDES, "rounds.clients_per_round": 2}))
+    core = job.aggregator_core()
+    for i in range(4):
+        core.on_status(f"d{i:05d}", encode_status(Status(f"d{i:05d}", True, 30)))
+    core.open_round(0.0)
+    core.close_round(1.0, 1.0)
+    save_checkpoint(core, tmp_path)
+    resumed = job.aggregator_core()
+    load_checkpoint(resumed, tmp_path)
+    for c in (core, resumed):
+        for i in range(4):
+            c.on_status(f"d{i:05d}", encode_status(Status(f"d{i:05d}", True, 30)))
+    assert resumed.open_round(2.0).selected == core.open_round(2.0).selected
+    secure = build_job(load_config(None, {**OVERRIDES, "reproducible": False})).aggregator_core()
+    save_checkpoint(secure, tmp_path / "secure")
+    state = json.loads((tmp_path / "secure" / "checkpoint.json").read_text())
+    assert state["rng"] is None and state["noise_rng"] is None

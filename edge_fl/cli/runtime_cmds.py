@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import sys
 
 import click
@@ -23,33 +24,102 @@ def _parse_shard(shard: str, n_devices: int) -> range:
 @click.command()
 @_common_job_options
 @click.option("--out", type=click.Path(file_okay=False), help="records, checkpoints, model.onnx")
-@click.option("--resume", is_flag=True, help="continue from the checkpoint in --out")
+@click.option(
+    "--resume", is_flag=True, help="continue from the checkpoint and journal in --out (if any)"
+)
 def aggregator(out, resume, verbose, config, **kw) -> None:
-    """Run the aggregator against a broker (devices run elsewhere)."""
+    """Run the aggregator against a broker (devices run elsewhere).
+
+    With --out, every round is checkpointed and everything accepted in between is journaled, so
+    `--resume` after a crash (even kill -9) continues with nothing lost or counted twice. SIGTERM
+    and SIGINT stop cleanly: the open round is decided, summary.json, model.onnx and the
+    checkpoint are written, devices are told the job ended, and the exit status is 0."""
+    from edge_fl.server.service import StopSignals
+
+    signals = StopSignals().install()  # from here on, SIGTERM/SIGINT mean "stop cleanly"
     _logging(verbose or 1)
     cfg = _load(config, _overrides(kw))
     if not cfg.broker.url:
         _fail("the aggregator needs --broker (or broker.url in the config)")
+    if resume and not out:
+        _fail("--resume needs --out DIR (where the checkpoint is)")
+    from edge_fl.metrics import OutputError
+
+    try:
+        _run_aggregator(cfg, out, resume, signals)
+    except OutputError as exc:  # disk full, read-only or unwritable output: one line
+        _fail(str(exc))
+    finally:
+        signals.restore()
+
+
+def _run_aggregator(cfg, out, resume, signals) -> None:
     from edge_fl.job import build_job
-    from edge_fl.metrics import RunRecorder
+    from edge_fl.metrics import OutputError, RunRecorder
     from edge_fl.server.service import AggregatorService
     from edge_fl.transport.url import parse_broker_url
 
+    if out and not resume:
+        _refuse_unfinished(out)
     job = build_job(cfg)
     recorder = RunRecorder(out, append=resume)
-    if not resume:
-        recorder.write_meta(job.metadata())
     core = job.aggregator_core()
+    journal = resumed = None
     if resume:
-        if not out:
-            _fail("--resume needs --out DIR (where the checkpoint is)")
-        from edge_fl.server.checkpoint import load_checkpoint
+        from edge_fl.server.journal import resume as resume_core
 
         try:
-            load_checkpoint(core, out)
+            resumed = resume_core(core, out)
         except ValueError as exc:
             _fail(str(exc))
-        click.echo(f"resumed at round {core.round_number}, model version {core.version}")
+        if resumed.checkpoint_round is None and not resumed.records:
+            click.echo(f"nothing to resume in {out}: starting the job from round 1")
+        else:
+            for note in recorder.reconcile(core.round_number, resumed.last_record):
+                click.echo(f"metrics: {note}")
+            where = resumed.checkpoint_round or 0
+            click.echo(
+                f"resumed at round {where}, model version {core.version}; {resumed.describe()}"
+            )
+    if not (out and resume and (recorder.out_dir / "run.json").exists()):
+        recorder.write_meta(job.metadata())
+    if out:
+        from edge_fl.server.journal import Journal
+
+        journal = Journal.start(
+            out,
+            job=cfg.job,
+            digest=cfg.digest(),
+            after=resumed.journal_seq if resumed else 0,
+            records=resumed.records if resumed else None,
+        )
+    finished: dict = {}
+
+    def finish() -> None:
+        """summary.json and model.onnx, once: before devices are told the job ended."""
+        if finished:
+            return
+        finished["summary"] = recorder.close(
+            {
+                "privacy": core.privacy.report() if core.privacy else None,
+                "ended_early": core.ended_early,
+                "stopped": service.stopped,
+                "journal": dict(service.stats) | _journal_stats(journal, resumed),
+            }
+        )
+        if out:  # whole or not at all: exported beside it, then renamed
+            import os
+
+            final = recorder.out_dir / "model.onnx"
+            partial = recorder.out_dir / "model.onnx.partial"
+            try:
+                job.export_model(core.params, partial)
+                os.replace(partial, final)
+            except OSError as exc:
+                with contextlib.suppress(OSError):
+                    partial.unlink(missing_ok=True)
+                raise OutputError(final, exc) from None
+
     service = AggregatorService(
         core,
         parse_broker_url(cfg.broker.url),
@@ -58,15 +128,59 @@ def aggregator(out, resume, verbose, config, **kw) -> None:
         expected_devices=cfg.data.devices,
         on_record=lambda r: (recorder.add(r), click.echo(_line(r))),
         checkpoint_dir=out,
+        journal=journal,
+        on_finish=finish,
+        signals=signals,
+        resumed_payload=resumed.open_payload if resumed else None,
     )
     try:
         asyncio.run(service.run())
+    except OutputError:
+        raise
     except (RuntimeError, ValueError) as exc:
+        try:
+            finish()  # what the run did is still worth its summary and model
+        except OutputError as write_exc:
+            click.echo(f"edge-fl: error: {write_exc}", err=True)
         _fail(str(exc))
     finally:
-        recorder.close({"privacy": core.privacy.report() if core.privacy else None})
-        if out:
-            job.export_model(core.params, recorder.out_dir / "model.onnx")
+        if journal is not None:
+            journal.close()
+    if service.stopped is not None:
+        click.echo(
+            f"stopped on {service.stopped} after round {core.round_number}"
+            + ("" if service.done_published else " (devices were not told: no broker)")
+        )
+
+
+def _refuse_unfinished(out: str) -> None:
+    """Starting afresh over a job that did not finish would discard its checkpoint and journal
+    (accepted updates, ledger releases): that takes --resume, or another --out."""
+    from pathlib import Path
+
+    from edge_fl.server.checkpoint import STATE
+    from edge_fl.server.journal import JOURNAL, read_journal
+
+    d = Path(out)
+    if not d.is_dir() or (d / "summary.json").exists():
+        return  # nothing there yet, or a finished job: starting again over it is allowed
+    state = d / STATE
+    if state.exists() or read_journal(d / JOURNAL).records:
+        what = "a checkpoint" if state.exists() else "a journal of accepted updates"
+        _fail(
+            f"{out} holds an unfinished job ({what}): continue it with --resume, or use "
+            "another --out"
+        )
+
+
+def _journal_stats(journal, resumed) -> dict:
+    out = {}
+    if journal is not None:
+        out["records"] = journal.appended
+        out["fsyncs"] = journal.syncs
+    if resumed is not None:
+        out["replayed"] = len(resumed.records)
+    return out
 
 
 def _line(r: dict) -> str:

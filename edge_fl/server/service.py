@@ -2,9 +2,21 @@
 
 It subscribes to updates and statuses, feeds payload bytes to :class:`AggregatorCore`, drives
 round deadlines with the event loop's clock, publishes the retained global model and one metrics
-record per round. If the broker vanishes it reconnects with a persistent session (QoS 1 updates queued by the
-broker meanwhile are delivered then) and republishes the open round; the core's state, and so every
-accepted update, survives the outage.
+record per round. If the broker vanishes it reconnects with a persistent session (QoS 1 updates
+queued by the broker meanwhile are delivered then) and republishes the open round; the core's
+state, and so every accepted update, survives the outage.
+
+Crash safety (with ``checkpoint_dir`` and a :class:`~edge_fl.server.journal.Journal`): every
+accepted update, every other ledger release and every round opened is journaled before the MQTT
+message that caused it is acknowledged (the service acknowledges QoS 1 messages itself, after the
+journal's fsync, instead of paho doing it on receipt); a round is committed by its checkpoint, then
+its metrics line, then a fresh journal. A ``kill -9`` at any point loses nothing: what was
+journaled is replayed on ``--resume``, what was not was not acknowledged and the broker delivers it
+again to the persistent session.
+
+Clean stop: :meth:`request_stop` (SIGTERM/SIGINT through :class:`StopSignals`) stops accepting,
+closes the open round if it has what it needs (else records it skipped), commits it, runs
+``on_finish`` (summary, model) and publishes the done marker, so devices see the end of the job.
 """
 
 from __future__ import annotations
@@ -13,13 +25,15 @@ import asyncio
 import contextlib
 import json
 import logging
+import signal
 import time
+from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
 import aiomqtt
 
-from edge_fl.protocol import Topics, encode_global
+from edge_fl.protocol import Reject, Topics, encode_global
 from edge_fl.transport.url import BrokerSpec
 
 from .aggregator import AggregatorCore
@@ -29,12 +43,77 @@ log = logging.getLogger("edge_fl.aggregator")
 
 RecordCallback = Callable[[dict[str, Any]], None]
 
+#: at most this many received messages wait for one journal fsync before their acknowledgements
+ACK_BATCH = 256
+#: a round that could end early because its remaining devices went offline waits this long first:
+#: a dying broker publishes every device's last will just before the connection drops, and those
+#: "offline" statuses must not skip a round the devices are still working on
+STATUS_SETTLE_S = 0.5
+
 
 class BrokerUnavailable(RuntimeError):
     """The broker could not be reached within the retry budget."""
 
 
+class StopSignals:
+    """SIGTERM and SIGINT as a clean-stop request, from process start to the end of the job.
+
+    ``install()`` (before the event loop runs) only remembers a signal; ``attach(loop, stop)``
+    hands it, and every later one, to ``stop(name)`` on the loop; ``restore()`` puts the previous
+    handlers back. A second signal while stopping changes nothing: the stop is already bounded."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+    def __init__(self) -> None:
+        self.received: str | None = None
+        self._previous: dict[int, Any] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    def install(self) -> StopSignals:
+        for sig in self.SIGNALS:
+            with contextlib.suppress(ValueError, OSError):  # not the main thread
+                self._previous[sig] = signal.signal(sig, self._remember)
+        return self
+
+    def _remember(self, signum: int, _frame: Any) -> None:
+        self.received = self.received or signal.Signals(signum).name
+
+    def attach(self, loop: asyncio.AbstractEventLoop, stop: Callable[[str], None]) -> None:
+        def fire(sig: signal.Signals) -> None:
+            self.received = self.received or sig.name
+            stop(sig.name)
+
+        for sig in self.SIGNALS:
+            with contextlib.suppress(ValueError, RuntimeError, NotImplementedError):
+                loop.add_signal_handler(sig, fire, sig)
+        self._loop = loop
+        if self.received is not None:  # it came before the loop ran
+            loop.call_soon(stop, self.received)
+
+    def detach(self) -> None:
+        if self._loop is not None:
+            for sig in self.SIGNALS:
+                with contextlib.suppress(Exception):
+                    self._loop.remove_signal_handler(sig)
+            self._loop = None
+        for sig in self.SIGNALS:  # remove_signal_handler left SIG_DFL: keep remembering
+            if sig in self._previous:
+                with contextlib.suppress(ValueError, OSError):
+                    signal.signal(sig, self._remember)
+
+    def restore(self) -> None:
+        self.detach()
+        for sig, handler in self._previous.items():
+            with contextlib.suppress(ValueError, OSError, TypeError):
+                signal.signal(sig, handler)
+        self._previous.clear()
+
+
 class AggregatorService:
+    #: acknowledge QoS 1 messages after they are processed and journaled (False: paho acks on
+    #: receipt, the pre-journal behaviour; only the chaos tool's comparison sets it)
+    ack_after_processing = True
+
     def __init__(
         self,
         core: AggregatorCore,
@@ -47,6 +126,10 @@ class AggregatorService:
         reconnect_attempts: int = 10,
         client_id: str | None = None,
         checkpoint_dir: str | None = None,
+        journal: Any = None,  # edge_fl.server.journal.Journal
+        on_finish: Callable[[], None] | None = None,
+        signals: StopSignals | None = None,
+        resumed_payload: bytes | None = None,
     ) -> None:
         self.core = core
         self.spec = spec
@@ -56,22 +139,57 @@ class AggregatorService:
         self.on_record = on_record or (lambda _r: None)
         self.reconnect_attempts = reconnect_attempts
         self.checkpoint_dir = checkpoint_dir
+        self.journal = journal
+        self.on_finish = on_finish
+        self.signals = signals
         self.client_id = client_id or f"edgefl-{topics.job}-aggregator"
         self._wake = asyncio.Event()
-        self._global_payload: bytes | None = None
+        self._global_payload: bytes | None = resumed_payload
         self._client: aiomqtt.Client | None = None
         self._round_started = 0.0
+        self._settle_until: float | None = None
+        self._pending_acks: list[tuple[int, int]] = []
+        self._resumed_round = core.current is not None  # rebuilt from the journal
+        self._finished = False
+        self.stopped: str | None = None  # the signal (or reason) a clean stop was asked for
+        self.done_published = False
+        self.stats: Counter = Counter()  # journaled, duplicates (re-deliveries absorbed), ...
         self.connected = asyncio.Event()
 
     # ---------------------------------------------------------------- plumbing
+
+    def request_stop(self, reason: str = "stop") -> None:
+        """Stop cleanly: decide the open round, commit it, finish and publish the done marker."""
+        if self.stopped is None:
+            log.warning("%s: deciding the open round and stopping", reason)
+            self.stopped = reason
+        self._wake.set()
 
     def _dispatch(self, message: aiomqtt.Message) -> None:
         topic = str(message.topic)
         payload = message.payload if isinstance(message.payload, bytes | bytearray) else b""
         if (device := self.topics.device_of(topic, "up")) is not None:
-            reason = self.core.on_update(device, bytes(payload))
+            core = self.core
+            before = len(core.releases)
+            reason = core.on_update(device, bytes(payload))
+            new = core.releases[before:]
+            if self.journal is not None:
+                if reason is None:  # replaying the bytes re-folds it and re-records its release
+                    rec = core.devices.get(device)
+                    declared = rec.n_samples if rec is not None else None
+                    self.journal.append("accept", d=device, p=bytes(payload), dn=declared)
+                    self.stats["journaled"] += 1
+                for d, r, n in new if reason is not None else ():
+                    self.journal.append("release", d=d, r=int(r), n=int(n))
+                    self.stats["journaled"] += 1
             if reason is not None:
-                log.debug("update from %s rejected: %s", device, reason)
+                if not new and reason in (Reject.DUPLICATE, Reject.LATE):
+                    # (device, round) is in the ledger already: a QoS 1 re-delivery, typically
+                    # of a message journaled but not acknowledged before a restart
+                    self.stats["duplicates"] += 1
+                    log.info("update from %s already in the ledger (%s)", device, reason)
+                else:
+                    log.debug("update from %s rejected: %s", device, reason)
             else:
                 # any accepted update may end the round: the target, or the last one that can
                 # still come (decide() knows which devices stopped or went offline)
@@ -80,16 +198,33 @@ class AggregatorService:
             self.core.on_status(device, bytes(payload))
             self._wake.set()
 
+    def _flush(self) -> None:
+        """Journal to disk, then acknowledge the messages whose effects it holds."""
+        if self.journal is not None:
+            self.journal.sync()
+        client = self._client
+        if client is not None and self.ack_after_processing:
+            for mid, qos in self._pending_acks:
+                client._client.ack(mid, qos)  # paho's manual acknowledgement
+        self._pending_acks.clear()
+
     async def _reader(self, client: aiomqtt.Client) -> None:
         async for message in client.messages:
+            if self.stopped is not None and self.topics.device_of(str(message.topic), "up"):
+                continue  # stopping: not accepted, not acknowledged (a resumed job gets it)
             self._dispatch(message)
+            if message.qos > 0:
+                self._pending_acks.append((message.mid, message.qos))
+            # group commit: one fsync for every message already queued behind this one
+            if len(client.messages) == 0 or len(self._pending_acks) >= ACK_BATCH:
+                self._flush()
 
     async def _publish_global(self, client: aiomqtt.Client) -> None:
         if self._global_payload is not None:
             await client.publish(self.topics.global_model, self._global_payload, qos=1, retain=True)
 
     async def _sleep_until(self, deadline: float | None) -> None:
-        """Wait for a wake-up (update, status) or until ``deadline`` on the loop clock."""
+        """Wait for a wake-up (update, status, stop) or until ``deadline`` on the loop clock."""
         self._wake.clear()
         timeout = None if deadline is None else max(0.0, deadline - self._now())
         with contextlib.suppress(TimeoutError):
@@ -106,28 +241,103 @@ class AggregatorService:
         want = self.expected_devices or self.core.settings.n_select
         need = min(want, self.core.settings.n_select)
         until = self._now() + self.wait_for_devices_s
-        while self._now() < until and (
-            len(self.core.devices) < want or len(self.core.available()) < need
+        while (
+            self.stopped is None
+            and self._now() < until
+            and (len(self.core.devices) < want or len(self.core.available()) < need)
         ):
             if len(self.core.devices) >= want and len(self.core.available()) >= max(
                 1, self.core.settings.min_updates
             ):
                 break  # everyone reported; fewer are available than we would like: go
             await self._sleep_until(until)
-        if len(self.core.available()) < self.core.settings.min_updates:
+        if self.stopped is None and len(self.core.available()) < self.core.settings.min_updates:
             raise RuntimeError(
                 f"only {len(self.core.available())} devices online after "
                 f"{self.wait_for_devices_s:.0f}s; a round needs at least "
                 f"{self.core.settings.min_updates}"
             )
 
+    async def _await_statuses(self) -> None:
+        """A round rebuilt from the journal decides on device availability: first let the
+        retained statuses arrive (each device's is delivered on subscribing)."""
+        want = self.expected_devices or self.core.settings.n_select
+        until = self._now() + min(self.wait_for_devices_s, 10.0)
+        while self.stopped is None and len(self.core.devices) < want and self._now() < until:
+            await self._sleep_until(until)
+
+    def _commit(self, record: dict[str, Any]) -> None:
+        """Make a closed round durable: checkpoint (the commit point, carrying the record), then
+        the metrics line, then a fresh journal. Synchronous: nothing is dispatched in between."""
+        if self.checkpoint_dir is not None:
+            from .checkpoint import save_checkpoint
+
+            seq = self.journal.seq if self.journal is not None else 0
+            save_checkpoint(self.core, self.checkpoint_dir, journal_seq=seq, last_record=record)
+        self.on_record(record)
+        if self.journal is not None:
+            self.journal.rotate()
+        self._flush()  # whatever the journal held is in the checkpoint: acknowledge it
+
+    def _open_round(self, now: float) -> bool:
+        """Open the next round and journal it (on disk before any device can see it)."""
+        msg = self.core.open_round(now)
+        if msg is None:
+            return False
+        self._global_payload = encode_global(msg)
+        if self.journal is not None:
+            from .journal import round_spec
+
+            self.journal.append("open", **round_spec(self.core, self._global_payload))
+            self.journal.sync()
+        self._round_started = time.perf_counter()
+        return True
+
+    def _close(self, skipped: bool, now: float | None = None) -> dict[str, Any]:
+        core = self.core
+        wall = time.perf_counter() - self._round_started
+        record = core.close_round(self._now() if now is None else now, wall, skipped=skipped)
+        if self.stopped is not None:
+            record["stopped"] = self.stopped
+        self._commit(record)
+        return record
+
+    def _decide_on_stop(self) -> dict[str, Any] | None:
+        """Close the open round if it has what it needs (its minimum, and at least one update),
+        else record it skipped; then the job ends."""
+        core = self.core
+        record = None
+        rnd = core.current
+        if rnd is not None:
+            enough = rnd.count >= max(rnd.min_updates, 1)
+            record = self._close(skipped=not enough)
+            log.warning(
+                "round %d %s on %s with %d updates",
+                record["round"],
+                record["status"],
+                self.stopped,
+                rnd.count,
+            )
+        core.ended_early = f"stopped by {self.stopped}"
+        return record
+
+    async def _publish_record(self, client: aiomqtt.Client | None, record: dict) -> None:
+        if client is None:
+            return
+        public = self.core.public_record(record)
+        with contextlib.suppress(aiomqtt.MqttError):
+            await client.publish(self.topics.metrics, json.dumps(public, default=str), qos=0)
+
     async def _run_rounds(self, client: aiomqtt.Client) -> None:
         core = self.core
         while not core.finished:
+            if self.stopped is not None:
+                record = self._decide_on_stop()
+                if record is not None:
+                    await self._publish_record(client, record)
+                break
             if core.current is None:
-                now = self._now()
-                msg = core.open_round(now)
-                if msg is None:
+                if not self._open_round(self._now()):
                     reason = core.hopeless()
                     if reason is not None:
                         log.warning("ending the job after round %d: %s", core.round_number, reason)
@@ -135,35 +345,50 @@ class AggregatorService:
                         break
                     await self._wait_for_devices()
                     continue
-                self._global_payload = encode_global(msg)
-                self._round_started = time.perf_counter()
                 await self._publish_global(client)
                 # every online device receives the retained broadcast
                 core.tally.bytes_down += len(self._global_payload) * core.online_count
             decision = core.decide(self._now())
+            if decision in (Decision.CLOSE, Decision.SKIP) and self._early(core):
+                now = self._now()
+                if self._settle_until is None:
+                    self._settle_until = now + STATUS_SETTLE_S
+                if now < self._settle_until:
+                    await self._sleep_until(self._settle_until)
+                    continue
+            self._settle_until = None
             if decision in (Decision.WAIT, Decision.EXTEND):
                 if decision is Decision.EXTEND:
                     log.info("round %d short of updates; deadline extended", core.round_number)
                 await self._sleep_until(core.deadline)
                 continue
-            wall = time.perf_counter() - self._round_started
-            record = core.close_round(self._now(), wall, skipped=decision is Decision.SKIP)
-            if self.checkpoint_dir is not None:
-                from .checkpoint import save_checkpoint
+            record = self._close(skipped=decision is Decision.SKIP)
+            await self._publish_record(client, record)
 
-                save_checkpoint(core, self.checkpoint_dir)
-            self.on_record(record)
-            public = core.public_record(record)
-            await client.publish(self.topics.metrics, json.dumps(public, default=str), qos=0)
+    def _early(self, core: AggregatorCore) -> bool:
+        """The round could end before its target and deadline: only on device statuses."""
+        rnd = core.current
+        return rnd is not None and rnd.count < rnd.target and self._now() < rnd.deadline
+
+    def _finish(self) -> None:
+        if not self._finished:
+            self._finished = True
+            if self.on_finish is not None:
+                self.on_finish()
 
     async def _session(self) -> None:
-        async with aiomqtt.Client(
+        client = aiomqtt.Client(
             **self.spec.aiomqtt_kwargs(),
             identifier=self.client_id,
             clean_session=False,
             max_inflight_messages=100,
-        ) as client:
+        )
+        if self.ack_after_processing:
+            client._client.manual_ack_set(True)  # acknowledged in _flush, after the journal
+        async with client:
             self._client = client
+            self._settle_until = None
+            self._pending_acks.clear()  # message ids of an earlier connection mean nothing now
             if self.core.round_number == 0 and self.core.current is None:
                 # forget the retained model of an earlier run of this job id
                 await client.publish(self.topics.global_model, b"", qos=1, retain=True)
@@ -174,44 +399,89 @@ class AggregatorService:
             reader = asyncio.create_task(self._reader(client))
             runner: asyncio.Task | None = None
             try:
-                if self.core.current is not None:  # reconnected mid-round
-                    await self._publish_global(client)
-                else:
+                if self.core.current is not None:  # reconnected or resumed mid-round
+                    resumed = self._resumed_round
+                    if resumed:
+                        self._resumed_round = False
+                        await self._await_statuses()
+                        self.core.current.opened_at = self._now()  # a fresh deadline
+                        self._round_started = time.perf_counter()
+                    if self._global_payload is None:
+                        from .journal import open_message
+
+                        self._global_payload = encode_global(open_message(self.core))
+                    if self.stopped is None:
+                        await self._publish_global(client)
+                        if resumed:  # the round's tally restarted with this process
+                            payload = self._global_payload or b""
+                            self.core.tally.bytes_down += len(payload) * self.core.online_count
+                elif not self.core.finished:
                     await self._wait_for_devices()
                 runner = asyncio.create_task(self._run_rounds(client))
                 done, _ = await asyncio.wait({reader, runner}, return_when=asyncio.FIRST_COMPLETED)
                 for task in done:
                     task.result()  # re-raise a reader MqttError or a round error
+                self._flush()
+                self._finish()  # summary and model on disk before devices hear the job ended
                 final = self.core.global_message(done=True, now=time.time())
                 await client.publish(self.topics.global_model, encode_global(final), 1, retain=True)
+                self.done_published = True
             finally:
                 reader.cancel()
                 if runner is not None:
                     runner.cancel()
+                self._client = None
+
+    async def _backoff(self, delay: float) -> None:
+        """Sleep before reconnecting; a stop request ends the wait."""
+        if self.stopped is None:
+            await self._sleep_until(self._now() + delay)
 
     async def run(self) -> list[dict[str, Any]]:
         """Run all rounds; reconnect on broker loss with exponential backoff."""
         self._attempt = 0
-        while True:
-            try:
-                await self._session()
-                return self.core.records
-            except aiomqtt.MqttError as exc:
-                self.connected.clear()
-                self._attempt += 1
-                attempt = self._attempt
-                if attempt > self.reconnect_attempts:
-                    raise BrokerUnavailable(
-                        f"lost the broker at {self.spec.redacted()} and could not reconnect after "
-                        f"{self.reconnect_attempts} attempts: {exc}"
-                    ) from exc
-                delay = min(0.2 * 2**attempt, 10.0)
-                log.warning(
-                    "broker %s unavailable (%s); reconnecting in %.1fs (attempt %d/%d)",
-                    self.spec.redacted(),
-                    exc,
-                    delay,
-                    attempt,
-                    self.reconnect_attempts,
-                )
-                await asyncio.sleep(delay)
+        if self.signals is not None:
+            self.signals.attach(asyncio.get_running_loop(), self.request_stop)
+        try:
+            while True:
+                try:
+                    await self._session()
+                    return self.core.records
+                except aiomqtt.MqttError as exc:
+                    self.connected.clear()
+                    self._attempt += 1
+                    attempt = self._attempt
+                    if self.stopped is not None:
+                        return self._stop_offline(exc)
+                    if attempt > self.reconnect_attempts:
+                        raise BrokerUnavailable(
+                            f"lost the broker at {self.spec.redacted()} and could not reconnect "
+                            f"after {self.reconnect_attempts} attempts: {exc}"
+                        ) from exc
+                    delay = min(0.2 * 2**attempt, 10.0)
+                    log.warning(
+                        "broker %s unavailable (%s); reconnecting in %.1fs (attempt %d/%d)",
+                        self.spec.redacted(),
+                        exc,
+                        delay,
+                        attempt,
+                        self.reconnect_attempts,
+                    )
+                    await self._backoff(delay)
+                    if self.stopped is not None:
+                        return self._stop_offline(exc)
+        finally:
+            if self.signals is not None:
+                self.signals.detach()
+
+    def _stop_offline(self, exc: Exception) -> list[dict[str, Any]]:
+        """Asked to stop while the broker is away: commit and finish; devices cannot be told."""
+        if not self.core.finished:
+            self._decide_on_stop()
+        self._finish()
+        log.warning(
+            "stopped while the broker %s is unreachable (%s): the done marker was not published",
+            self.spec.redacted(),
+            exc,
+        )
+        return self.core.records
