@@ -267,6 +267,24 @@ class FleetConfig(_Section):
     train_workers: int = Field(1, ge=1, le=64, description="threads training devices")
 
 
+class SecurityConfig(_Section):
+    """Who devices trust, and what the aggregator tells them (docs/protocol.md)."""
+
+    signing_key: str | None = Field(
+        None,
+        description="aggregator: Ed25519 private key (PEM, mode 0600) that signs every global "
+        "message; `edge-fl keygen DIR` makes one. Simulations sign with a fresh key per run",
+    )
+    public_key: str | None = Field(
+        None,
+        description="devices: the aggregator's public key (64 hex characters, PEM, or a file); "
+        "when set, unsigned or badly signed global messages are ignored",
+    )
+    acks: Literal["off", "rejections", "all"] = Field(
+        "rejections", description="per-device replies on edgefl/<job>/ack/<device>"
+    )
+
+
 class DeviceConfig(_Section):
     """Only for ``edge-fl device``: which device this process is."""
 
@@ -287,6 +305,7 @@ class JobConfig(_Section):
     rounds: RoundsConfig = RoundsConfig()
     privacy: PrivacyConfig = PrivacyConfig()
     robust: RobustConfig = RobustConfig()
+    security: SecurityConfig = SecurityConfig()
     fleet: FleetConfig = FleetConfig()
     device: DeviceConfig = DeviceConfig()
 

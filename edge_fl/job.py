@@ -203,7 +203,36 @@ class Job:
         chosen = indices or range(self.cfg.data.devices)
         return {device_id(i): sampled[i] for i in chosen}
 
-    def fleet_runtime(self, spec: Any, indices: range | None = None, prefix: str | None = None):
+    @cached_property
+    def signer(self) -> Any:
+        """The aggregator's Ed25519 signer (``security.signing_key``), or None: unsigned."""
+        if not self.cfg.security.signing_key:
+            return None
+        from edge_fl.protocol.signing import load_signer
+
+        return load_signer(self.cfg.security.signing_key)
+
+    def trust(self, verifier: Any = None) -> Any:
+        """What devices accept as the aggregator's word: its signature (``verifier``, else
+        ``security.public_key``, else none), the model size and a round window capped at the
+        job's rounds (a version never exceeds them either)."""
+        from edge_fl.device.runtime import Trust
+        from edge_fl.protocol import GlobalWindow
+
+        if verifier is None and self.cfg.security.public_key:
+            from edge_fl.protocol.signing import load_verifier
+
+            verifier = load_verifier(self.cfg.security.public_key)
+        rounds = self.cfg.rounds.rounds
+        return Trust(verifier=verifier, window=GlobalWindow(max_round=rounds, max_version=rounds))
+
+    def fleet_runtime(
+        self,
+        spec: Any,
+        indices: range | None = None,
+        prefix: str | None = None,
+        trust: Any = None,
+    ):
         from edge_fl.fleet.runtime import Fleet
 
         return Fleet(
@@ -218,6 +247,7 @@ class Job:
             dropout=self.cfg.fleet.dropout,
             train_workers=self.cfg.fleet.train_workers,
             digest=self.cfg.digest(),
+            trust=trust or self.trust(),
         )
 
     @cached_property

@@ -92,6 +92,10 @@ async def run_job(
         if fleet_hook is not None:
             fleet_hook(record, fleet)
 
+    # one simulation = one key: every global message is signed and every device verifies it
+    from edge_fl.protocol.signing import Signer
+
+    signer = job.signer or Signer.generate()
     service = AggregatorService(
         core,
         spec,
@@ -100,8 +104,10 @@ async def run_job(
         expected_devices=cfg.data.devices,
         on_record=on_record,
         signals=signals,
+        signer=signer,
+        acks=cfg.security.acks,
     )
-    fleet = job.fleet_runtime(spec)
+    fleet = job.fleet_runtime(spec, trust=job.trust(signer.verifier))
     with bar:
         aggregator = asyncio.create_task(service.run(), name="aggregator")
         await asyncio.wait(

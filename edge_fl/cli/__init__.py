@@ -206,6 +206,22 @@ def broker(port: int, bind: str, kind: str) -> None:
     sys.exit(b.run_forever())
 
 
+@main.command()
+@click.argument("directory", type=click.Path(file_okay=False))
+@click.option("--force", is_flag=True, help="replace an existing key pair")
+def keygen(directory: str, force: bool) -> None:
+    """Create the aggregator's Ed25519 signing key (mode 0600) and print its public key."""
+    from edge_fl.protocol.signing import SigningKeyError, generate_key_files
+
+    try:
+        private, public, signer = generate_key_files(directory, overwrite=force)
+    except (SigningKeyError, OSError) as exc:
+        _fail(str(exc))
+    click.echo(f"private key: {private}  (aggregator: security.signing_key)")
+    click.echo(f"public key:  {public}")
+    click.echo(f"security.public_key for devices: {signer.verifier.hex()}")
+
+
 _LAZY = {
     "aggregator": ("edge_fl.cli.runtime_cmds", "aggregator"),
     "fleet": ("edge_fl.cli.runtime_cmds", "fleet"),

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import sys
 
 import click
 
 from edge_fl.cli import _common_job_options, _fail, _load, _logging, _overrides
+
+log = logging.getLogger("edge_fl.aggregator")
 
 
 def _parse_shard(shard: str, n_devices: int) -> range:
@@ -132,7 +135,14 @@ def _run_aggregator(cfg, out, resume, signals) -> None:
         on_finish=finish,
         signals=signals,
         resumed_payload=resumed.open_payload if resumed else None,
+        signer=job.signer,
+        acks=cfg.security.acks,
     )
+    if job.signer is None:
+        log.warning(
+            "global messages are unsigned: devices cannot tell them from a forgery; "
+            "create a key with `edge-fl keygen DIR` and set security.signing_key"
+        )
     try:
         asyncio.run(service.run())
     except OutputError:
@@ -241,7 +251,13 @@ def device(device_index, device_id, verbose, config, **kw) -> None:
         agent.device_id = device_id
     try:
         sent = asyncio.run(
-            run_device(agent, parse_broker_url(cfg.broker.url), job.topics, cfg.digest())
+            run_device(
+                agent,
+                parse_broker_url(cfg.broker.url),
+                job.topics,
+                cfg.digest(),
+                trust=job.trust(),
+            )
         )
     except RuntimeError as exc:
         _fail(str(exc))

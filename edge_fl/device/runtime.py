@@ -45,7 +45,11 @@ class Trust:
                 raise rejection
         except PayloadRejected as exc:
             self.rejected[exc.reason] += 1
-            log.warning("ignoring a global model (%s): %s", exc.reason, exc.detail)
+            seen = self.rejected[exc.reason]
+            if seen <= 3 or seen % 1000 == 0:  # a flood is a count, not a flood of log lines
+                log.warning(
+                    "ignoring a global model (%s, %d so far): %s", exc.reason, seen, exc.detail
+                )
             return None
         return msg
 

@@ -307,10 +307,12 @@ class AggregatorCore:
             return INTERNAL_ERROR  # type: ignore[return-value]
 
     def _on_update(self, device: str, payload: bytes) -> Reject | None:
+        self.last_rejection = None
         try:
             update = decode_update(payload, self.limits, topic_device=device)
         except PayloadRejected as exc:
             self.tally.rejected[exc.reason] += 1
+            self.last_rejection = exc
             return exc.reason
         expected = self.nonce_of(update.round)
         if expected is not None and update.nonce != expected:

@@ -33,7 +33,7 @@ from typing import Any
 
 import aiomqtt
 
-from edge_fl.protocol import Reject, Topics, encode_global
+from edge_fl.protocol import Reject, Topics, ack_for, encode_ack, encode_global
 from edge_fl.transport.url import BrokerSpec
 
 from .aggregator import AggregatorCore
@@ -130,7 +130,13 @@ class AggregatorService:
         on_finish: Callable[[], None] | None = None,
         signals: StopSignals | None = None,
         resumed_payload: bytes | None = None,
+        signer: Any = None,  # edge_fl.protocol.signing.Signer: signs every global message
+        acks: str = "off",  # off | rejections | all: replies on ack/<device>
     ) -> None:
+        self.signer = signer
+        self.acks = acks
+        self._acks_sent: Counter = Counter()  # per device in the current round (capped)
+        self._acks_round = -1
         self.core = core
         self.spec = spec
         self.topics = topics
@@ -165,6 +171,29 @@ class AggregatorService:
             self.stopped = reason
         self._wake.set()
 
+    #: replies per device and round at most: a flooding device gets its reason, not a flood back
+    MAX_ACKS_PER_ROUND = 5
+
+    def _ack(self, device: str, reason: Reject | str | None) -> None:
+        """Tell the device whether its update was accepted, and why not (docs/protocol.md, Ack).
+        Fire and forget (QoS 1, not retained): ingest never waits for it."""
+        if self.acks == "off" or (reason is None and self.acks != "all") or self._client is None:
+            return
+        if self.core.round_number != self._acks_round:
+            self._acks_round, self._acks_sent = self.core.round_number, Counter()
+        self._acks_sent[device] += 1
+        if self._acks_sent[device] > self.MAX_ACKS_PER_ROUND:
+            return
+        rejection = self.core.last_rejection if reason is not None else None
+        detail = rejection.detail if rejection is not None and rejection.reason == reason else None
+        rnd = getattr(rejection, "round", None) if detail is not None else None
+        payload = encode_ack(ack_for(device, reason, detail, rnd))
+        client = self._client
+        task = asyncio.get_running_loop().create_task(
+            client.publish(self.topics.ack(device), payload, qos=1)
+        )
+        task.add_done_callback(lambda t: t.exception() if not t.cancelled() else None)
+
     def _dispatch(self, message: aiomqtt.Message) -> None:
         topic = str(message.topic)
         payload = message.payload if isinstance(message.payload, bytes | bytearray) else b""
@@ -194,6 +223,7 @@ class AggregatorService:
                 # any accepted update may end the round: the target, or the last one that can
                 # still come (decide() knows which devices stopped or went offline)
                 self._wake.set()
+            self._ack(device, reason)
         elif (device := self.topics.device_of(topic, "status")) is not None:
             self.core.on_status(device, bytes(payload))
             self._wake.set()
@@ -284,7 +314,7 @@ class AggregatorService:
         msg = self.core.open_round(now)
         if msg is None:
             return False
-        self._global_payload = encode_global(msg)
+        self._global_payload = encode_global(msg, signer=self.signer)
         if self.journal is not None:
             from .journal import round_spec
 
@@ -409,7 +439,9 @@ class AggregatorService:
                     if self._global_payload is None:
                         from .journal import open_message
 
-                        self._global_payload = encode_global(open_message(self.core))
+                        self._global_payload = encode_global(
+                            open_message(self.core), signer=self.signer
+                        )
                     if self.stopped is None:
                         await self._publish_global(client)
                         if resumed:  # the round's tally restarted with this process
@@ -424,7 +456,12 @@ class AggregatorService:
                 self._flush()
                 self._finish()  # summary and model on disk before devices hear the job ended
                 final = self.core.global_message(done=True, now=time.time())
-                await client.publish(self.topics.global_model, encode_global(final), 1, retain=True)
+                await client.publish(
+                    self.topics.global_model,
+                    encode_global(final, signer=self.signer),
+                    1,
+                    retain=True,
+                )
                 self.done_published = True
             finally:
                 reader.cancel()
