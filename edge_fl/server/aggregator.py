@@ -308,6 +308,9 @@ class AggregatorCore:
 
     def _on_update(self, device: str, payload: bytes) -> Reject | None:
         self.last_rejection = None
+        if device not in self.devices:  # never announced a status: cannot be asked, O(1)
+            self.tally.rejected[Reject.NOT_SELECTED] += 1
+            return Reject.NOT_SELECTED
         try:
             update = decode_update(payload, self.limits, topic_device=device)
         except PayloadRejected as exc:

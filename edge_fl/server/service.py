@@ -179,6 +179,8 @@ class AggregatorService:
         Fire and forget (QoS 1, not retained): ingest never waits for it."""
         if self.acks == "off" or (reason is None and self.acks != "all") or self._client is None:
             return
+        if device not in self.core.devices:
+            return  # never announced itself: no reply (a flood of strangers gets no flood back)
         if self.core.round_number != self._acks_round:
             self._acks_round, self._acks_sent = self.core.round_number, Counter()
         self._acks_sent[device] += 1
