@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # The project's test command (README, CI). On a fresh machine it installs what the tests need:
-# Mosquitto (apt-get, when missing), the package with its dev extras in .venv, and torch (CPU,
-# pinned) for the torch tests. Tests start their own brokers on free ports.
+# Mosquitto (apt-get, when missing), the package with its dev extras in .venv, and torch (pinned;
+# from the default index, which serves the CUDA build to most machines: install the CPU build first
+# from PyTorch's CPU index, see README) for the torch tests. Tests start their own brokers on free
+# ports.
 #   tools/test.sh              # CI subset: everything not marked slow/bench
 #   EDGE_FL_SLOW=1 tools/test.sh   # also the slow tests
 #   EDGE_FL_TORCH=0 tools/test.sh  # skip installing torch (torch tests then skip)
@@ -24,9 +26,11 @@ echo "== installing edge-fl[dev]"
 .venv/bin/python -m pip install -q --disable-pip-version-check -e '.[dev]' 2>&1 | grep -v "is ignored" || true
 .venv/bin/python -c "import edge_fl, aiomqtt, dp_accounting, onnxruntime" # fail loudly if the install did not
 if [ "${EDGE_FL_TORCH:-1}" != "0" ] && ! .venv/bin/python -c "import torch" 2>/dev/null; then
-    echo "== installing torch==2.13.0 (CPU)"
-    .venv/bin/python -m pip install -q --disable-pip-version-check torch==2.13.0 2>&1 | grep -v "is ignored" || true
+    echo "== installing torch==2.13.0 from the default index (progress below; can be GB)"
+    .venv/bin/python -m pip install --progress-bar on --disable-pip-version-check torch==2.13.0 2>&1 | grep -v "is ignored" | grep -E "Collecting|Downloading|Successfully|ERROR" || true
 fi
+
+.venv/bin/python -c "import torch; print('== torch', torch.__version__, 'CUDA' if torch.version.cuda else 'CPU', 'build')" 2>/dev/null || echo "== torch not installed (torch tests skip)"
 
 echo "== ruff"
 .venv/bin/ruff check edge_fl tests tools
