@@ -129,3 +129,53 @@ def test_forged_and_fuzzed_global_messages_change_nothing(mosquitto):
     listener.disconnect()
     answers = [decode_ack(a, topic_device="d00003") for a in acks]
     assert any(not a.ok and a.reason and a.detail for a in answers), answers
+
+
+def test_offline_statuses_left_by_an_earlier_run_do_not_start_round_one_short(mosquitto):
+    """The same job id ran before: every device's last will (offline) is still retained. Half the
+    fleet connects at once, half a second later: round 1 waits for the whole fleet instead of
+    starting with the first half because the stale wills looked like answers."""
+    from edge_fl.protocol import Status, encode_status
+
+    job_id = f"stale-{uuid.uuid4().hex[:6]}"
+    cfg = load_config(
+        None,
+        {
+            "job": job_id,
+            "broker.url": mosquitto.url,
+            "data.devices": 4,
+            "model.name": "logreg",
+            "rounds.rounds": 1,
+            "rounds.clients_per_round": 4,
+            "rounds.min_updates": 2,
+            "rounds.deadline_s": 20,
+        },
+    )
+    job = build_job(cfg)
+    topics = job.topics
+    old = _paho(mosquitto.url, f"earlier-run-{job_id}")
+    for i in range(4):
+        dev = f"d{i:05d}"
+        old.publish(topics.status(dev), encode_status(Status(dev, False)), qos=1, retain=True)
+    old.loop_stop()
+    old.disconnect()
+    spec = parse_broker_url(mosquitto.url)
+    records: list[dict] = []
+
+    async def scenario() -> None:
+        core = job.aggregator_core()
+        service = AggregatorService(
+            core, spec, topics, expected_devices=4, on_record=records.append
+        )
+        agg = asyncio.create_task(service.run())
+        await service.connected.wait()
+        first = job.fleet_runtime(spec, range(0, 2), prefix=f"{job_id}-a")
+        second = job.fleet_runtime(spec, range(2, 4), prefix=f"{job_id}-b")
+        tasks = [asyncio.create_task(first.run())]
+        await asyncio.sleep(0.5)
+        tasks.append(asyncio.create_task(second.run()))
+        await asyncio.wait_for(agg, 60)
+        await asyncio.wait_for(asyncio.gather(*tasks), 30)
+
+    asyncio.run(scenario())
+    assert records[0]["selected"] == 4 and records[0]["received"] == 4, records[0]

@@ -137,6 +137,7 @@ class AggregatorService:
         self.acks = acks
         self._acks_sent: Counter = Counter()  # per device in the current round (capped)
         self._acks_round = -1
+        self._live_status: set[str] = set()
         self.core = core
         self.spec = spec
         self.topics = topics
@@ -228,6 +229,8 @@ class AggregatorService:
             self._ack(device, reason)
         elif (device := self.topics.device_of(topic, "status")) is not None:
             self.core.on_status(device, bytes(payload))
+            if not message.retain:
+                self._live_status.add(device)  # said during this run, not left by an earlier one
             self._wake.set()
 
     def _flush(self) -> None:
@@ -268,17 +271,25 @@ class AggregatorService:
     # ---------------------------------------------------------------- rounds
 
     async def _wait_for_devices(self) -> None:
-        """Start when every expected device has reported a status (online or not) and enough are
-        available, or after the wait with whoever is there."""
+        """Start when every expected device has reported a status and enough are available, or
+        after the wait with whoever is there. A retained OFFLINE status may be an earlier run's
+        last will (the same job id): it does not count as reported until this run confirms it
+        live, so a fleet still connecting is waited for instead of running round 1 short."""
         want = self.expected_devices or self.core.settings.n_select
         need = min(want, self.core.settings.n_select)
         until = self._now() + self.wait_for_devices_s
+
+        def reported() -> int:
+            return sum(
+                1 for d, r in self.core.devices.items() if r.online or d in self._live_status
+            )
+
         while (
             self.stopped is None
             and self._now() < until
-            and (len(self.core.devices) < want or len(self.core.available()) < need)
+            and (reported() < want or len(self.core.available()) < need)
         ):
-            if len(self.core.devices) >= want and len(self.core.available()) >= max(
+            if reported() >= want and len(self.core.available()) >= max(
                 1, self.core.settings.min_updates
             ):
                 break  # everyone reported; fewer are available than we would like: go
