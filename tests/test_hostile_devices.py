@@ -146,3 +146,21 @@ def test_an_update_must_echo_its_rounds_nonce():
         assert core.on_update(dev2, encode_update(forged)) is Reject.WRONG_NONCE
     assert len(core.privacy.ledger.entries) == 1
     assert core.on_update(dev2, dense(core, dev2, 2)) is None  # the real answer still counts
+
+
+def test_the_first_rejection_of_each_reason_is_explained(caplog):
+    import logging
+
+    _job, core = laplace_core()
+    msg = core.open_round(0.0)
+    dev = msg.selected[0]
+    caplog.set_level(logging.INFO, logger="edge_fl.aggregator")
+    core.on_update(dev, b"\x81\xa1v\x01")  # a map with only the version
+    core.on_update(dev, b"\x81\xa1v\x01")
+    core.on_update("stranger", dense(core, "stranger", 1))
+    record = core.close_round(1.0, 0.1)
+    samples = record["rejection_samples"]
+    assert set(samples) == {"wrong_kind", "not_selected"}
+    assert samples["wrong_kind"].startswith(f"{dev}: ") and "'k'" in samples["wrong_kind"]
+    assert caplog.text.count("rejected (wrong_kind)") == 1  # once per reason and round
+    assert "rejection_samples" not in core.public_record(record)

@@ -18,6 +18,7 @@ import numpy as np
 from edge_fl.mechanisms import Mechanism, Strategy
 from edge_fl.mechanisms.none import NoPrivacy
 from edge_fl.protocol import (
+    REJECT_MEANING,
     GlobalModel,
     PayloadRejected,
     Reject,
@@ -53,7 +54,11 @@ PARTICIPATION_FIELDS = (
     "staleness_hist",
     "update_norm",
     "online",
+    "capped_samples",
+    "bad_status",
 )
+#: record fields for the operator only, never on the metrics topic (they name devices)
+PRIVATE_FIELDS = ("rejection_samples",)
 
 
 @dataclass(frozen=True)
@@ -141,6 +146,7 @@ class RoundTally:
     late: int = 0
     rejected: Counter = field(default_factory=Counter)
     capped_samples: int = 0  # updates whose sample count exceeded the device's declared one
+    samples: dict = field(default_factory=dict)  # reason -> "device: detail" of its first case
     bad_status: Counter = field(default_factory=Counter)
 
 
@@ -300,7 +306,10 @@ class AggregatorCore:
             self.tally.bytes_up += len(payload)
             self.tally.messages_up += 1
         try:
-            return self._on_update(device, payload)
+            reason = self._on_update(device, payload)
+            if reason is not None and str(reason) not in self.tally.samples:
+                self._sample(device, reason)
+            return reason
         except Exception:
             log.exception("update from %r: unexpected error; counted as internal_error", device)
             self.tally.rejected[INTERNAL_ERROR] += 1
@@ -355,6 +364,18 @@ class AggregatorCore:
         rnd.accept(device, update.base_version)
         return None
 
+    def _sample(self, device: str, reason: Reject | str) -> None:
+        """The first rejection of each reason in a round: its detail goes to the log and to the
+        round's record (``rejection_samples``), so an operator sees why, not only how many."""
+        rejection = self.last_rejection
+        if rejection is not None and rejection.reason == reason:
+            detail = rejection.detail
+        else:
+            detail = REJECT_MEANING.get(reason, str(reason)) if isinstance(reason, Reject) else ""
+        self.tally.samples[str(reason)] = f"{device}: {detail}"
+        log.info("round %d: update from %r rejected (%s): %s", self.round_number, device, reason,
+                 detail)  # fmt: skip
+
     def _count_rejection(self, reason: Reject) -> None:
         if reason is Reject.LATE:
             self.tally.late += 1
@@ -393,9 +414,10 @@ class AggregatorCore:
     def public_record(self, record: dict[str, Any]) -> dict[str, Any]:
         """What may go on the metrics topic, which devices can read: without participation
         counts when amplification by Poisson sampling is claimed (they would void it)."""
-        if self.settings.sample_rate is None:
-            return record
-        return {k: v for k, v in record.items() if k not in PARTICIPATION_FIELDS}
+        hidden = PRIVATE_FIELDS
+        if self.settings.sample_rate is not None:
+            hidden = (*PARTICIPATION_FIELDS, *PRIVATE_FIELDS)
+        return {k: v for k, v in record.items() if k not in hidden}
 
     def record_release(self, device: str, round_number: int, n_samples: int) -> None:
         self._released.add((device, round_number))
@@ -465,6 +487,7 @@ class AggregatorCore:
             "late": t.late,
             "rejected": sum(t.rejected.values()),
             "rejected_by_reason": {str(k): v for k, v in sorted(t.rejected.items())},
+            "rejection_samples": dict(t.samples),
             "capped_samples": t.capped_samples,
             "bad_status": sum(t.bad_status.values()),
             "extended": rnd.extended,
