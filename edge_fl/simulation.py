@@ -150,6 +150,7 @@ async def run_job(
             "privacy": core.privacy.report() if core.privacy is not None else None,
             "ended_early": core.ended_early,
             "stopped": service.stopped,
+            "after_last_round": core.after_last_round(),
         }
     )
 

@@ -164,3 +164,17 @@ def test_the_first_rejection_of_each_reason_is_explained(caplog):
     assert samples["wrong_kind"].startswith(f"{dev}: ") and "'k'" in samples["wrong_kind"]
     assert caplog.text.count("rejected (wrong_kind)") == 1  # once per reason and round
     assert "rejection_samples" not in core.public_record(record)
+
+
+def test_what_arrives_after_the_last_round_is_kept_for_the_summary():
+    _job, core = laplace_core(rounds=1)
+    msg = core.open_round(0.0)
+    first, late = msg.selected[:2]
+    assert core.on_update(first, dense(core, first, 1)) is None
+    core.close_round(1.0, 0.1)
+    assert core.on_update(late, dense(core, late, 1)) is Reject.LATE  # still a release
+    core.on_update("stranger", b"junk")
+    tail = core.after_last_round()
+    assert tail["late"] == 1 and tail["messages_up"] == 2
+    assert tail["rejected_by_reason"] == {"not_selected": 1}
+    assert len(core.privacy.ledger.entries) == 2  # the late release is in the ledger too

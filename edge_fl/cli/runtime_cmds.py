@@ -107,6 +107,7 @@ def _run_aggregator(cfg, out, resume, signals) -> None:
                 "privacy": core.privacy.report() if core.privacy else None,
                 "ended_early": core.ended_early,
                 "stopped": service.stopped,
+                "after_last_round": core.after_last_round(),
                 "journal": dict(service.stats) | _journal_stats(journal, resumed),
             }
         )

@@ -411,6 +411,18 @@ class AggregatorCore:
             self.mechanism_state, self.settings.server_lr, self.noise_rng
         )
 
+    def after_last_round(self) -> dict[str, Any]:
+        """What arrived after the last round closed (late answers, re-deliveries, strays): it
+        belongs to no round's record, so the summary carries it."""
+        t = self.tally
+        return {
+            "messages_up": t.messages_up,
+            "bytes_up": t.bytes_up,
+            "late": t.late,
+            "rejected_by_reason": {str(k): v for k, v in sorted(t.rejected.items())},
+            "rejection_samples": dict(t.samples),
+        }
+
     def public_record(self, record: dict[str, Any]) -> dict[str, Any]:
         """What may go on the metrics topic, which devices can read: without participation
         counts when amplification by Poisson sampling is claimed (they would void it)."""
