@@ -309,6 +309,17 @@ class JobConfig(_Section):
     fleet: FleetConfig = FleetConfig()
     device: DeviceConfig = DeviceConfig()
 
+    @model_validator(mode="after")
+    def _fits_the_fleet(self) -> JobConfig:
+        k, n = self.rounds.clients_per_round, self.data.devices
+        explicit = "clients_per_round" in self.rounds.model_fields_set  # the default clamps
+        if explicit and k >= 1 and k > n:
+            raise ValueError(
+                f"rounds.clients_per_round = {k:g} exceeds data.devices = {n}: at most {n} "
+                "devices can take part in a round (or give a fraction in (0, 1))"
+            )
+        return self
+
     def digest(self) -> str:
         """Short hash of the settings devices must agree on (model, data, training, privacy)."""
         shared = self.model_dump(include={"job", "model", "data", "training", "privacy"})

@@ -44,6 +44,10 @@ def test_yaml_and_toml_files_and_flag_overrides(tmp_path):
         ({"rounds.clients_per_round": 2.5}, "use an integer count >= 1 or a fraction"),
         ({"job": "a/b"}, "job = 'a/b'"),
         ({"privacy.mechanism": "Lap lace"}, "privacy.mechanism = 'Lap lace'"),
+        (
+            {"rounds.clients_per_round": 500, "data.devices": 50},
+            "rounds.clients_per_round = 500 exceeds data.devices = 50",
+        ),
     ],
 )
 def test_errors_name_key_value_and_domain(overrides, expected):
