@@ -198,10 +198,16 @@ def simulate(out, embedded_broker, no_progress, as_json, verbose, config, **kw) 
 @click.option("--kind", type=click.Choice(["auto", "mosquitto", "amqtt"]), default="auto")
 def broker(port: int, bind: str, kind: str) -> None:
     """Run the embedded broker alone until Ctrl-C / SIGTERM, printing its URL."""
-    from edge_fl.transport.broker import EmbeddedBroker
+    from edge_fl.transport.broker import BrokerError, EmbeddedBroker
 
     b = EmbeddedBroker(kind=kind, port=port or None, bind=bind)
-    b.start()
+    try:
+        b.start()
+    except BrokerError as exc:
+        text = str(exc)
+        if "Address already in use" in text:
+            _fail(f"port {port} on {bind} is already in use (--port 0 picks a free one)")
+        _fail(text.splitlines()[0])
     click.echo(f"{b.kind} broker listening at {b.url}")
     sys.exit(b.run_forever())
 

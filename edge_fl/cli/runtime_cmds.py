@@ -7,11 +7,30 @@ import contextlib
 import logging
 import sys
 
+import aiomqtt
 import click
 
 from edge_fl.cli import _common_job_options, _fail, _load, _logging, _overrides
 
 log = logging.getLogger("edge_fl.aggregator")
+
+
+def _broker_problem(url: str, exc: BaseException) -> str:
+    """One line an operator can act on, for a broker that refused or could not be reached."""
+    from edge_fl.transport.url import parse_broker_url
+
+    where = parse_broker_url(url).redacted()
+    text = str(exc) or type(exc).__name__
+    low = text.lower()
+    if "not authori" in low or "bad user name or password" in low or "code:135" in low:
+        hint = "check the username and password (broker/mint-credentials.sh) and the ACL"
+    elif "certificate" in low or "ssl" in low or "tls" in low:
+        hint = "check the CA file (?ca=...) and that the broker's certificate names this host"
+    elif "refused" in low or "unreachable" in low or "timed out" in low or "name" in low:
+        hint = "is the broker running and reachable from here?"
+    else:
+        hint = "see the broker's log"
+    return f"broker {where}: {text} ({hint})"
 
 
 def _parse_shard(shard: str, n_devices: int) -> range:
@@ -222,7 +241,10 @@ def fleet(shard, verbose, config, **kw) -> None:
         indices,
         prefix=f"edgefl-{cfg.job}-s{shard.replace('/', 'of')}",
     )
-    asyncio.run(runtime.run())
+    try:
+        asyncio.run(runtime.run())
+    except (aiomqtt.MqttError, OSError, RuntimeError) as exc:
+        _fail(_broker_problem(cfg.broker.url, exc))
     click.echo(f"fleet shard {shard}: {runtime.published} updates published", err=True)
 
 

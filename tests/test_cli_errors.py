@@ -1,0 +1,54 @@
+"""Operator mistakes end in one clear line and a non-zero exit, never a traceback."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from edge_fl.transport.broker import find_mosquitto, free_port
+
+EDGE_FL = [str(Path(sys.executable).parent / "edge-fl")]
+
+
+def run(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    return subprocess.run([*EDGE_FL, *args], capture_output=True, text=True, timeout=timeout)
+
+
+def one_line_error(done: subprocess.CompletedProcess, *expected: str) -> str:
+    assert done.returncode == 2, (done.returncode, done.stderr)
+    assert "Traceback" not in done.stderr, done.stderr
+    errors = [line for line in done.stderr.splitlines() if line.startswith("edge-fl: error:")]
+    assert len(errors) == 1, done.stderr  # one error (a config error lists its keys below it)
+    for text in expected:
+        assert text in done.stderr, done.stderr
+    return errors[0]
+
+
+def test_fleet_against_an_unreachable_broker():
+    port = free_port()  # nothing listens here
+    done = run("fleet", "--broker", f"mqtt://127.0.0.1:{port}", "--devices", "3")
+    one_line_error(done, f"127.0.0.1:{port}", "refused", "reachable")
+
+
+@pytest.mark.skipif(find_mosquitto() is None, reason="needs mosquitto")
+def test_broker_on_a_busy_port():
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        done = run("broker", "--port", str(port), "--kind", "mosquitto")
+    one_line_error(done, f"port {port}", "already in use")
+
+
+def test_more_clients_per_round_than_devices():
+    done = run("simulate", "--devices", "50", "--clients-per-round", "500", "--no-progress")
+    one_line_error(done, "clients_per_round = 500 exceeds data.devices = 50")
+
+
+def test_an_unknown_mechanism():
+    done = run("simulate", "--mechanism", "bogus", "--no-progress")
+    one_line_error(done, "unknown privacy mechanism 'bogus'")
