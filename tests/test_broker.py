@@ -698,3 +698,25 @@ def test_amqtt_fallback_pubsub(
     assert pid is not None
     broker.stop()
     assert wait_dead(pid)
+
+
+@pytest.mark.broker
+def test_a_device_with_a_wrong_password_stops_with_one_line(
+    secure_broker: EmbeddedBroker, secure_files: dict[str, Any]
+) -> None:
+    """Retrying cannot fix bad credentials: the device says so and exits (a systemd unit passes
+    --retry-forever instead)."""
+    edge_fl = str(Path(sys.executable).parent / "edge-fl")
+    port = secure_broker.spec.port
+    url = f"mqtts://dev-a:wrong-password@127.0.0.1:{port}?ca={secure_files['ca']}"
+    done = subprocess.run(
+        [edge_fl, "device", "--broker", url, "--device-index", "0", "--device-id", "dev-a"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 2, done.stderr
+    assert "Traceback" not in done.stderr
+    errors = [x for x in done.stderr.splitlines() if x.startswith("edge-fl: error:")]
+    assert len(errors) == 1 and "refused this device" in errors[0], done.stderr
+    assert "password" in errors[0] and "wrong-password" not in errors[0]  # no secret in logs

@@ -252,7 +252,12 @@ def fleet(shard, verbose, config, **kw) -> None:
 @_common_job_options
 @click.option("--device-index", type=int, help="which partition of the dataset this device holds")
 @click.option("--device-id", help="device id (default d<index>); must match its broker username")
-def device(device_index, device_id, verbose, config, **kw) -> None:
+@click.option(
+    "--retry-forever",
+    is_flag=True,
+    help="retry also after an authentication or certificate refusal (for a system service)",
+)
+def device(device_index, device_id, retry_forever, verbose, config, **kw) -> None:
     """Run one device agent (e.g. on a Raspberry Pi) against a broker."""
     _logging(verbose or 1)
     cfg = _load(config, _overrides(kw))
@@ -280,6 +285,7 @@ def device(device_index, device_id, verbose, config, **kw) -> None:
                 job.topics,
                 cfg.digest(),
                 trust=job.trust(),
+                retry_forever=retry_forever,
             )
         )
     except RuntimeError as exc:

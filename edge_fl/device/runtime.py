@@ -107,6 +107,16 @@ async def _session(
     return False
 
 
+def permanent_refusal(exc: BaseException) -> str | None:
+    """What to fix, if ``exc`` is a refusal that retrying cannot cure."""
+    text = str(exc).lower()
+    if "not authori" in text or "bad user name or password" in text:
+        return "check the device's username/password in the broker URL and the broker's ACL"
+    if "certificate" in text or "ssl" in text:
+        return "check the CA file (?ca=...) and that the broker's certificate names this host"
+    return None
+
+
 async def run_device(
     agent: DeviceAgent,
     spec: BrokerSpec,
@@ -114,8 +124,13 @@ async def run_device(
     digest: str = "",
     max_backoff_s: float = 60.0,
     trust: Trust | None = None,
+    retry_forever: bool = False,
 ) -> int:
-    """Serve rounds until the job is done; returns the number of updates sent."""
+    """Serve rounds until the job is done; returns the number of updates sent.
+
+    A lost network or broker is retried with backoff. A refusal that retrying cannot fix (bad
+    credentials, a certificate that does not verify) ends the run with a RuntimeError naming it,
+    unless ``retry_forever`` (a service that must come back once the operator fixes the broker)."""
     trust = trust or Trust()
     attempt = 0
     while True:
@@ -124,6 +139,11 @@ async def run_device(
                 return agent.state.updates_sent
             attempt = 0
         except aiomqtt.MqttError as exc:
+            hint = permanent_refusal(exc)
+            if hint is not None and not retry_forever:
+                raise RuntimeError(
+                    f"broker {spec.redacted()} refused this device: {exc} ({hint})"
+                ) from None
             attempt += 1
             delay = min(0.5 * 2**attempt, max_backoff_s)
             log.warning("broker %s: %s; retrying in %.1fs", spec.redacted(), exc, delay)
