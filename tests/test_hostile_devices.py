@@ -178,3 +178,30 @@ def test_what_arrives_after_the_last_round_is_kept_for_the_summary():
     assert tail["late"] == 1 and tail["messages_up"] == 2
     assert tail["rejected_by_reason"] == {"not_selected": 1}
     assert len(core.privacy.ledger.entries) == 2  # the late release is in the ledger too
+
+
+def test_a_stragglers_answer_rounds_later_is_still_charged_once():
+    """Selected in round 1, its update arrives after round 2 closed: no longer admissible, but it
+    was released, so the ledger charges it (once, however often it is redelivered)."""
+    _job, core = laplace_core(rounds=4)
+    msg1 = core.open_round(0.0)
+    slow, fast = msg1.selected[0], msg1.selected[1]
+    late = dense(core, slow, 1)  # computed on round 1's model, with round 1's nonce
+    core.on_update(fast, dense(core, fast, 1))
+    core.close_round(1.0, 0.1)
+    msg2 = core.open_round(2.0)
+    core.on_update(msg2.selected[0], dense(core, msg2.selected[0], 2))
+    core.close_round(3.0, 0.1)
+    before = len(core.privacy.ledger.entries)
+    assert core.on_update(slow, late) is Reject.LATE
+    assert core.on_update(slow, late) is Reject.LATE  # redelivered: not charged again
+    assert len(core.privacy.ledger.entries) == before + 1
+    assert (slow, 1, 30) in core.releases
+
+
+def test_a_laplace_release_past_the_schedule_is_charged_not_fatal():
+    _job, core = laplace_core(rounds=2)
+    mech = core.privacy.mechanism
+    top = max(mech.params.epsilon_schedule())
+    events = mech.release_events(30, mech.params.rounds + 5)
+    assert events[0].pure_epsilon == pytest.approx(top)

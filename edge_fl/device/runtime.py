@@ -95,7 +95,11 @@ async def _session(
                 log.info("round %d: re-sent %d bytes (round re-broadcast)", msg.round, len(resend))
                 continue
             stopped_before = agent.state.stopped_reason
-            update = await asyncio.to_thread(agent.on_global, msg)
+            try:
+                update = await asyncio.to_thread(agent.on_global, msg)
+            except Exception:  # e.g. a model with extreme values: skip the round, stay up
+                log.exception("round %d: training failed; this round is skipped", msg.round)
+                continue
             if agent.state.stopped_reason != stopped_before:
                 log.warning("device %s stops: %s", agent.device_id, agent.state.stopped_reason)
                 await client.publish(

@@ -44,6 +44,10 @@ class Laplace(Mechanism):
         return dense_update(device, msg, release.params - msg.params, self.name)
 
     def release_events(self, n_samples: int, exposure: int) -> list[PrivacyEvent]:
+        """Past the schedule (a device that lost its count, e.g. after a reboot, and released
+        again) a release is charged at the schedule's largest epsilon: never raise, never less."""
+        if exposure >= self.params.rounds:
+            exposure = int(self.params.epsilon_schedule().argmax())
         return [self.params.privacy_event(exposure)]
 
     def max_exposures(self) -> int:

@@ -173,7 +173,11 @@ class AggregatorCore:
         self.round_number = 0  # rounds opened so far; the open round's number when one is open
         self.devices: dict[str, DeviceRecord] = {}
         self.current: SyncRound | None = None
-        self.previous: SyncRound | None = None  # the round that closed last (late releases)
+        self.previous: SyncRound | None = None  # the round that closed last
+        # every closed round's nonce and selection: a straggler's late answer to any of them is
+        # still a release (charged once); O(rounds x selected) memory
+        self.history: dict[int, tuple[bytes | None, frozenset[str]]] = {}
+        self.ever_selected: set[str] = set()
         self.refused: set[str] = set()  # devices of the open round whose update was refused
         self.last_rejection: PayloadRejected | None = None  # its detail, for logs and acks
         self.public_params: dict[str, Any] = self.mechanism.public_params()
@@ -317,7 +321,7 @@ class AggregatorCore:
 
     def _on_update(self, device: str, payload: bytes) -> Reject | None:
         self.last_rejection = None
-        if device not in self.devices:  # never announced a status: cannot be asked, O(1)
+        if not self._known(device):  # never announced nor selected: cannot be asked, O(1)
             self.tally.rejected[Reject.NOT_SELECTED] += 1
             return Reject.NOT_SELECTED
         try:
@@ -385,25 +389,37 @@ class AggregatorCore:
     def current_nonce(self) -> bytes | None:
         return None if self.current is None else self.current.nonce
 
-    def nonce_of(self, round_number: int) -> bytes | None:
-        """The nonce of the open or just-closed round an update names (None: no such round,
-        which admission rejects anyway)."""
-        for r in (self.current, self.previous):
-            if r is not None and r.number == round_number:
-                return r.nonce
-        return None
+    def remember(self, rnd: SyncRound) -> None:
+        """Keep a round's nonce and selection for late answers (and the O(1) stranger check)."""
+        self.history[rnd.number] = (rnd.nonce, frozenset(rnd.selected))
+        self.ever_selected |= rnd.selected
 
-    def _oldest_chargeable(self) -> int:
-        """Releases for rounds before this can no longer be charged (no duplicate to guard)."""
-        return self.previous.number if self.previous is not None else 0
+    def _round_facts(self, round_number: int) -> tuple[bytes | None, frozenset[str]] | None:
+        rnd = self.current
+        if rnd is not None and rnd.number == round_number:
+            return rnd.nonce, rnd.selected
+        return self.history.get(round_number)
+
+    def nonce_of(self, round_number: int) -> bytes | None:
+        """The nonce of the round an update names (None: no such round, rejected anyway)."""
+        facts = self._round_facts(round_number)
+        return None if facts is None else facts[0]
+
+    def _known(self, device: str) -> bool:
+        """Announced a status, or was ever selected (a resumed aggregator learns statuses only
+        after the broker has delivered the updates it queued)."""
+        rnd = self.current
+        return (
+            device in self.devices
+            or device in self.ever_selected
+            or (rnd is not None and device in rnd.selected)
+        )
 
     def _chargeable(self, device: str, update: Update) -> bool:
-        """Could this device have released this update? Selected for the open round, or for the
-        one that just closed (a late update was still released). O(1)."""
-        return any(
-            r is not None and update.round == r.number and device in r.selected
-            for r in (self.current, self.previous)
-        )
+        """Could this device have released this update? Selected for the round it names: open,
+        or closed (a straggler's late answer was still released). O(1)."""
+        facts = self._round_facts(update.round)
+        return facts is not None and device in facts[1]
 
     def new_strategy(self) -> Strategy:
         """A fresh aggregation for the round (or async window) being opened."""
@@ -432,10 +448,10 @@ class AggregatorCore:
         return {k: v for k, v in record.items() if k not in hidden}
 
     def record_release(self, device: str, round_number: int, n_samples: int) -> None:
+        if self.privacy is not None:  # first: if charging fails, nothing below has changed
+            self.privacy.record_upload(device, n_samples, round_number)
         self._released.add((device, round_number))
         self.releases.append((device, round_number, n_samples))
-        if self.privacy is not None:
-            self.privacy.record_upload(device, n_samples, round_number)
 
     def record_noised_round(self, round_number: int) -> None:
         self.noised_rounds.append(round_number)
@@ -520,8 +536,7 @@ class AggregatorCore:
         self.previous, self.current = rnd, None
         self.refused = set()
         self.strategy = None
-        oldest = self._oldest_chargeable()
-        self._released = {k for k in self._released if k[1] >= oldest}  # bounded: recent only
+        self.remember(rnd)
         self.tally = RoundTally()
         return record
 

@@ -98,6 +98,8 @@ class AsyncAggregatorCore(AggregatorCore):
         """An update that finds no open window, or a full one, waits for the next window: in
         async modes nothing is late, and a window applies exactly K (FedAsync: 1) updates."""
         window = self.current
+        if not self._known(device):  # strangers are refused now, not held
+            return super().on_update(device, payload, counted=counted)
         if window is None or window.count >= window.target:
             if not counted:
                 self.tally.bytes_up += len(payload)
@@ -114,14 +116,15 @@ class AsyncAggregatorCore(AggregatorCore):
         return self.nonces.get(round_number)
 
     def _chargeable(self, device: str, update: Update) -> bool:
-        """Any known device may train on any version it could have received: the current one or
-        one within ``max_staleness`` (``update.round`` is the version it trained on)."""
-        if device not in self.devices:
-            return False
-        return self.version - self.settings.max_staleness <= update.round <= self.version
+        """Any known device may train on any version that was published (``update.round`` is the
+        version it trained on; its nonce was checked): a stale one was still released."""
+        return device in self.devices and update.round in self.nonces
 
-    def _oldest_chargeable(self) -> int:
-        return self.version - self.settings.max_staleness
+    def remember(self, rnd) -> None:
+        """Async windows select nobody; the versions' nonces are the history."""
+
+    def _known(self, device: str) -> bool:
+        return device in self.devices or (self.round_number > 0 and not self.devices)
 
     def open_round(self, now: float) -> GlobalModel | None:
         s = self.settings
@@ -143,8 +146,7 @@ class AsyncAggregatorCore(AggregatorCore):
         # it can still be admitted (within max_staleness)
         oldest = self.version - s.max_staleness
         self._applied = {k for k in self._applied if k[1] >= oldest}
-        self.nonces = {v: n for v, n in self.nonces.items() if v >= oldest}
-        self.nonces.setdefault(self.version, new_nonce())
+        self.nonces.setdefault(self.version, new_nonce())  # all kept: 16 bytes per version
         window.earlier = self._applied
         self.current = window  # type: ignore[assignment]
         self.strategy = self.new_strategy()

@@ -132,6 +132,11 @@ def save_checkpoint(
         "rng": generator_state(core.rng),
         "noise_rng": generator_state(core.noise_rng),
     }
+    # every closed round's nonce and selection: a straggler's late answer is still charged
+    state["history"] = {
+        str(r): [None if n is None else base64.b64encode(n).decode(), sorted(sel)]
+        for r, (n, sel) in sorted(getattr(core, "history", {}).items())
+    }
     # the round that closed last: a late update for it is still charged (core.previous)
     previous = getattr(core, "previous", None)
     if previous is not None:
@@ -217,6 +222,12 @@ def load_checkpoint(core: AggregatorCore, directory: str | Path) -> dict[str, An
         core.record_noised_round(int(rnd))
     if state.get("previous") is not None and hasattr(core, "previous"):
         core.previous = build_round(core, state["previous"])
+    for r, (nonce, selected) in state.get("history", {}).items():
+        core.history[int(r)] = (
+            None if nonce is None else base64.b64decode(nonce),
+            frozenset(selected),
+        )
+        core.ever_selected.update(selected)
     restore_generator(core.rng, state.get("rng"))
     restore_generator(core.noise_rng, state.get("noise_rng"))
     if "held" in state and hasattr(core, "_held"):
