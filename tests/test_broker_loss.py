@@ -34,6 +34,23 @@ def job_config(url: str, rounds: int = 6):
     )
 
 
+async def start_service_and_fleet(job, core, spec, records: list, attempts: int):
+    """The aggregator service (6 devices expected) and, once it is connected, the fleet."""
+    service = AggregatorService(
+        core,
+        spec,
+        job.topics,
+        wait_for_devices_s=20,
+        expected_devices=6,
+        on_record=records.append,
+        reconnect_attempts=attempts,
+    )
+    agg = asyncio.create_task(service.run())
+    await service.connected.wait()
+    fleet = job.fleet_runtime(spec)
+    return agg, fleet, asyncio.create_task(fleet.run())
+
+
 def test_aggregator_and_devices_survive_a_broker_restart():
     port = free_port()
     broker = EmbeddedBroker(kind="mosquitto", port=port).start()
@@ -96,19 +113,7 @@ def test_fleet_reconnects_after_a_broker_restart():
     records: list[dict] = []
 
     async def scenario() -> None:
-        service = AggregatorService(
-            core,
-            spec,
-            job.topics,
-            wait_for_devices_s=20,
-            expected_devices=6,
-            on_record=records.append,
-            reconnect_attempts=20,
-        )
-        agg = asyncio.create_task(service.run())
-        await service.connected.wait()
-        fleet = job.fleet_runtime(spec)
-        fleet_task = asyncio.create_task(fleet.run())
+        agg, _fleet, fleet_task = await start_service_and_fleet(job, core, spec, records, 20)
         while len(records) < 2:
             await asyncio.sleep(0.05)
         brokers[0].stop()
@@ -165,19 +170,7 @@ def test_five_broker_restarts_mid_round_skip_no_round_and_lose_no_update():
     records: list[dict] = []
 
     async def scenario() -> tuple[int, int]:
-        service = AggregatorService(
-            core,
-            spec,
-            job.topics,
-            wait_for_devices_s=20,
-            expected_devices=6,
-            on_record=records.append,
-            reconnect_attempts=30,
-        )
-        agg = asyncio.create_task(service.run())
-        await service.connected.wait()
-        fleet = job.fleet_runtime(spec)
-        fleet_task = asyncio.create_task(fleet.run())
+        agg, fleet, fleet_task = await start_service_and_fleet(job, core, spec, records, 30)
         for k in range(1, 6):
             while len(records) < k or core.current is None:
                 await asyncio.sleep(0.01)
