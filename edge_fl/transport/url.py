@@ -3,11 +3,18 @@
 A single URL is what an operator pastes into a device config or a CLI flag, so every connection
 detail (credentials, TLS files, port) lives in it; this module turns it into the keyword arguments
 that aiomqtt and paho expect, and never lets the password reach a log line.
+
+A clustered broker (NATS, RabbitMQ, EMQX, ...) is one URL with a node list,
+`mqtt://user:pass@h1:1883,h2:1883,h3:1883?ca=...`: credentials and options apply to every node, and
+each connection attempt goes to the next node (round robin from a random start, so a fleet spreads
+over the cluster and a client whose node died reconnects to another one on its next attempt).
 """
 
 from __future__ import annotations
 
+import itertools
 import os
+import random
 import re
 import ssl
 from dataclasses import dataclass, field
@@ -23,9 +30,17 @@ _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
 
 
+Node = tuple[str, int]
+
+
 @dataclass(frozen=True)
 class BrokerSpec:
-    """Where and how to connect to an MQTT broker (parsed from a URL by `parse_broker_url`)."""
+    """Where and how to connect to an MQTT broker (parsed from a URL by `parse_broker_url`).
+
+    `host`/`port` are the first node; `nodes` is the whole list (one entry for a single broker).
+    `aiomqtt_kwargs()` and `configure_paho()` each hand out the next node, so a reconnect loop that
+    asks once per attempt fails over to the other nodes of a cluster.
+    """
 
     host: str
     port: int
@@ -37,6 +52,33 @@ class BrokerSpec:
     cert_file: str | None = None
     key_file: str | None = None
     insecure: bool = False
+    nodes: tuple[Node, ...] = ()
+    # Which node the next connection attempt gets; shared by every client using this spec, so a
+    # fleet's connections spread over the cluster. Not part of the spec's value (compare=False).
+    _cursor: itertools.count = field(
+        default_factory=itertools.count, init=False, repr=False, compare=False, hash=False
+    )
+
+    def __post_init__(self) -> None:
+        if not self.nodes:
+            object.__setattr__(self, "nodes", ((self.host, self.port),))
+        nodes = tuple((str(h), int(p)) for h, p in self.nodes)
+        object.__setattr__(self, "nodes", nodes)
+        if nodes[0] != (self.host, self.port):
+            raise ValueError(
+                f"BrokerSpec: host/port {self.host}:{self.port} must be the first node of {nodes}"
+            )
+        if len(nodes) > 1:
+            # A random start per process: devices that all parse the same URL do not all pile
+            # onto the first node. next() on itertools.count is atomic under the GIL, so paho
+            # threads and the event loop can share one spec.
+            object.__setattr__(self, "_cursor", itertools.count(random.randrange(len(nodes))))
+
+    def next_node(self) -> Node:
+        """The (host, port) for the next connection attempt: round robin over `nodes`."""
+        if len(self.nodes) == 1:
+            return self.nodes[0]
+        return self.nodes[next(self._cursor) % len(self.nodes)]
 
     def to_url(self, *, redact: bool = False) -> str:
         """Rebuild a URL that `parse_broker_url` maps back to this spec."""
@@ -47,7 +89,9 @@ class BrokerSpec:
             if self.password is not None:
                 auth += ":" + ("***" if redact else quote(self.password, safe=""))
             auth += "@"
-        host = f"[{self.host}]" if ":" in self.host else self.host
+        hosts = ",".join(
+            f"[{host}]:{port}" if ":" in host else f"{host}:{port}" for host, port in self.nodes
+        )
         query = [
             f"{name}={quote(value, safe='/~.-_')}"
             for name, value in (
@@ -60,7 +104,7 @@ class BrokerSpec:
         if self.insecure:
             query.append("insecure=1")
         tail = ("?" + "&".join(query)) if query else ""
-        return f"{scheme}://{auth}{host}:{self.port}{tail}"
+        return f"{scheme}://{auth}{hosts}{tail}"
 
     def redacted(self) -> str:
         """The URL with the password replaced by `***`, safe for logs and metrics files."""
@@ -97,22 +141,29 @@ class BrokerSpec:
         return context
 
     def aiomqtt_kwargs(self) -> dict[str, Any]:
-        """Keyword arguments for `aiomqtt.Client(**kwargs, identifier=..., will=...)`."""
+        """Keyword arguments for `aiomqtt.Client(**kwargs, identifier=..., will=...)`.
+
+        Call it once per connection attempt: each call names the next node of a cluster."""
+        host, port = self.next_node()
         return {
-            "hostname": self.host,
-            "port": self.port,
+            "hostname": host,
+            "port": port,
             "username": self.username,
             "password": self.password,
             "tls_context": self.tls_context(),
         }
 
-    def configure_paho(self, client: paho.mqtt.client.Client) -> None:
-        """Apply credentials and TLS to a paho client; then `client.connect(host, port)`."""
+    def configure_paho(self, client: paho.mqtt.client.Client) -> Node:
+        """Apply credentials and TLS to a paho client; returns the node to connect to next.
+
+        `client.connect(*spec.configure_paho(client))`; on a lost connection call it again (TLS
+        is set once per client: paho refuses a second `tls_set_context`) for the next node."""
         if self.username is not None:
             client.username_pw_set(self.username, self.password)
         context = self.tls_context()
-        if context is not None:
+        if context is not None and client._ssl_context is None:
             client.tls_set_context(context)
+        return self.next_node()
 
 
 _PASSWORD_IN_URL = re.compile(r"(://[^/@?#]*?:)[^/@?#]*@")
@@ -156,8 +207,35 @@ def _parse_query(query: str, url: str) -> dict[str, str]:
     return options
 
 
+def _parse_node(hostport: str, scheme: str, url: str) -> Node:
+    """One `host[:port]` of the node list (`url` is the masked whole URL, for messages)."""
+    try:
+        parts = urlsplit(f"{scheme}://{hostport}")
+        host = parts.hostname
+    except ValueError as exc:
+        raise ValueError(f"broker URL {url!r} is malformed: {exc}") from None
+    if not host:
+        where = f" in node {hostport!r}" if hostport else ""
+        raise ValueError(f"broker URL {url!r}: missing host{where}")
+    try:
+        port = parts.port
+    except ValueError:
+        raw = hostport.rpartition(":")[2]
+        raise ValueError(
+            f"broker URL {url!r}: port {raw!r} is not an integer in 1..65535"
+        ) from None
+    if port is None:
+        if hostport.endswith(":"):
+            raise ValueError(f"broker URL {url!r}: empty port after ':'")
+        port = DEFAULT_PORTS[scheme]
+    if not 1 <= port <= 65535:
+        raise ValueError(f"broker URL {url!r}: port {port} is not in 1..65535")
+    return host, port
+
+
 def parse_broker_url(url: str) -> BrokerSpec:
-    """Parse `mqtt://[user[:pass]@]host[:port]` or `mqtts://...[?ca=&cert=&key=&insecure=1]`.
+    """Parse `mqtt://[user[:pass]@]host[:port][,host2[:port2]...]` or
+    `mqtts://...[?ca=&cert=&key=&insecure=1]` (credentials and options apply to every node).
 
     Raises ValueError naming the offending part for anything else, so a typo in a device config
     fails at start-up instead of as a connection timeout.
@@ -188,22 +266,10 @@ def parse_broker_url(url: str) -> BrokerSpec:
         )
     if parts.fragment:
         raise ValueError(f"broker URL {url!r}: unexpected fragment #{parts.fragment}")
-    host = parts.hostname
-    if not host:
-        raise ValueError(f"broker URL {url!r}: missing host")
-    try:
-        port = parts.port
-    except ValueError:
-        raw = parts.netloc.rpartition("@")[2].rpartition(":")[2]
-        raise ValueError(
-            f"broker URL {url!r}: port {raw!r} is not an integer in 1..65535"
-        ) from None
-    if port is None:
-        if parts.netloc.endswith(":"):
-            raise ValueError(f"broker URL {url!r}: empty port after ':'")
-        port = DEFAULT_PORTS[scheme]
-    if not 1 <= port <= 65535:
-        raise ValueError(f"broker URL {url!r}: port {port} is not in 1..65535")
+    hostlist = parts.netloc.rpartition("@")[2]
+    nodes = [_parse_node(item, scheme, url) for item in hostlist.split(",")]
+    if len(set(nodes)) != len(nodes):
+        raise ValueError(f"broker URL {url!r}: a node is listed more than once")
 
     username = unquote(parts.username) if parts.username is not None else None
     password = unquote(parts.password) if parts.password is not None else None
@@ -227,8 +293,9 @@ def parse_broker_url(url: str) -> BrokerSpec:
         return os.path.expanduser(value) if value is not None else None
 
     return BrokerSpec(
-        host=host,
-        port=port,
+        host=nodes[0][0],
+        port=nodes[0][1],
+        nodes=tuple(nodes),
         tls=tls,
         username=username,
         password=password,
