@@ -22,10 +22,11 @@ F16_MAX = float(np.finfo(np.float16).max)
 
 def stochastic_f16(x: np.ndarray, rng: np.random.Generator) -> np.ndarray:
     """Unbiased stochastic rounding of float64 ``x`` to float16."""
-    near = x.astype(np.float16)
-    near64 = near.astype(np.float64)
-    lo = np.where(near64 > x, np.nextafter(near, np.float16(-np.inf)), near)
-    hi = np.nextafter(lo, np.float16(np.inf))
+    with np.errstate(over="ignore"):  # beyond float16: infinity, refused by the aggregator
+        near = x.astype(np.float16)
+        near64 = near.astype(np.float64)
+        lo = np.where(near64 > x, np.nextafter(near, np.float16(-np.inf)), near)
+        hi = np.nextafter(lo, np.float16(np.inf))
     lo64, hi64 = lo.astype(np.float64), hi.astype(np.float64)
     inside = np.isfinite(lo64) & np.isfinite(hi64) & (np.abs(x) <= F16_MAX)
     gap = np.where(inside, hi64 - lo64, 1.0)

@@ -175,6 +175,40 @@ class Mechanism:
             return frozenset({"norm_bound", "sample_cap"})
         return frozenset({"norm_bound", "sample_cap", "aggregator"})
 
+    #: uplink codecs that keep a decoded delta within the norm it was sent with (no stochastic
+    #: rounding beyond float16's, no error feedback adding earlier rounds' residuals)
+    NORM_PRESERVING_CODECS: ClassVar[frozenset[str]] = frozenset({"f32", "f16"})
+
+    @classmethod
+    def accepts_codec(cls, codec: str) -> str | None:
+        """Why this mechanism's updates must not travel through uplink codec ``codec``
+        (:mod:`edge_fl.codecs`), or None when the combination is sound. Checked when the config
+        is loaded and by the aggregator's decoder.
+
+        A codec runs on the device after the mechanism: for a local mechanism (the release is
+        the privatised delta) it is post-processing, so any codec is sound, error feedback
+        included (the residual is a function of earlier, already accounted releases). Votes
+        (wire kind other than "u") have their own wire format: no codec. Central noise (a
+        mechanism that acts on empty rounds) calibrates to a norm bound the server checks on the
+        delta as it arrives: only codecs that keep that norm (float32, float16 within the
+        server's rounding slack); stochastic quantisation and rotation add noise that pushes a
+        clipped delta over the bound, and top-k error feedback adds the previous rounds'
+        residual to it. Override to say otherwise.
+        """
+        if cls.wire_kind != "u":
+            return (
+                f"{cls.name} defines its own wire format (updates of kind {cls.wire_kind!r}); "
+                "no uplink codec applies to it: leave compression.uplink unset"
+            )
+        if cls.acts_on_empty_round and codec not in cls.NORM_PRESERVING_CODECS:
+            return (
+                f"{cls.name} adds noise calibrated to a clip bound that the server checks on "
+                f"each delta as sent; {codec} changes the delta's norm (stochastic rounding, "
+                "rotation or error feedback) so clipped updates would exceed the bound: use "
+                f"one of {', '.join(sorted(cls.NORM_PRESERVING_CODECS))}"
+            )
+        return None
+
     # --- accounting ----------------------------------------------------------------------
     @property
     def accounts(self) -> bool:
