@@ -253,6 +253,49 @@ class RobustConfig(_Section):
         return self
 
 
+class CompressionConfig(_Section):
+    """How devices encode their dense updates (``edge_fl.codecs``; docs/protocol.md, compressed
+    dense updates). The codec runs after the privacy mechanism, on the device; the aggregator
+    accepts every codec the job's mechanism allows, so devices may differ. Refused: any codec
+    with SignDS (its votes have their own wire format) and, with gaussian-central, codecs that
+    change a clipped delta's norm (q8, q4, rot1, topk); ``Mechanism.accepts_codec`` says why."""
+
+    uplink: str | None = Field(
+        None,
+        description="f32 | f16 | q8 | q4 | topk | rot1 (edge-fl comm-cost compares them); None = "
+        "model.wire_dtype, rounded to nearest",
+    )
+    topk_fraction: float = Field(0.01, gt=0, le=0.5, description="topk: fraction of coordinates")
+    error_feedback: bool = Field(True, description="topk: carry what was not sent to next round")
+
+    @model_validator(mode="after")
+    def _known_codec(self) -> CompressionConfig:
+        from edge_fl.codecs import codec_names
+
+        if self.uplink is not None and self.uplink not in codec_names():
+            raise ValueError(
+                f"uplink = {self.uplink!r} is not a codec: one of {', '.join(codec_names())}"
+            )
+        topk_only = {"topk_fraction", "error_feedback"} & self.model_fields_set
+        if topk_only and self.uplink != "topk":
+            raise ValueError(
+                f"{', '.join(sorted(topk_only))} only apply to uplink = 'topk', not {self.uplink!r}"
+            )
+        return self
+
+    def build(self) -> Any:
+        """The configured uplink codec (an ``edge_fl.codecs.Codec``), or None."""
+        from edge_fl.codecs import build_codec
+
+        if self.uplink is None:
+            return None
+        if self.uplink == "topk":
+            return build_codec(
+                "topk", fraction=self.topk_fraction, error_feedback=self.error_feedback
+            )
+        return build_codec(self.uplink)
+
+
 class FleetConfig(_Section):
     """How simulated devices behave: profile, modelled time and unreliability."""
 
@@ -305,6 +348,7 @@ class JobConfig(_Section):
     rounds: RoundsConfig = RoundsConfig()
     privacy: PrivacyConfig = PrivacyConfig()
     robust: RobustConfig = RobustConfig()
+    compression: CompressionConfig = CompressionConfig()
     security: SecurityConfig = SecurityConfig()
     fleet: FleetConfig = FleetConfig()
     device: DeviceConfig = DeviceConfig()
@@ -317,6 +361,21 @@ class JobConfig(_Section):
             raise ValueError(
                 f"rounds.clients_per_round = {k:g} exceeds data.devices = {n}: at most {n} "
                 "devices can take part in a round (or give a fraction in (0, 1))"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _sound_compression(self) -> JobConfig:
+        from edge_fl.codecs import check_combination
+
+        codec, mechanism = self.compression.uplink, self.privacy.mechanism
+        if codec is None:
+            return self
+        why = check_combination(mechanism, codec)
+        if why is not None:
+            raise ValueError(
+                f"compression.uplink = {codec!r} is not sound with privacy.mechanism = "
+                f"{mechanism!r}: {why}"
             )
         return self
 

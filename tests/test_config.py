@@ -116,3 +116,50 @@ def test_signds_small_topk_warning(caplog):
     with caplog.at_level(logging.WARNING):
         job = build_job(cfg)  # 650 params x 0.01 = 6 top-k coordinates
     assert job.warnings and "50" in job.warnings[0]
+
+
+# ---------------------------------------------------------------------------------------------
+# compression: the uplink codec, refused where the mechanism says it is not sound
+
+
+@pytest.mark.parametrize(
+    ("overrides", "expected"),
+    [
+        ({"compression.uplink": "q2"}, "uplink = 'q2' is not a codec: one of f32, f16, q8"),
+        ({"compression.topk_fraction": 0.1}, "topk_fraction only apply to uplink = 'topk'"),
+        (
+            {"compression.uplink": "topk", "compression.topk_fraction": 0.9},
+            "compression.topk_fraction = 0.9",
+        ),
+        (
+            {"compression.uplink": "f32", "privacy.mechanism": "signds"},
+            "compression.uplink = 'f32' is not sound with privacy.mechanism = 'signds': signds "
+            "defines its own wire format",
+        ),
+        (
+            {"compression.uplink": "q8", "privacy.mechanism": "gaussian-central"},
+            "is not sound with privacy.mechanism = 'gaussian-central'",
+        ),
+        (
+            {"compression.uplink": "topk", "privacy.mechanism": "gaussian-central"},
+            "topk changes the delta's norm",
+        ),
+    ],
+)
+def test_unsound_or_unknown_compression_is_refused(overrides, expected):
+    assert expected in errors(**overrides)
+
+
+@pytest.mark.parametrize(
+    ("mechanism", "codec"),
+    [("none", "q4"), ("laplace", "topk"), ("gaussian", "rot1"), ("gaussian-central", "f16")],
+)
+def test_sound_compression_builds_its_codec(mechanism, codec):
+    cfg = load_config(None, {"privacy.mechanism": mechanism, "compression.uplink": codec})
+    built = cfg.compression.build()
+    assert built.name == codec
+    assert load_config().compression.build() is None  # default: model.wire_dtype as before
+    topk = load_config(None, {"compression.uplink": "topk", "compression.topk_fraction": 0.05})
+    assert topk.compression.build().fraction == 0.05
+    # the codec is a device's choice the aggregator checks per update: not in the digest
+    assert cfg.digest() == load_config(None, {"privacy.mechanism": mechanism}).digest()

@@ -273,3 +273,64 @@ def test_the_rounds_update_is_offered_again_only_for_that_round():
     assert a.pending_for(gm(2)) is None and a.pending_for(gm(1, done=True)) is None
     second = a.on_global(gm(2))
     assert a.pending_for(gm(1)) is None and a.pending_for(gm(2)) == second
+
+
+# ---------------------------------------------------------------------------------------------
+# Uplink codecs: encoded after the mechanism, error feedback kept on the agent
+
+
+def coded_agent(codec_name: str, **options: Any) -> DeviceAgent:
+    from edge_fl.codecs import build_codec
+
+    a = agent(X=data(n=40)[0], y=data(n=40)[1])
+    a.codec = build_codec(codec_name, **options)
+    return a
+
+
+@pytest.mark.parametrize("name", ["f16", "q8", "q4", "topk", "rot1"])
+def test_codec_encodes_the_update_and_the_aggregator_decodes_it(name: str) -> None:
+    from edge_fl.codecs import build_codec
+
+    plain, coded = agent(X=data(n=40)[0], y=data(n=40)[1]), coded_agent(name)
+    ref = decode_update(plain.on_global(gm(1)), LIMITS).delta.astype(np.float64)
+    payload = coded.on_global(gm(1))
+    upd = decode_update(payload, LIMITS, topic_device="dev-1")
+    assert isinstance(upd, DenseUpdate) and upd.wire_dtype == build_codec(name).dt
+    # same seed, same training: the codec's input is the plain agent's delta
+    if name in ("f16", "q8", "q4"):
+        assert np.abs(upd.delta - ref).max() <= np.abs(ref).max() * 0.2 + 1e-6
+    if name == "topk":  # ceil(0.01 * 15) = 1 coordinate: the largest one, exactly
+        i = int(np.argmax(np.abs(ref)))
+        assert np.count_nonzero(upd.delta) == 1 and upd.delta[i] == np.float32(ref[i])
+    header = 27  # v, k, r, bv, n, m of this update (no nonce)
+    assert len(payload) - header - 1 <= build_codec(name).payload_bytes(D)
+    assert coded.pending_for(gm(1)) == payload  # a resend is the same bytes
+
+
+def test_error_feedback_lives_on_the_agent_and_advances_once_per_release() -> None:
+    a = coded_agent("topk", fraction=0.1)
+    assert a.codec_state is None
+    first = a.on_global(gm(1))
+    residual = a.codec_state.residual.copy()
+    assert np.count_nonzero(residual) == D - 2  # ceil(1.5) = 2 coordinates sent
+    assert a.on_global(gm(1)) is None and a.pending_for(gm(1)) == first
+    np.testing.assert_array_equal(a.codec_state.residual, residual)  # no release, no change
+    a.on_global(gm(2))
+    assert not np.array_equal(a.codec_state.residual, residual)
+
+
+def test_a_job_limited_to_dense_f4_f2_refuses_a_codec_it_does_not_accept() -> None:
+    payload = coded_agent("q8").on_global(gm(1))
+    strict = UpdateLimits(D, 100, frozenset({"u"}), codecs=frozenset({"f4", "f2"}))
+    with pytest.raises(Exception, match=r"bad_dtype: .*'q8' is a codec this job does not accept"):
+        decode_update(payload, strict)
+    from edge_fl.codecs import build_codec
+    from edge_fl.protocol import encode_update
+
+    upd = DenseUpdate("dev-1", 1, 1, 5, np.zeros(D, np.float32), mechanism="gaussian-central")
+    fields, _ = build_codec("q8").encode(np.ones(D), seeded_generator(0))
+    central = UpdateLimits(D, 100, frozenset({"u"}), mechanism="gaussian-central")
+    with pytest.raises(Exception, match=r"bad_dtype: .* got 'q8'; 'q8' is a codec"):
+        decode_update(encode_update(upd, coded=("q8", fields)), central)
+    f16, _ = build_codec("f16").encode(np.ones(D), seeded_generator(0))
+    assert decode_update(encode_update(upd, coded=("f2", f16)), central).delta[0] == 1.0

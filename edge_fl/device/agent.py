@@ -3,6 +3,10 @@
 The same core runs thousands of times inside the fleet simulator and once on a Raspberry Pi; the
 runtime around it only moves bytes. An agent answers each (job, round) at most once, so a broker
 redelivering the retained global model (QoS 1 is at-least-once) never produces two updates.
+
+An uplink codec (:mod:`edge_fl.codecs`, ``compression.uplink``) encodes a dense update after the
+mechanism has privatised it (post-processing); its state (top-k error feedback) lives here, on
+the device, and advances once per release.
 """
 
 from __future__ import annotations
@@ -11,11 +15,19 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from edge_fl.codecs import Codec, CodecState
 from edge_fl.mechanisms import Mechanism
 from edge_fl.mechanisms.none import NoPrivacy
 from edge_fl.models.base import Model
 from edge_fl.models.training import LocalTraining
-from edge_fl.protocol import GlobalModel, Status, encode_status, encode_update
+from edge_fl.protocol import (
+    DenseUpdate,
+    GlobalModel,
+    Status,
+    Update,
+    encode_status,
+    encode_update,
+)
 
 
 @dataclass
@@ -64,7 +76,10 @@ class DeviceAgent:
         rng: np.random.Generator,
         mechanism: Mechanism | None = None,
         budget: DeviceBudget | None = None,
+        codec: Codec | None = None,
     ) -> None:
+        """``codec``: the uplink codec of dense updates (None: the global message's wire dtype,
+        rounded to nearest, as before codecs existed)."""
         self.device_id = device_id
         self.X = X
         self.y = y
@@ -73,6 +88,8 @@ class DeviceAgent:
         self.rng = rng
         self.mechanism: Mechanism = mechanism or NoPrivacy(None, None)
         self.budget = budget
+        self.codec = codec
+        self.codec_state: CodecState | None = None  # e.g. the top-k error-feedback residual
         self.state = DeviceState()
 
     @property
@@ -111,9 +128,16 @@ class DeviceAgent:
             self.budget.events.extend(events)
         self.state.exposures += 1
         self.state.updates_sent += 1
-        payload = encode_update(update, dim=len(msg.params))
+        payload = self.encode(update, len(msg.params))
         self.state.last_release = (msg.round, payload)
         return payload
+
+    def encode(self, update: Update, dim: int) -> bytes:
+        """The update's payload; a dense one through the uplink codec, whose state advances."""
+        if self.codec is None or not isinstance(update, DenseUpdate):
+            return encode_update(update, dim=dim)
+        fields, self.codec_state = self.codec.encode(update.delta, self.rng, self.codec_state)
+        return encode_update(update, coded=(self.codec.dt, fields))
 
     def pending_for(self, msg: GlobalModel) -> bytes | None:
         """The update this device released for ``msg``'s round, when that round's model arrives

@@ -79,7 +79,10 @@ class UpdateLimits:
     ``n_params``: the model dimension d. ``max_indices``: the cap on a SignDS vote's h.
     ``allowed_kinds``: "u" (dense) and/or "s" (SignDS vote). ``mechanism``: the job's mechanism
     name; a dense update whose ``m`` differs, or a vote when the job is not SignDS, is
-    ``wrong_mechanism`` (None: not checked). ``signds_h``: the h of the job's SignDS plan; a vote
+    ``wrong_mechanism`` (None: not checked). ``codecs``: the wire tags ``dt`` a dense update may
+    use (docs/protocol.md, "Compressed dense updates"); None: f4, f2 and every registered codec
+    the job's mechanism accepts (``Mechanism.accepts_codec``; all when ``mechanism`` is None);
+    another is ``bad_dtype``. ``signds_h``: the h of the job's SignDS plan; a vote
     with another h is ``wrong_h`` (None: any h up to ``max_indices``). ``max_abs``: a dense delta
     with any |value| above it is ``implausible`` (None: no bound); 1e4 is far beyond any real
     delta and catches byte-swapped float32/float16 vectors.
@@ -91,6 +94,15 @@ class UpdateLimits:
     mechanism: str | None = None
     signds_h: int | None = None
     max_abs: float | None = DEFAULT_MAX_ABS
+    codecs: frozenset[str] | None = None
+
+    def dense_tags(self) -> frozenset[str]:
+        """The ``dt`` values a dense update may carry for this job."""
+        if self.codecs is not None:
+            return self.codecs
+        from edge_fl.codecs import accepted_tags
+
+        return frozenset(WIRE_DTYPES) | accepted_tags(self.mechanism)
 
     @property
     def max_bytes(self) -> int:
@@ -168,8 +180,14 @@ def sign_bits(sign: int, magrr_bit: int) -> int:
     return (1 if sign > 0 else 0) | (int(magrr_bit) << 1)
 
 
-def encode_update(update: Update, dim: int | None = None) -> bytes:
+def encode_update(
+    update: Update, dim: int | None = None, coded: tuple[str, dict[str, Any]] | None = None
+) -> bytes:
     """Encode an update; SignDS needs the model dimension ``dim`` to choose its index coding.
+
+    ``coded``: for a dense update, ``(dt, fields)`` from an uplink codec (:mod:`edge_fl.codecs`,
+    ``codec.dt`` and ``codec.encode(...)[0]``): the update then carries those fields instead of
+    ``x`` in ``update.wire_dtype`` (whose ``delta`` is not sent).
 
     The device id is NOT in the payload: the topic ``up/<device>`` is the identity, and the
     broker's ACL lets a device publish only there. A SignDS update packs sign and MagRR bit into
@@ -186,6 +204,14 @@ def encode_update(update: Update, dim: int | None = None) -> bytes:
         _check_nonce(update.nonce)
         common["nc"] = update.nonce
     if isinstance(update, DenseUpdate):
+        if coded is not None:
+            dt, fields = coded
+            if dt not in _codec_tags() or not isinstance(fields, dict):
+                raise ValueError(f"coded = ({dt!r}, ...) is not a registered codec's output")
+            extra = set(fields) - _codec_keys(dt)
+            if extra:
+                raise ValueError(f"codec {dt!r} fields {sorted(extra)} are not its keys")
+            return _pack({**common, "k": "u", "dt": dt, "m": update.mechanism, **fields})
         return _pack(
             {
                 **common,
@@ -339,6 +365,39 @@ def _optional_nonce(obj: dict[str, Any]) -> bytes | None:
     return nonce
 
 
+def _codec_tags() -> dict[str, str]:
+    from edge_fl.codecs import codec_tags
+
+    return codec_tags()
+
+
+def _codec_keys(dt: str) -> frozenset[str]:
+    from edge_fl.codecs import codec_for_tag
+
+    return codec_for_tag(dt).keys
+
+
+def _dense_dtype(obj: dict[str, Any], accepted: frozenset[str]) -> str:
+    """A dense update's ``dt``: f4/f2, or a codec tag this job accepts (``bad_dtype`` else)."""
+    dt = F.get(obj, "dt", str, "wire dtype", "str")
+    if dt in WIRE_DTYPES and dt in accepted | frozenset(WIRE_DTYPES):
+        return dt
+    tags = _codec_tags()
+    if dt not in tags or dt not in accepted:
+        extra = sorted(accepted - frozenset(WIRE_DTYPES))
+        others = (
+            f", or a compressed encoding this job accepts ({', '.join(extra)})" if extra else ""
+        )
+        refused = f"; {dt!r} is a codec this job does not accept" if dt in tags else ""
+        raise PayloadRejected(
+            Reject.BAD_DTYPE,
+            f"field 'dt' (wire dtype): expected 'f4' (little-endian float32) or 'f2' "
+            f"(little-endian float16){others}, got {F.describe(dt)}{refused}",
+            field="dt",
+        )
+    return dt
+
+
 def _dtype(obj: dict[str, Any]) -> str:
     dt = F.get(obj, "dt", str, "wire dtype", "str")
     if dt not in WIRE_DTYPES:
@@ -390,7 +449,8 @@ def _plausible(vec: np.ndarray, max_abs: float | None, key: str, what: str) -> N
 
 
 _UPDATE_COMMON = frozenset({"v", "k", "dev", "r", "bv", "n", "nc"})
-_DENSE_KEYS = _UPDATE_COMMON | {"dt", "m", "x"}
+_DENSE_COMMON = _UPDATE_COMMON | {"dt", "m"}
+_DENSE_KEYS = _DENSE_COMMON | {"x"}
 _SIGNDS_KEYS = _UPDATE_COMMON | {"sb", "h", "c", "ix"}
 
 
@@ -411,7 +471,13 @@ def decode_update(payload: bytes, limits: UpdateLimits, topic_device: str | None
             f"the job's (k = {kinds})",
             field="k",
         )
-    F.check_keys(obj, _DENSE_KEYS if kind == "u" else _SIGNDS_KEYS, f"an update of kind {kind!r}")
+    keys = _SIGNDS_KEYS
+    if kind == "u":
+        dt = obj.get("dt")
+        keys = _DENSE_KEYS
+        if type(dt) is str and dt not in WIRE_DTYPES and dt in _codec_tags():
+            keys = _DENSE_COMMON | _codec_keys(dt)
+    F.check_keys(obj, keys, f"an update of kind {kind!r}")
     rnd: int | None = None
     try:
         if "r" in obj and type(obj["r"]) is int and 0 <= obj["r"] <= MAX_COUNTER:
@@ -459,9 +525,15 @@ def _decode_update(
             + ("; SignDS updates are votes of kind 's'" if mech == SIGNDS else ""),
             field="m",
         )
-    dt = _dtype(obj)
-    blob = F.get(obj, "x", bytes, "delta vector", "bin")
-    delta = _vector(blob, dt, limits.n_params, "x", "delta vector")
+    dt = _dense_dtype(obj, limits.dense_tags())
+    if dt in WIRE_DTYPES:
+        blob = F.get(obj, "x", bytes, "delta vector", "bin")
+        delta = _vector(blob, dt, limits.n_params, "x", "delta vector")
+    else:
+        from edge_fl.codecs import codec_for_tag
+
+        codec = codec_for_tag(dt)
+        delta = codec.decode({k: obj[k] for k in codec.keys if k in obj}, limits.n_params)
     _plausible(delta, limits.max_abs, "x", "delta vector")
     return DenseUpdate(device, rnd, base, n, delta, dt, mech, nonce)
 
