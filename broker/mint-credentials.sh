@@ -6,9 +6,14 @@
 #   broker/mint-credentials.sh [-f PASSWD] [-H HOST[:PORT]] -n COUNT [-p PREFIX] [--start I]
 #
 #   umask 077; broker/mint-credentials.sh -f /etc/mosquitto/edge-fl/passwd -H broker.lan \
-#       aggregator pi-001 pi-002 > credentials.tsv
+#       aggregator > aggregator.tsv
+#   broker/mint-credentials.sh -f /etc/mosquitto/edge-fl/passwd -H broker.lan -n 50 > devices.tsv
+#
+# -n COUNT names devices d00000, d00001, ... (edge-fl's device ids: prefix d, 5 digits, the index
+# of the device's data partition), from --start I (default 0); -p changes the prefix.
 #
 # Output (stdout, one line per user): NAME <TAB> mqtts://NAME:PASSWORD@HOST:PORT?ca=PATH
+# (what `edge-fl fleet --credentials FILE` reads; --ca is the CA's path on the clients).
 # Passwords are shown only here (the file stores salted hashes): keep the output private.
 # NAME is the device id: the ACL (acl.template) lets a device write only <prefix>/<job>/up/NAME
 # and <prefix>/<job>/status/NAME, so it must be [A-Za-z0-9_-] (no MQTT wildcards, no '/').
@@ -24,7 +29,7 @@ host="$(hostname -f 2>/dev/null || hostname)"
 ca=/etc/edge-fl/ca.crt
 force=0
 count=""
-prefix=device-
+prefix=d
 start=0
 names=()
 while [[ $# -gt 0 ]]; do
@@ -44,7 +49,7 @@ done
 if [[ -n "$count" ]]; then
     [[ "$count" =~ ^[0-9]+$ && "$count" -gt 0 ]] || die "-n COUNT must be a positive integer, got '$count'"
     [[ "$start" =~ ^[0-9]+$ ]] || die "--start must be a non-negative integer, got '$start'"
-    width=$(( ${#count} > 4 ? ${#count} : 4 ))
+    width=5  # edge_fl.job.device_id: d00000 (printf pads to at least 5 digits, like Python)
     for ((i = start; i < start + count; i++)); do names+=("$(printf '%s%0*d' "$prefix" "$width" "$i")"); done
 fi
 [[ ${#names[@]} -gt 0 ]] || { echo "mint-credentials.sh: give NAME... or -n COUNT" >&2; usage; }

@@ -222,29 +222,84 @@ def _line(r: dict) -> str:
     )
 
 
+def _parse_indices(indices: str | None, n_devices: int) -> range:
+    if indices is None:
+        return range(n_devices)
+    try:
+        first, last = (int(x) for x in indices.split(":"))
+    except ValueError:
+        raise click.BadParameter(f"--indices {indices!r}: use FROM:TO, e.g. 2:50") from None
+    if not 0 <= first < last <= n_devices:
+        raise click.BadParameter(
+            f"--indices {indices!r}: need 0 <= FROM < TO <= data.devices = {n_devices}"
+        )
+    return range(first, last)
+
+
 @click.command()
 @_common_job_options
 @click.option("--shard", default="0/1", show_default=True, help="run devices I, I+N, I+2N, ...")
-def fleet(shard, verbose, config, **kw) -> None:
+@click.option(
+    "--indices",
+    metavar="FROM:TO",
+    help="only devices FROM..TO-1, e.g. to leave the first ids to real devices (--shard splits "
+    "these)",
+)
+@click.option(
+    "--credentials",
+    type=click.Path(dir_okay=False),
+    help="NAME<TAB>URL lines (broker/mint-credentials.sh): each device logs in as its own user; "
+    "host, port and TLS from --broker, else from the lines",
+)
+def fleet(shard, indices, credentials, verbose, config, **kw) -> None:
     """Run (a shard of) the simulated device fleet against a broker."""
     _logging(verbose)
     cfg = _load(config, _overrides(kw))
-    if not cfg.broker.url:
-        _fail("the fleet needs --broker (or broker.url in the config)")
+    users = None
+    if credentials:
+        from edge_fl.transport.credentials import CredentialsError, read_credentials
+
+        try:
+            users = read_credentials(credentials)
+        except CredentialsError as exc:
+            _fail(str(exc))
+    if not cfg.broker.url and not users:
+        _fail("the fleet needs --broker (or broker.url in the config, or --credentials)")
+    from edge_fl.fleet.runtime import DeviceConnectError
     from edge_fl.job import build_job
+    from edge_fl.transport.credentials import device_specs, without_user
     from edge_fl.transport.url import parse_broker_url
 
     job = build_job(cfg)
-    indices = _parse_shard(shard, cfg.data.devices)
+    pool = _parse_indices(indices, cfg.data.devices)
+    part = _parse_shard(shard, len(pool))
+    selected = pool[part.start :: part.step]
+    if not selected:
+        _fail(f"--shard {shard} of --indices {indices} holds no device")
+    base = parse_broker_url(cfg.broker.url) if cfg.broker.url else None
+    spec = base or without_user(next(iter(users.values())))
     runtime = job.fleet_runtime(
-        parse_broker_url(cfg.broker.url),
-        indices,
-        prefix=f"edgefl-{cfg.job}-s{shard.replace('/', 'of')}",
+        spec, selected, prefix=f"edgefl-{cfg.job}-s{shard.replace('/', 'of')}"
     )
+    specs = {}
+    if users:
+        try:
+            specs = device_specs(users, runtime.agents, base, source=f"--credentials {credentials}")
+        except CredentialsError as exc:
+            _fail(str(exc))
+        runtime.use_credentials(specs)
+    try:  # a missing CA or client certificate file: one line now, not a traceback per device
+        tls = {(s.tls, s.ca_file, s.cert_file, s.key_file): s for s in (spec, *specs.values())}
+        for checked in tls.values():
+            checked.tls_context()
+    except (ValueError, OSError) as exc:
+        _fail(str(exc))
     try:
         asyncio.run(runtime.run())
+    except DeviceConnectError as exc:
+        _fail(f"device {exc.device}: {_broker_problem(exc.spec.to_url(), exc.cause)}")
     except (aiomqtt.MqttError, OSError, RuntimeError) as exc:
-        _fail(_broker_problem(cfg.broker.url, exc))
+        _fail(_broker_problem(spec.to_url(), exc))
     click.echo(f"fleet shard {shard}: {runtime.published} updates published", err=True)
 
 

@@ -5,6 +5,11 @@ sees a crash as a real broker-published ``offline``), while the global model is 
 process on a shared downlink connection and handed to every local agent: 10,000 simulated devices
 must not each decode a copy (``notes/mqtt.md``). Training runs in a worker thread so keepalives and
 acknowledgements keep flowing.
+
+On a secured broker every device connects as its own MQTT user (``device_specs``, from the file
+``broker/mint-credentials.sh`` prints): the ACL lets a user write only its own update topic and
+Mosquitto allows one connection per username. Without a fleet user of its own, the downlink then
+rides on the first device's session (any user may read the global model).
 """
 
 from __future__ import annotations
@@ -28,6 +33,26 @@ from edge_fl.transport.url import BrokerSpec
 
 log = logging.getLogger("edge_fl.fleet")
 
+# Refusals that retrying cannot fix (MQTT CONNACK reasons and TLS failures, as paho words them).
+_FATAL = ("not authori", "bad user name or password", "certificate verify failed")
+
+
+def is_fatal(exc: BaseException) -> bool:
+    """Whether a connection error is a refused login or a TLS failure (wrong CA, host name)."""
+    text = str(exc).lower()
+    return any(word in text for word in _FATAL)
+
+
+class DeviceConnectError(aiomqtt.MqttError):
+    """A device's own session could not connect (named: with per-device credentials, which
+    device's login the broker refused matters)."""
+
+    def __init__(self, device: str, spec: BrokerSpec, cause: BaseException) -> None:
+        super().__init__(str(cause) or type(cause).__name__)
+        self.device = device
+        self.spec = spec
+        self.cause = cause
+
 
 class Fleet:
     def __init__(
@@ -45,8 +70,13 @@ class Fleet:
         dropout: float | None = None,
         digest: str = "",
         trust: Trust | None = None,
+        device_specs: dict[str, BrokerSpec] | None = None,
     ) -> None:
         self.agents = {a.device_id: a for a in agents}
+        self.device_specs: dict[str, BrokerSpec] = {}
+        self.downlink_device: str | None = None
+        if device_specs:
+            self.use_credentials(device_specs)
         self.trust = trust or Trust()  # one downlink for the whole fleet: one window
         self.n_params = agents[0].model.n_params if agents else 0
         self.spec = spec
@@ -75,14 +105,25 @@ class Fleet:
         self._pool = ThreadPoolExecutor(max_workers=train_workers, thread_name_prefix="train")
         self._tasks: set[asyncio.Task] = set()
 
+    def use_credentials(self, device_specs: dict[str, BrokerSpec]) -> None:
+        """Connect each device with its own spec (its MQTT user); before `run`."""
+        missing = [d for d in self.agents if d not in device_specs]
+        if missing:
+            raise ValueError(f"no broker credentials for devices {missing[:5]}")
+        self.device_specs = dict(device_specs)
+        # One connection per username on a secured broker: without a user of its own, the
+        # downlink subscribes on the first device's session instead of opening another.
+        self.downlink_device = next(iter(self.agents), None) if self.spec.username is None else None
+
     # ------------------------------------------------------------ connections
 
     def _client(self, agent: DeviceAgent) -> aiomqtt.Client:
         will = aiomqtt.Will(
             self.topics.status(agent.device_id), agent.status(online=False), qos=1, retain=True
         )
+        spec = self.device_specs.get(agent.device_id, self.spec)
         return aiomqtt.Client(
-            **self.spec.aiomqtt_kwargs(),
+            **spec.aiomqtt_kwargs(),
             identifier=f"{self.client_prefix}-{agent.device_id}",
             will=will,
             clean_session=True,
@@ -92,7 +133,13 @@ class Fleet:
     async def _connect(self, agent: DeviceAgent, gate: asyncio.Semaphore) -> None:
         async with gate:  # Mosquitto's listen backlog is 100: pace the connects
             client = self._client(agent)
-            await client.__aenter__()
+            try:
+                await client.__aenter__()
+            except aiomqtt.MqttError as exc:
+                if not self.device_specs:
+                    raise
+                spec = self.device_specs[agent.device_id]
+                raise DeviceConnectError(agent.device_id, spec, exc) from exc
             self.clients[agent.device_id] = client
             profile = self.profiles.get(agent.device_id)
             online = not (
@@ -261,33 +308,45 @@ class Fleet:
 
     async def _downlink(self) -> bool:
         """One downlink session; True when the job is done."""
+        if self.downlink_device is not None:
+            device = self.downlink_device
+            client = self.clients.get(device)
+            if client is None or not client._client.is_connected():
+                self.clients.pop(device, None)
+                await self._connect(self.agents[device], asyncio.Semaphore(1))
+                client = self.clients[device]
+            return await self._serve_downlink(client)
         async with aiomqtt.Client(
             **self.spec.aiomqtt_kwargs(), identifier=f"{self.client_prefix}-downlink"
         ) as downlink:
-            await downlink.subscribe(self.topics.global_model, qos=1)
-            self.trust.window.rejoin()  # rounds may have passed while the downlink was away
-            self.reconnect_attempt = 0
-            async for message in downlink.messages:
-                payload = message.payload
-                if not isinstance(payload, bytes | bytearray) or not payload:
-                    continue  # cleared retained message: no model yet
-                msg = self.trust.admit(bytes(payload), self.topics, self.n_params)
-                if msg is None:
-                    continue
-                if msg.done:
-                    if message.retain:
-                        continue  # the end of an earlier run of this job id
-                    return True
-                if self.digest and msg.config_digest != self.digest:
-                    log.error(
-                        "version %d: the aggregator's config digest %s differs from this "
-                        "fleet's %s (model, data, training or privacy disagree); not training",
-                        msg.version,
-                        msg.config_digest,
-                        self.digest,
-                    )
-                    continue
-                self._on_global(msg, len(payload))
+            return await self._serve_downlink(downlink)
+
+    async def _serve_downlink(self, downlink: aiomqtt.Client) -> bool:
+        """Receive global models on ``downlink`` and hand them out; True when the job is done."""
+        await downlink.subscribe(self.topics.global_model, qos=1)
+        self.trust.window.rejoin()  # rounds may have passed while the downlink was away
+        self.reconnect_attempt = 0
+        async for message in downlink.messages:
+            payload = message.payload
+            if not isinstance(payload, bytes | bytearray) or not payload:
+                continue  # cleared retained message: no model yet
+            msg = self.trust.admit(bytes(payload), self.topics, self.n_params)
+            if msg is None:
+                continue
+            if msg.done:
+                if message.retain:
+                    continue  # the end of an earlier run of this job id
+                return True
+            if self.digest and msg.config_digest != self.digest:
+                log.error(
+                    "version %d: the aggregator's config digest %s differs from this "
+                    "fleet's %s (model, data, training or privacy disagree); not training",
+                    msg.version,
+                    msg.config_digest,
+                    self.digest,
+                )
+                continue
+            self._on_global(msg, len(payload))
         return False
 
     async def _reconnect_devices(self) -> None:
@@ -319,6 +378,8 @@ class Fleet:
                     if await self._downlink():
                         break
                 except aiomqtt.MqttError as exc:
+                    if is_fatal(exc):
+                        raise  # a refused login or certificate: retrying cannot fix it
                     self.reconnect_attempt += 1
                     if self.reconnect_attempt > self.max_reconnects:
                         raise RuntimeError(
