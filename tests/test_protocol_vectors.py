@@ -160,7 +160,7 @@ def update_from(m: dict[str, Any], device: str) -> DenseUpdate | SignDSUpdate:
             m["round"],
             m["base_version"],
             m["n_samples"],
-            _vec(m["delta"], m["wire_dtype"]),
+            _vec(m["delta"], m["wire_dtype"] if "coded" not in m else "f4"),
             m["wire_dtype"],
             m["mechanism"],
             nonce,
@@ -366,6 +366,55 @@ def _updates() -> list[tuple[str, DenseUpdate | SignDSUpdate, int, dict, str]]:
     ]
 
 
+class _FixedCoins:
+    """The randomness of the compressed-update vectors: every uniform draw is 0.5 and every
+    random byte 0xA5, so the vectors do not depend on a PRNG's stream (a decoder needs none)."""
+
+    def random(self, size: int) -> np.ndarray:
+        return np.full(size, 0.5)
+
+    def bytes(self, n: int) -> bytes:
+        return b"\xa5" * n
+
+
+#: a delta of d = 40 for the top-k bitmap vector
+DELTA40 = [((-1) ** i) * (i % 7) / 64 for i in range(40)]
+
+
+def _coded_updates() -> list[tuple[str, DenseUpdate, str, dict[str, Any], int, str]]:
+    """(name, header, dt, codec fields, d, note): dense updates through an uplink codec."""
+    from edge_fl.codecs import build_codec
+
+    coins = _FixedCoins()
+    out = []
+    for name, codec, delta, note in (
+        (
+            "update_q8",
+            build_codec("q8"),
+            DELTA8,
+            "8-bit stochastic quantisation of update_dense_f4",
+        ),
+        ("update_q4", build_codec("q4"), DELTA8, "4-bit stochastic quantisation, two per byte"),
+        (
+            "update_topk_bitpack",
+            build_codec("topk", fraction=0.25, error_feedback=False),
+            DELTA8,
+            "top-k, h = 2 of d = 8, indices bit-packed (c = 0, 3 bits each)",
+        ),
+        (
+            "update_topk_bitmap",
+            build_codec("topk", fraction=0.5, error_feedback=False),
+            DELTA40,
+            "top-k, h = 20 of d = 40, index bitmap (c = 2, 5 bytes)",
+        ),
+        ("update_rot1", build_codec("rot1"), DELTA8, "Hadamard rotation + 1 bit + max, rs fixed"),
+    ):
+        fields, _ = codec.encode(np.asarray(delta, np.float64), coins)
+        header = DenseUpdate(DEVICE, 4, 3, 40, np.zeros(0, np.float32), codec.dt, "none", NONCE)
+        out.append((name, header, codec.dt, fields, len(delta), note))
+    return out
+
+
 def _statuses() -> list[tuple[str, Status, str]]:
     return [
         ("status_online", Status(DEVICE, True, 40), "retained status after connecting"),
@@ -424,6 +473,22 @@ def message_vectors() -> dict[str, Any]:
                 "topic": TOPICS.update(DEVICE),
                 "limits": limits,
                 "message": update_to(upd, dim),
+                "wire": wire_map(payload),
+                "hex": payload.hex(),
+            }
+        )
+    for name, upd, dt, fields, dim, note in _coded_updates():
+        payload = encode_update(upd, coded=(dt, fields))
+        decoded = decode_update(payload, UpdateLimits(dim, allowed_kinds=frozenset({"u"})))
+        message = {**update_to(decoded, dim), "coded": jsonable(fields)}
+        out.append(
+            {
+                "name": name,
+                "type": "update",
+                "note": note + "; delta = what the decoder returns (float32)",
+                "topic": TOPICS.update(DEVICE),
+                "limits": {"n_params": dim, "allowed_kinds": ["u"], "mechanism": "none"},
+                "message": message,
                 "wire": wire_map(payload),
                 "hex": payload.hex(),
             }
@@ -630,6 +695,61 @@ def rejection_vectors() -> dict[str, Any]:
         "sb",
         "sb has two bits: 0..3",
         vote_lim,
+    )
+
+    # compressed dense updates (docs/protocol.md, "Compressed dense updates")
+    coded = {name: (u, dt, f, dim) for name, u, dt, f, dim, _ in _coded_updates()}
+    q8_u, _, q8_f, _ = coded["update_q8"]
+    good_q8 = encode_update(q8_u, coded=("q8", q8_f))
+    update_case(
+        "codec_refused",
+        encode_update(
+            DenseUpdate(DEVICE, 4, 3, 40, np.zeros(0, np.float32), "q8", "gaussian-central", NONCE),
+            coded=("q8", q8_f),
+        ),
+        "bad_dtype",
+        "dt",
+        "q8 with gaussian-central (its norm bound needs the delta as clipped: f4 or f2 only)",
+        {**dense_lim, "mechanism": "gaussian-central"},
+    )
+    update_case(
+        "codec_negative_step",
+        _mutate(good_q8, qp=np.array([0.0, -1.0], "<f4").tobytes()),
+        "out_of_range",
+        "qp",
+        "a block's step is negative",
+    )
+    update_case(
+        "codec_field_of_another_dt",
+        _mutate(good_q8, h=1),
+        "unknown_field",
+        "h",
+        "q8 has no key h (that is top-k's)",
+    )
+    update_case(
+        "codec_levels_short",
+        _mutate(good_q8, x=b"\x00" * 7),
+        "wrong_shape",
+        "x",
+        "q8 levels: exactly d bytes",
+    )
+    q4_u, _, q4_f, _ = coded["update_q4"]
+    update_case(
+        "codec_q4_padding",
+        _mutate(encode_update(q4_u, coded=("q4", q4_f)), x=b"\x00\x00\x00\x10"),
+        "out_of_range",
+        "x",
+        "d = 7 is odd: the last byte's high nibble is padding and must be 0",
+        {**dense_lim, "n_params": 7},
+    )
+    tk_u, _, tk_f, tk_dim = coded["update_topk_bitmap"]
+    update_case(
+        "codec_topk_bitmap_count",
+        _mutate(encode_update(tk_u, coded=("tk", tk_f)), ix=bytes(b | 0x01 for b in tk_f["ix"])),
+        "bad_indices",
+        "ix",
+        "the bitmap sets more bits than h = 20 (bit 0 of every byte set)",
+        {**dense_lim, "n_params": tk_dim},
     )
 
     # global messages (as a device decodes them: with the aggregator's key and its model size)
@@ -1051,11 +1171,13 @@ def test_update_vectors(vector):
     update = update_from(m, DEVICE)
     payload = bytes.fromhex(vector["hex"])
     dim = m.get("dim", vector["limits"]["n_params"])
-    assert encode_update(update, dim=dim) == payload
+    coded = (m["wire_dtype"], from_json(m["coded"])) if "coded" in m else None
+    assert encode_update(update, dim=dim, coded=coded) == payload
     assert wire_map(payload) == vector["wire"]
     device = TOPICS.device_of(vector["topic"], "up")
     back = decode_update(payload, limits_from(vector["limits"]), topic_device=device)
-    assert back.device == DEVICE and update_to(back, dim) == m
+    expected = {k: v for k, v in m.items() if k != "coded"}
+    assert back.device == DEVICE and update_to(back, dim) == expected
     if m["kind"] == "signds":
         assert vector["wire"]["sb"] == sign_bits(m["sign"], m["magrr_bit"])
         assert vector["wire"]["h"] == len(m["indices"])
@@ -1334,3 +1456,19 @@ if __name__ == "__main__":
     if DOC.exists():
         DOC.write_text(render_doc(DOC.read_text(), built))
     print(f"wrote {len(built)} vector files to {VECTORS} and the hex blocks of {DOC}")
+
+
+def test_doc_lists_every_codec_and_its_keys():
+    from edge_fl.codecs import codec_for_tag, codec_tags
+
+    text = DOC.read_text()
+    start = text.index("### Compressed dense updates")
+    section = text[start : text.find("\n### ", start + 1)]
+    for dt in codec_tags():
+        if dt in ("f4", "f2"):
+            continue
+        assert f'"{dt}"' in section and f"**`{dt}`**" in section.replace(
+            "**`q8`, `q4`**", "**`q8`**, **`q4`**"
+        ), dt
+        for key in codec_for_tag(dt).keys:
+            assert f"| `{key}` |" in section, (dt, key)
