@@ -419,6 +419,41 @@ def test_update_bytes_mutated(update, data):
     check_update(mutated_payload, STRICT)
 
 
+@st.composite
+def coded_updates(draw: st.DrawFn) -> bytes:
+    """A dense update through an uplink codec (docs/protocol.md, compressed dense updates)."""
+    from edge_fl.codecs import build_codec
+
+    name = draw(st.sampled_from(["f16", "q8", "q4", "topk", "rot1"]))
+    options = {"fraction": draw(st.sampled_from([0.05, 0.3, 0.5]))} if name == "topk" else {}
+    codec = build_codec(name, **options)
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    fields, _ = codec.encode(draw(vectors), rng)
+    update = draw(dense_updates())
+    return encode_update(update, coded=(codec.dt, fields))
+
+
+CENTRAL = UpdateLimits(n_params=D, mechanism="gaussian-central")
+
+
+@FUZZ
+@given(coded_updates(), st.data())
+def test_coded_update_one_field_mutated(payload, data):
+    back = decode_update(payload, LIMITS, topic_device="d1")  # the valid message decodes
+    assert back.delta.shape == (D,)
+    mutated_payload = pack(data.draw(mutated(raw(payload))))
+    for limits in (LIMITS, STRICT, CENTRAL):
+        check_update(mutated_payload, limits)
+
+
+@FUZZ
+@given(coded_updates(), st.data())
+def test_coded_update_bytes_mutated(payload, data):
+    mutated_payload = data.draw(byte_mutations(payload))
+    check_update(mutated_payload)
+    check_update(mutated_payload, CENTRAL)
+
+
 # ---------------------------------------------------------------- global messages
 
 
