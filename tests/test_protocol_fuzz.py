@@ -279,6 +279,8 @@ def check_update(payload: Any, limits: UpdateLimits = LIMITS) -> None:
         assert update.delta.dtype == np.float32 and update.delta.shape == (D,)
         assert np.isfinite(update.delta).all() and np.abs(update.delta).max() <= 1e4
         assert limits.mechanism is None or update.mechanism == limits.mechanism
+        if limits.mechanism == "gaussian-central":  # only codecs that keep the clipped norm
+            assert update.wire_dtype in ("f4", "f2")
     else:
         assert update.sign in (-1, 1) and update.magrr_bit in (0, 1)
         idx = update.indices

@@ -5,6 +5,12 @@ Every number is the length of a payload produced by the real encoders (``encode_
 planned h and a real selection (``edge_fl.privacy.signds.select``) on a random update. A SignDS
 payload's size depends on the selected indices (the encoder sends the shorter of bit-packing and
 delta-varint), so it is averaged over ``--samples`` selections and min / max are reported too.
+
+Uplink codecs (``edge_fl.codecs``): every codec's update, encoded by the real codec and the real
+update encoder, per mechanism that accepts it (``Mechanism.accepts_codec``; a refused combination
+says why). The update size does not depend on the values, only on d (and top-k's fraction), except
+for the mechanism's name in ``m``. ``wire`` is reserved for wire-level bytes (MQTT packet,
+acknowledgements, TLS, TCP/IP): None until that accounting exists.
 """
 
 from __future__ import annotations
@@ -42,6 +48,7 @@ def comm_cost_report(
     samples: int = 20,
     selected: int = 0,
     rng: Any = None,
+    topk_fraction: float = 0.01,
 ) -> dict[str, Any]:
     """Payload bytes of one update of a ``dim``-parameter model under each mechanism, and of the
     global-model broadcast. ``rng``: a numpy Generator (default: the production CSPRNG)."""
@@ -116,6 +123,7 @@ def comm_cost_report(
     return {
         "dim": dim,
         "updates": {**dense, "signds": round(mean, 1)},
+        **codec_costs(dim, delta, hdr, rng, topk_fraction),
         "signds": {
             **{key: p.describe()[key] for key in ("topk", "h", "nu_th", "capped", "h_uncapped")},
             "sign_k": params.k,
@@ -145,6 +153,70 @@ def comm_cost_report(
     }
 
 
+def codec_costs(
+    dim: int, delta: Any, hdr: dict[str, Any], rng: Any, topk_fraction: float
+) -> dict[str, Any]:
+    """Bytes of one update through each uplink codec, per mechanism that accepts it."""
+    from edge_fl.codecs import build_codec, check_combination, codec_names
+    from edge_fl.mechanisms import mechanism_names
+    from edge_fl.protocol import DenseUpdate, encode_update
+
+    codecs: dict[str, Any] = {}
+    by_mechanism: dict[str, dict[str, int | None]] = {m: {} for m in mechanism_names()}
+    refused: dict[str, dict[str, str]] = {}
+    for name in codec_names():
+        options = {"fraction": topk_fraction} if name == "topk" else {}
+        codec = build_codec(name, **options)
+        fields, _ = codec.encode(delta, rng)
+        sizes = {}
+        for mech in mechanism_names():
+            why = check_combination(mech, name)
+            if why is not None:
+                refused.setdefault(mech, {})[name] = why
+                by_mechanism[mech][name] = None
+                continue
+            update = DenseUpdate(**hdr, delta=delta, wire_dtype="f4", mechanism=mech)
+            sizes[mech] = len(encode_update(update, coded=(codec.dt, fields)))
+            by_mechanism[mech][name] = sizes[mech]
+        codecs[name] = {
+            "dt": codec.dt,
+            **{k: v for k, v in codec.describe().items() if k not in ("codec", "dt")},
+            "payload": sizes["none"],  # the update with m = "none"
+            "codec_fields": codec.payload_bytes(dim),
+            "wire": None,  # wire-level bytes: not measured yet (MQTT, TLS, TCP/IP)
+        }
+    base = codecs["f32"]["payload"]
+    for entry in codecs.values():
+        entry["vs_f32"] = round(base / entry["payload"], 2)
+    return {"codecs": codecs, "by_mechanism": by_mechanism, "refused": refused}
+
+
+def _print_codecs(data: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"Update payload bytes per uplink codec, d = {data['dim']:,}")
+    table.add_column("codec (dt)")
+    table.add_column("payload", justify="right")
+    table.add_column("vs f32", justify="right")
+    table.add_column("wire", justify="right")
+    table.add_column("unbiased")
+    table.add_column("refused with")
+    for name, c in data["codecs"].items():
+        label = f"{name} ({c['dt']})" + (f", k = {c['fraction']:g}" if "fraction" in c else "")
+        table.add_row(
+            label,
+            f"{c['payload']:,}",
+            f"{c['vs_f32']:.2f}x",
+            "-" if c["wire"] is None else f"{c['wire']:,}",
+            "yes" if c["unbiased"] else "no",
+            ", ".join(m for m, r in data["refused"].items() if name in r) or "",
+        )
+    Console().print(table)
+    click.echo("payload: the update with m = 'none' (another mechanism's name changes a few bytes;")
+    click.echo("--json has every mechanism); wire: MQTT/TLS/TCP bytes, not measured here yet.")
+
+
 def _print_table(data: dict[str, Any]) -> None:
     from rich.console import Console
     from rich.table import Table
@@ -168,6 +240,7 @@ def _print_table(data: dict[str, Any]) -> None:
     Console().print(table)
     if sd["averaged"]:
         click.echo(f"SignDS size is the mean over {sd['samples']} selections (it varies).")
+    _print_codecs(data)
 
 
 @click.command("comm-cost")
@@ -179,6 +252,9 @@ def _print_table(data: dict[str, Any]) -> None:
 @click.option("--max-dim-out", type=int, default=100, show_default=True, help="Cap on h.")
 @click.option("--samples", type=int, default=20, show_default=True, help="SignDS selections.")
 @click.option("--selected", type=int, default=0, show_default=True, help="Ids in the broadcast.")
+@click.option(
+    "--topk-fraction", type=float, default=0.01, show_default=True, help="topk codec: fraction k."
+)
 @click.option("--seed", type=int, default=None, help="Seed (reproducible, NOT secure).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def comm_cost(
@@ -190,10 +266,12 @@ def comm_cost(
     max_dim_out: int,
     samples: int,
     selected: int,
+    topk_fraction: float,
     seed: int | None,
     as_json: bool,
 ) -> None:
-    """Bytes of one update (dense f32 / f16, SignDS) and of the global model, by the real encoder."""
+    """Bytes of one update (dense f32 / f16, SignDS, every uplink codec per mechanism) and of the
+    global model, by the real encoders."""
     from edge_fl.privacy.rng import seeded_generator
 
     flags = {
@@ -206,6 +284,7 @@ def comm_cost(
         "signds.sign_dim_out": "--dim-out",
         "signds.max_dim_out": "--max-dim-out",
         "model dimension d": "--dim",
+        "topk fraction": "--topk-fraction",
     }
     if seed is not None and seed < 0:
         raise click.BadParameter(
@@ -222,6 +301,7 @@ def comm_cost(
             samples=samples,
             selected=selected,
             rng=None if seed is None else seeded_generator(seed),
+            topk_fraction=topk_fraction,
         )
     except ValueError as err:
         msg = str(err)
