@@ -4,7 +4,7 @@
 #   broker/make-certs.sh [-o OUTDIR] [-d DAYS] [--client NAME]... HOST_OR_IP [HOST_OR_IP...]
 #
 #   broker/make-certs.sh -o certs broker.lan 192.168.1.10         # CA + server cert
-#   broker/make-certs.sh -o certs --client pi-001 broker.lan       # + client cert for pi-001
+#   broker/make-certs.sh -o certs --client d00001 broker.lan       # + client cert for d00001
 #
 # Every HOST_OR_IP goes into the server certificate's subjectAltName: clients verify the name
 # they connect to (the host in mqtts://HOST:8883) against it, so list every name and address
