@@ -484,7 +484,7 @@ def message_vectors() -> dict[str, Any]:
         out.append(
             {
                 "name": name,
-                "type": "update",
+                "type": "compressed_update",
                 "note": note + "; delta = what the decoder returns (float32)",
                 "topic": TOPICS.update(DEVICE),
                 "limits": {"n_params": dim, "allowed_kinds": ["u"], "mechanism": "none"},
@@ -1165,7 +1165,9 @@ def test_global_vectors(vector):
         )
 
 
-@pytest.mark.parametrize("vector", _by_type("update"), ids=lambda v: v["name"])
+@pytest.mark.parametrize(
+    "vector", _by_type("update") + _by_type("compressed_update"), ids=lambda v: v["name"]
+)
 def test_update_vectors(vector):
     m = vector["message"]
     update = update_from(m, DEVICE)
