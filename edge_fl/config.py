@@ -276,7 +276,11 @@ class CompressionConfig(_Section):
             raise ValueError(
                 f"uplink = {self.uplink!r} is not a codec: one of {', '.join(codec_names())}"
             )
-        topk_only = {"topk_fraction", "error_feedback"} & self.model_fields_set
+        # by value, not by "was it set": the config's JSON dump (the job document) must validate
+        fields = type(self).model_fields
+        topk_only = {
+            k for k in ("topk_fraction", "error_feedback") if getattr(self, k) != fields[k].default
+        }
         if topk_only and self.uplink != "topk":
             raise ValueError(
                 f"{', '.join(sorted(topk_only))} only apply to uplink = 'topk', not {self.uplink!r}"
