@@ -37,8 +37,20 @@ log = logging.getLogger("edge_fl.job")
 STREAM_INIT, STREAM_SELECT, STREAM_DEVICE, STREAM_NOISE, STREAM_PROFILE = 1, 2, 3, 4, 5
 
 
+#: config sections that belong to one process, never to the job a device joins
+DEVICE_LOCAL_SECTIONS = {"broker", "security", "fleet", "device"}
+
+
 def device_id(index: int) -> str:
+    """The one device-id convention: ``d`` + 5 digits of the device's index (its MQTT username,
+    what ``broker/mint-credentials.sh -n`` mints)."""
     return f"d{index:05d}"
+
+
+def device_index(device: str) -> int | None:
+    """The index in a device id that ends in digits (``d00007`` -> 7), else None."""
+    digits = len(device) - len(device.rstrip("0123456789"))
+    return int(device[-digits:]) if digits else None
 
 
 @dataclass
@@ -101,7 +113,9 @@ class Job:
         t = self.cfg.training
         rng, _ = self.rng(STREAM_DEVICE, index)
         p = self.cfg.privacy
-        budget = DeviceBudget(self.mechanism, p.budget_epsilon, p.delta) if self.private else None
+        # the device's own ledger exists only to enforce a budget (it needs dp-accounting)
+        enforce = self.private and p.budget_epsilon is not None
+        budget = DeviceBudget(self.mechanism, p.budget_epsilon, p.delta) if enforce else None
         return DeviceAgent(
             device_id(index),
             X,
@@ -111,6 +125,7 @@ class Job:
             rng,
             mechanism=self.mechanism,
             budget=budget,
+            codec=self.cfg.compression.build(),
         )
 
     def agents(self, indices: range | None = None) -> list[DeviceAgent]:
@@ -249,6 +264,18 @@ class Job:
             digest=self.cfg.digest(),
             trust=trust or self.trust(),
         )
+
+    def job_document(self) -> Any:
+        """What a device needs to join (``edge_fl.protocol.jobdoc``): the job's settings without
+        the aggregator's own (broker, keys, simulated-fleet behaviour, local paths) and every
+        noise multiplier it calibrated, so a device without dp-accounting uses the same ones."""
+        from edge_fl.privacy import calibration
+        from edge_fl.protocol.jobdoc import JobDocument
+
+        self.mechanism.describe()  # calibrates every dataset size the job has (DP-SGD)
+        config = self.cfg.model_dump(mode="json", exclude=DEVICE_LOCAL_SECTIONS)
+        config["data"]["data_dir"] = None  # where the data lives is each device's own business
+        return JobDocument(self.cfg.job, self.cfg.digest(), config, calibration.table())
 
     @cached_property
     def noise_rng(self) -> np.random.Generator:

@@ -25,7 +25,7 @@ class RepeatCollapser(logging.Filter):
         self.first: dict[tuple[str, str], str] = {}
 
     def filter(self, record: logging.LogRecord) -> bool:
-        if record.levelno >= logging.ERROR:
+        if record.levelno != logging.WARNING:  # progress (info) and errors always show
             return True
         key = (record.name, str(record.msg))
         self.seen[key] += 1

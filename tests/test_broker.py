@@ -710,7 +710,7 @@ def test_a_device_with_a_wrong_password_stops_with_one_line(
     port = secure_broker.spec.port
     url = f"mqtts://dev-a:wrong-password@127.0.0.1:{port}?ca={secure_files['ca']}"
     done = subprocess.run(
-        [edge_fl, "device", "--broker", url, "--device-index", "0", "--device-id", "dev-a"],
+        [edge_fl, "device", "--broker", url, "--id", "dev-a", "--index", "0"],
         capture_output=True,
         text=True,
         timeout=60,

@@ -316,7 +316,7 @@ def test_mixed_fleet_with_the_real_aggregator(mosquitto, tmp_path, mechanism):
         digest = config_digest(out / "run.json", agg)
         procs += [
             subprocess.Popen(
-                [EDGE_FL, "device", *common, "--device-index", str(i)],
+                [EDGE_FL, "device", "--broker", mosquitto.url, "--job", job, "--id", f"d0000{i}"],
                 stderr=subprocess.PIPE,
                 text=True,
             )
@@ -341,7 +341,7 @@ def test_mixed_fleet_with_the_real_aggregator(mosquitto, tmp_path, mechanism):
     finally:
         stop(*procs)
     assert agg.returncode == 0, stderr
-    assert [line.split(":")[0] for line in stdout.splitlines() if "closed" in line] == [
+    assert [line.split(":")[0] for line in stdout.splitlines() if line.startswith("round")] == [
         f"round {i} closed" for i in (1, 2, 3)
     ]
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]

@@ -26,6 +26,7 @@ RUN = "run"  # for real, in a temp dir (cheap)
 PARSE = "parse"  # options parsed and the job config built, not run (minutes of training)
 DEPLOYMENT = "deployment"  # run as written by tests/test_secure_deployment.py
 BROKER_BLOCK = "broker-block"  # broker/README.md's block, run here with the deployment's rules
+OPTIONS = "options"  # its options parse (the command needs a real broker and a running job)
 SKIP = "skip"
 
 # (document, pattern matched at the start of the command, action, why)
@@ -40,6 +41,8 @@ TABLE: list[tuple[str, str, str, str]] = [
     ("README.md", r"(install|umask|chgrp|chmod|cp|cat) ", DEPLOYMENT, "the secure deployment"),
     ("README.md", r"broker/(make-certs|mint-credentials)\.sh ", DEPLOYMENT, "the deployment"),
     ("README.md", r"systemctl restart mosquitto$", DEPLOYMENT, "the test starts mosquitto -c"),
+    ("README.md", r"edge-fl device --broker 'mqtts://d00007:PASSWORD@broker\.example\.org", OPTIONS,
+     "the Pi form; run for real by tests/test_job_document.py and the deployment test"),
     ("README.md", r"edge-fl (keygen|aggregator|fleet|device) ", DEPLOYMENT, "the deployment"),
     ("README.md", r"sudo devices/raspberry-pi/install\.sh ", SKIP,
      "root, a wheel and systemd: the emulated-Pi tool in tools/ runs it"),
@@ -51,6 +54,10 @@ TABLE: list[tuple[str, str, str, str]] = [
     ("broker/README.md", r"(install|umask|chgrp|chmod|mv|cd) ", BROKER_BLOCK, "files only"),
     ("broker/README.md", r"broker/(make-certs|mint-credentials)\.sh ", BROKER_BLOCK, "cheap"),
     ("devices/raspberry-pi/README.md", r"sudo ", SKIP, "root on a Pi (emulated-Pi tool)"),
+    ("devices/raspberry-pi/README.md", r"edge-fl device ", OPTIONS,
+     "the Pi form; run for real by tests/test_job_document.py and the deployment test"),
+    ("devices/raspberry-pi/README.md", r"broker/mint-credentials\.sh ", SKIP,
+     "the same script and options run in broker/README.md's block"),
     ("devices/raspberry-pi/README.md", r"sudoedit ", SKIP, "an editor"),
 ]  # fmt: skip
 
@@ -115,6 +122,20 @@ def test_cheap_commands_run(doc: str, command: str, tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() and "Traceback" not in done.stderr
     assert time.monotonic() - started < 30, "too slow for a cheap command"
+
+
+@pytest.mark.parametrize(
+    ("doc", "command"),
+    [c for c in commands() if action(*c) == OPTIONS],
+    ids=lambda v: v[:60] if isinstance(v, str) else v,
+)
+def test_device_commands_parse(doc: str, command: str) -> None:
+    from edge_fl.cli import main
+
+    args = _args(command)
+    cmd = main.get_command(None, args[1])  # type: ignore[arg-type]
+    ctx = cmd.make_context(args[1], args[2:])
+    assert ctx.params["url"].startswith("mqtts://") and ctx.params["device_id"]
 
 
 @pytest.mark.parametrize(

@@ -55,26 +55,6 @@ ROWS: list[tuple[str, dict[str, Any]]] = [
 ]
 
 
-def ensure_codec_wiring() -> str:
-    """``edge_fl/job.py`` builds the agents; until it passes ``compression.build()`` to
-    DeviceAgent, set the agent's codec here (a no-op once it does)."""
-    from edge_fl.job import Job
-
-    if getattr(Job.agent, "_bench_codecs", False):
-        return "patched"
-    original = Job.agent
-
-    def agent(self: Job, index: int) -> Any:
-        a = original(self, index)
-        if a.codec is None:
-            a.codec = self.cfg.compression.build()
-        return a
-
-    agent._bench_codecs = True  # type: ignore[attr-defined]
-    Job.agent = agent  # type: ignore[method-assign]
-    return "patched"
-
-
 def run(name: str, overrides: dict[str, Any], rounds: int, seed: int, reproducible: bool) -> dict:
     cfg = load_config(
         None,
@@ -108,7 +88,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", dest="json_out", help="write the raw results here")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
-    ensure_codec_wiring()
     wanted = {"f32", *filter(None, args.only.split(","))} if args.only else None
     rows = [(n, o) for n, o in ROWS if wanted is None or n in wanted]
     results: list[dict[str, Any]] = []

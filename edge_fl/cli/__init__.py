@@ -144,8 +144,42 @@ class _LazyGroup(click.Group):
     def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
         if name in _LAZY:
             module, attr = _LAZY[name]
-            return getattr(importlib.import_module(module), attr)
+            try:
+                return getattr(importlib.import_module(module), attr)
+            except ModuleNotFoundError as exc:
+                _missing_extra(name, exc)
         return super().get_command(ctx, name)
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except ModuleNotFoundError as exc:
+            _missing_extra(ctx.invoked_subcommand or "this command", exc)
+
+
+#: modules of the ``server`` extra (``pip install 'edge-fl[server]'``); the base install is the
+#: device agent alone
+_SERVER_MODULES = {"dp_accounting", "scipy", "onnx", "onnxruntime", "matplotlib", "amqtt", "rich"}
+
+
+def require_server(command: str) -> None:
+    """Fail now, with one line, if the server extra is not installed."""
+    for module in ("dp_accounting", "onnxruntime", "onnx"):
+        try:
+            importlib.import_module(module)
+        except ModuleNotFoundError as exc:
+            _missing_extra(command, exc)
+
+
+def _missing_extra(command: str, exc: ModuleNotFoundError) -> None:
+    """One line instead of a traceback when a base (device-only) install runs a server command."""
+    top = (exc.name or "").split(".")[0]
+    if top not in _SERVER_MODULES:
+        raise exc
+    _fail(
+        f"`edge-fl {command}` needs {top}, part of the server extra: pip install 'edge-fl[server]' "
+        "(the base install is the device agent only)"
+    )
 
 
 @click.group(cls=_LazyGroup)
@@ -231,7 +265,7 @@ def keygen(directory: str, force: bool) -> None:
 _LAZY = {
     "aggregator": ("edge_fl.cli.runtime_cmds", "aggregator"),
     "fleet": ("edge_fl.cli.runtime_cmds", "fleet"),
-    "device": ("edge_fl.cli.runtime_cmds", "device"),
+    "device": ("edge_fl.cli.device_cmd", "device"),
     "privacy": ("edge_fl.cli.privacy_cmds", "privacy_group"),
     "audit": ("edge_fl.cli.privacy_cmds", "audit_group"),
     "comm-cost": ("edge_fl.cli.comm_cmds", "comm_cost"),

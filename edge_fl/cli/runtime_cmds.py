@@ -5,12 +5,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import sys
 
 import aiomqtt
 import click
 
-from edge_fl.cli import _common_job_options, _fail, _load, _logging, _overrides
+from edge_fl.cli import _common_job_options, _fail, _load, _logging, _overrides, require_server
 
 log = logging.getLogger("edge_fl.aggregator")
 
@@ -58,6 +57,7 @@ def aggregator(out, resume, verbose, config, **kw) -> None:
     checkpoint are written, devices are told the job ended, and the exit status is 0."""
     from edge_fl.server.service import StopSignals
 
+    require_server("aggregator")
     signals = StopSignals().install()  # from here on, SIGTERM/SIGINT mean "stop cleanly"
     _logging(verbose or 1)
     cfg = _load(config, _overrides(kw))
@@ -78,6 +78,7 @@ def aggregator(out, resume, verbose, config, **kw) -> None:
 def _run_aggregator(cfg, out, resume, signals) -> None:
     from edge_fl.job import build_job
     from edge_fl.metrics import OutputError, RunRecorder
+    from edge_fl.protocol.jobdoc import encode_job_document
     from edge_fl.server.service import AggregatorService
     from edge_fl.transport.url import parse_broker_url
 
@@ -157,6 +158,7 @@ def _run_aggregator(cfg, out, resume, signals) -> None:
         resumed_payload=resumed.open_payload if resumed else None,
         signer=job.signer,
         acks=cfg.security.acks,
+        job_document=encode_job_document(job.job_document(), job.signer),
     )
     if job.signer is None:
         log.warning(
@@ -181,6 +183,23 @@ def _run_aggregator(cfg, out, resume, signals) -> None:
             f"stopped on {service.stopped} after round {core.round_number}"
             + ("" if service.done_published else " (devices were not told: no broker)")
         )
+    click.echo(_final_line(finished.get("summary") or {}, out))
+
+
+def _final_line(summary: dict, out: str | None) -> str:
+    """The last line of a run: what it achieved and cost, and where the files are."""
+    acc = summary.get("final_accuracy")
+    line = (
+        f"job finished: {summary.get('rounds_closed', 0)}/{summary.get('rounds', '?')} rounds "
+        f"closed, final accuracy {acc if acc is None else round(acc, 4)}, bytes up "
+        f"{summary.get('total_bytes_up', 0):,}, down {summary.get('total_bytes_down', 0):,}"
+    )
+    privacy = summary.get("privacy")
+    if privacy and privacy.get("epsilon") is not None:
+        line += (
+            f", epsilon {privacy['epsilon']:.4g} (delta {privacy.get('delta', 0):g}, all rounds)"
+        )
+    return line + (f" -> {out}" if out else "")
 
 
 def _refuse_unfinished(out: str) -> None:
@@ -301,49 +320,3 @@ def fleet(shard, indices, credentials, verbose, config, **kw) -> None:
     except (aiomqtt.MqttError, OSError, RuntimeError) as exc:
         _fail(_broker_problem(spec.to_url(), exc))
     click.echo(f"fleet shard {shard}: {runtime.published} updates published", err=True)
-
-
-@click.command()
-@_common_job_options
-@click.option("--device-index", type=int, help="which partition of the dataset this device holds")
-@click.option("--device-id", help="device id (default d<index>); must match its broker username")
-@click.option(
-    "--retry-forever",
-    is_flag=True,
-    help="retry also after an authentication or certificate refusal (for a system service)",
-)
-def device(device_index, device_id, retry_forever, verbose, config, **kw) -> None:
-    """Run one device agent (e.g. on a Raspberry Pi) against a broker."""
-    _logging(verbose or 1)
-    cfg = _load(config, _overrides(kw))
-    if not cfg.broker.url:
-        _fail("a device needs --broker (or broker.url in the config)")
-    index = device_index if device_index is not None else cfg.device.index
-    if index is None:
-        _fail("which device is this? give --device-index (or device.index in the config)")
-    if not 0 <= index < cfg.data.devices:
-        _fail(f"device index {index} is outside [0, data.devices = {cfg.data.devices})")
-    device_id = device_id or cfg.device.id
-    from edge_fl.device.runtime import run_device
-    from edge_fl.job import build_job
-    from edge_fl.transport.url import parse_broker_url
-
-    job = build_job(cfg)
-    agent = job.agent(index)
-    if device_id:
-        agent.device_id = device_id
-    try:
-        sent = asyncio.run(
-            run_device(
-                agent,
-                parse_broker_url(cfg.broker.url),
-                job.topics,
-                cfg.digest(),
-                trust=job.trust(),
-                retry_forever=retry_forever,
-            )
-        )
-    except RuntimeError as exc:
-        _fail(str(exc))
-    click.echo(f"device {agent.device_id}: {sent} updates sent", err=True)
-    sys.exit(0)

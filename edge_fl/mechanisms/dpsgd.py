@@ -13,14 +13,17 @@ L = ``privacy.max_uploads`` uploads together stay within ``privacy.epsilon``.
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from edge_fl.mechanisms.base import Device, Guarantee, JobFacts, Mechanism, dense_update
+from edge_fl.privacy.calibration import calibrated
 from edge_fl.privacy.dpsgd import DpSgdConfig, calibrate_dpsgd_noise_multiplier
-from edge_fl.privacy.events import PrivacyEvent
 from edge_fl.protocol import GlobalModel, Update
+
+if TYPE_CHECKING:
+    from edge_fl.privacy.events import PrivacyEvent
 
 
 class DpSgd(Mechanism):
@@ -53,12 +56,10 @@ class DpSgd(Mechanism):
         key = (self.rate(n_samples), self.steps(n_samples))
         if key not in self._by_size:
             q, steps = key
-            sigma = self.cfg.noise_multiplier or calibrate_dpsgd_noise_multiplier(
-                self.cfg.epsilon,
-                self.cfg.delta,
-                q,
-                steps * self.facts.max_uploads,
-                self.cfg.accountant,
+            c = self.cfg
+            args = (c.epsilon, c.delta, q, steps * self.facts.max_uploads, c.accountant)
+            sigma = c.noise_multiplier or calibrated(
+                "dpsgd", args, lambda: calibrate_dpsgd_noise_multiplier(*args)
             )
             self._by_size[key] = DpSgdConfig(self.cfg.clip, sigma, q, self.facts.local_lr)
         return self._by_size[key]

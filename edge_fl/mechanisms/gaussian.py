@@ -7,7 +7,7 @@ L = ``privacy.max_uploads`` uploads stay within ``privacy.epsilon``.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from edge_fl.mechanisms.base import (
     Device,
@@ -17,9 +17,12 @@ from edge_fl.mechanisms.base import (
     dense_update,
     local_update,
 )
-from edge_fl.privacy.events import PrivacyEvent
+from edge_fl.privacy.calibration import calibrated
 from edge_fl.privacy.gaussian import LocalGaussianConfig, calibrate_local_noise_multiplier
 from edge_fl.protocol import GlobalModel, Update
+
+if TYPE_CHECKING:
+    from edge_fl.privacy.events import PrivacyEvent
 
 
 class LocalGaussian(Mechanism):
@@ -61,7 +64,8 @@ def _calibrated(cfg: Any, rounds: int) -> float:
         raise ValueError(
             "privacy.mechanism = 'gaussian' needs privacy.noise_multiplier or privacy.epsilon"
         )
-    return calibrate_local_noise_multiplier(cfg.epsilon, cfg.delta, rounds)
+    args = (cfg.epsilon, cfg.delta, rounds)
+    return calibrated("gaussian", args, lambda: calibrate_local_noise_multiplier(*args))
 
 
 MECHANISM = LocalGaussian

@@ -12,7 +12,7 @@ everything devices can read (pitfall 8).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -24,9 +24,12 @@ from edge_fl.mechanisms.base import (
     dense_update,
     local_update,
 )
-from edge_fl.privacy.events import PrivacyEvent
+from edge_fl.privacy.calibration import calibrated
 from edge_fl.privacy.gaussian import CentralGaussianConfig, calibrate_central_noise_multiplier
 from edge_fl.protocol import DenseUpdate, GlobalModel, PayloadRejected, Reject, Update
+
+if TYPE_CHECKING:
+    from edge_fl.privacy.events import PrivacyEvent
 
 #: A delta clipped to S on the device may exceed S after float16 rounding (up to ~5e-4 relative):
 #: within this slack the aggregator projects it back onto the S-ball (the sum's sensitivity is S
@@ -54,12 +57,11 @@ class CentralGaussian(Mechanism):
                 "privacy.mechanism = 'gaussian-central' needs privacy.noise_multiplier or "
                 "privacy.epsilon"
             )
-        z = cfg.noise_multiplier or calibrate_central_noise_multiplier(
-            cfg.epsilon,
-            cfg.delta,
-            q if cfg.poisson_selection else 1.0,
-            facts.rounds,
-            cfg.accountant,
+        args = (cfg.epsilon, cfg.delta, q if cfg.poisson_selection else 1.0, facts.rounds)
+        z = cfg.noise_multiplier or calibrated(
+            "gaussian-central",
+            (*args, cfg.accountant),
+            lambda: calibrate_central_noise_multiplier(*args, cfg.accountant),
         )
         self.params = CentralGaussianConfig(
             cfg.clip,

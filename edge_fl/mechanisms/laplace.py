@@ -9,12 +9,14 @@ may make (uniform or geometric schedule); a device stops when its schedule is sp
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from edge_fl.mechanisms.base import Device, Guarantee, JobFacts, Mechanism, dense_update
-from edge_fl.privacy.events import PrivacyEvent
 from edge_fl.privacy.laplace import LaplaceConfig
 from edge_fl.protocol import GlobalModel, Update
+
+if TYPE_CHECKING:
+    from edge_fl.privacy.events import PrivacyEvent
 
 
 class Laplace(Mechanism):

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -27,10 +27,12 @@ from edge_fl.mechanisms.base import (
     Mechanism,
     dense_update,
 )
-from edge_fl.privacy.events import PrivacyEvent
 from edge_fl.privacy.nbafl import NbAflCalibrationWarning, NbAflConfig
 from edge_fl.privacy.noise import gaussian_noise
 from edge_fl.protocol import GlobalModel, Update
+
+if TYPE_CHECKING:
+    from edge_fl.privacy.events import PrivacyEvent
 
 
 class NbAfl(Mechanism):

@@ -13,12 +13,11 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from edge_fl.mechanisms.base import Device, Guarantee, JobFacts, Mechanism, local_update
-from edge_fl.privacy.events import PrivacyEvent, pure_privacy_event
 from edge_fl.privacy.magrr import (
     MagRRConfig,
     MagRRState,
@@ -27,7 +26,6 @@ from edge_fl.privacy.magrr import (
     magrr_step,
     randomized_response,
 )
-from edge_fl.privacy.randomized_response import rr_privacy_event
 from edge_fl.privacy.signds import (
     SignDSParams,
     add_vote,
@@ -37,6 +35,9 @@ from edge_fl.privacy.signds import (
     signds_global_update,
 )
 from edge_fl.protocol import GlobalModel, SignDSUpdate, Update
+
+if TYPE_CHECKING:
+    from edge_fl.privacy.events import PrivacyEvent
 
 log = logging.getLogger("edge_fl.signds")
 
@@ -103,6 +104,9 @@ class SignDS(Mechanism):
         return MagRRState.from_dict(data)
 
     def release_events(self, n_samples: int, exposure: int) -> list[PrivacyEvent]:
+        from edge_fl.privacy.events import pure_privacy_event
+        from edge_fl.privacy.randomized_response import rr_privacy_event
+
         return [
             pure_privacy_event(self.params.eps, "signds"),
             rr_privacy_event(self.magrr.rr_eps, "magrr-bit"),

@@ -15,16 +15,18 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal, NamedTuple
+from typing import TYPE_CHECKING, Literal, NamedTuple
 
 import numpy as np
-from dp_accounting import dp_event
 
-from edge_fl.privacy import _checks
-from edge_fl.privacy.accountants import RDP_ORDERS, calibrate_noise_multiplier, compose_epsilon
+from edge_fl.privacy import _checks, _dp
 from edge_fl.privacy.clipping import clip_rows_l2
-from edge_fl.privacy.events import NeighboringRelation, PrivacyEvent
 from edge_fl.privacy.noise import gaussian_noise, poisson_mask
+
+if TYPE_CHECKING:
+    from dp_accounting import dp_event
+
+    from edge_fl.privacy.events import PrivacyEvent
 
 __all__ = ["DpSgdConfig", "DpSgdStep", "calibrate_dpsgd_noise_multiplier", "dpsgd_epsilon"]
 
@@ -48,8 +50,11 @@ class DpSgdConfig:
     # |D| is public (it sets q and the normaliser q|D|, and travels in updates): neighbours replace
     # one example by a null one that contributes no gradient; dp-accounting's Poisson-sampled
     # Gaussian has the same RDP curve and PLD under this relation as under add/remove.
-    neighboring_relation = NeighboringRelation.REPLACE_SPECIAL
     unit = "example"
+
+    @property
+    def neighboring_relation(self):  # dp-accounting's enum, imported only to account
+        return _dp.relation("REPLACE_SPECIAL")
 
     def __post_init__(self) -> None:
         _checks.positive("clip_norm", self.clip_norm)
@@ -105,13 +110,16 @@ class DpSgdConfig:
         return _dpsgd_event(self.noise_multiplier, self.sampling_rate, steps)
 
     def privacy_event(self, steps: int = 1) -> PrivacyEvent:
+        from edge_fl.privacy.events import PrivacyEvent
+
         return PrivacyEvent(self.dp_event(steps), self.neighboring_relation, "example", "dpsgd")
 
 
 def _dpsgd_event(sigma: float, q: float, steps: int) -> dp_event.DpEvent:
-    g = dp_event.GaussianDpEvent(sigma)
-    one = dp_event.PoissonSampledDpEvent(q, g) if q < 1 else g
-    return dp_event.SelfComposedDpEvent(one, steps)
+    e = _dp.events()
+    g = e.GaussianDpEvent(sigma)
+    one = e.PoissonSampledDpEvent(q, g) if q < 1 else g
+    return e.SelfComposedDpEvent(one, steps)
 
 
 def dpsgd_epsilon(
@@ -125,6 +133,8 @@ def dpsgd_epsilon(
     cfg = DpSgdConfig(1.0, noise_multiplier, sampling_rate)
     if accountant not in ("rdp", "pld"):
         raise ValueError(f"accountant must be 'rdp' or 'pld', got {accountant!r}")
+    from edge_fl.privacy.accountants import RDP_ORDERS, compose_epsilon
+
     return compose_epsilon([cfg.privacy_event(steps)], delta, accountant, orders=RDP_ORDERS).epsilon
 
 
@@ -138,6 +148,8 @@ def calibrate_dpsgd_noise_multiplier(
     """Smallest sigma reaching at most ``target_epsilon`` after ``steps`` steps at rate q."""
     q = _checks.probability("sampling_rate", sampling_rate)
     n = _checks.integer("steps", steps)
+    from edge_fl.privacy.accountants import calibrate_noise_multiplier
+
     return calibrate_noise_multiplier(
         lambda s: _dpsgd_event(s, q, n), target_epsilon, delta, accountant
     )

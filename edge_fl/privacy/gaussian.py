@@ -24,16 +24,18 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Literal, NamedTuple
+from typing import TYPE_CHECKING, Literal, NamedTuple
 
 import numpy as np
-from dp_accounting import dp_event, get_sigma_gaussian
 
-from edge_fl.privacy import _checks
-from edge_fl.privacy.accountants import calibrate_noise_multiplier
+from edge_fl.privacy import _checks, _dp
 from edge_fl.privacy.clipping import Clipped, clip_l2
-from edge_fl.privacy.events import NeighboringRelation, PrivacyEvent
 from edge_fl.privacy.noise import gaussian_noise
+
+if TYPE_CHECKING:
+    from dp_accounting import dp_event
+
+    from edge_fl.privacy.events import PrivacyEvent
 
 __all__ = [
     "CentralGaussianConfig",
@@ -56,9 +58,9 @@ class GaussianRelease(NamedTuple):
 
 def _local_event(z: float, relation: LocalRelation) -> dp_event.GaussianDpEvent:
     if relation == "replace_one":
-        return dp_event.GaussianDpEvent(z / 2.0)
+        return _dp.events().GaussianDpEvent(z / 2.0)
     if relation == "replace_special":
-        return dp_event.GaussianDpEvent(z)
+        return _dp.events().GaussianDpEvent(z)
     raise ValueError(f"relation must be 'replace_one' or 'replace_special', got {relation!r}")
 
 
@@ -99,11 +101,9 @@ class LocalGaussianConfig:
         return _local_event(self.noise_multiplier, relation)
 
     def privacy_event(self, relation: LocalRelation = "replace_one") -> PrivacyEvent:
-        rel = (
-            NeighboringRelation.REPLACE_ONE
-            if relation == "replace_one"
-            else NeighboringRelation.REPLACE_SPECIAL
-        )
+        from edge_fl.privacy.events import PrivacyEvent
+
+        rel = _dp.relation("REPLACE_ONE" if relation == "replace_one" else "REPLACE_SPECIAL")
         return PrivacyEvent(self.dp_event(relation), rel, "device", "gaussian-local")
 
 
@@ -118,8 +118,11 @@ class CentralGaussianConfig:
     poisson_selection: bool = True
     secure_draws: int = 2
 
-    neighboring_relation = NeighboringRelation.ADD_OR_REMOVE_ONE
     unit = "device"
+
+    @property
+    def neighboring_relation(self):  # dp-accounting's enum, imported only to account
+        return _dp.relation("ADD_OR_REMOVE_ONE")
 
     def __post_init__(self) -> None:
         _checks.positive("clip_norm", self.clip_norm)
@@ -163,6 +166,8 @@ class CentralGaussianConfig:
         return central_dp_event(self.noise_multiplier, q, rounds)
 
     def privacy_event(self, rounds: int = 1) -> PrivacyEvent:
+        from edge_fl.privacy.events import PrivacyEvent
+
         return PrivacyEvent(
             self.dp_event(rounds), self.neighboring_relation, "device", "gaussian-central"
         )
@@ -186,6 +191,9 @@ def calibrate_local_noise_multiplier(
     k = _checks.integer("rounds", rounds)
     factor = 2.0 if relation == "replace_one" else 1.0
     _local_event(1.0, relation)  # validates relation
+    _dp.events()
+    from dp_accounting import get_sigma_gaussian
+
     return factor * math.sqrt(k) * get_sigma_gaussian(eps, d) * (1 + 1e-9)
 
 
@@ -199,6 +207,8 @@ def calibrate_central_noise_multiplier(
     """Smallest z for central DP-FedAvg with Poisson rate q over ``rounds`` rounds."""
     q = _checks.probability("sampling_rate", sampling_rate)
     _checks.integer("rounds", rounds)
+    from edge_fl.privacy.accountants import calibrate_noise_multiplier
+
     return calibrate_noise_multiplier(
         lambda z: central_dp_event(z, q, rounds), target_epsilon, delta, accountant
     )
@@ -214,17 +224,20 @@ def central_dp_event(
     z = _checks.non_negative("noise_multiplier", noise_multiplier)
     q = _checks.probability("sampling_rate", sampling_rate)
     k = _checks.integer("rounds", rounds)
-    g = dp_event.GaussianDpEvent(z)
-    one: dp_event.DpEvent = dp_event.PoissonSampledDpEvent(q, g) if q < 1 else g
-    return one if k == 1 else dp_event.SelfComposedDpEvent(one, k)
+    e = _dp.events()
+    g = e.GaussianDpEvent(z)
+    one: dp_event.DpEvent = e.PoissonSampledDpEvent(q, g) if q < 1 else g
+    return one if k == 1 else e.SelfComposedDpEvent(one, k)
 
 
 def central_privacy_event(
     noise_multiplier: float, sampling_rate: float, rounds: int = 1
 ) -> PrivacyEvent:
+    from edge_fl.privacy.events import PrivacyEvent
+
     return PrivacyEvent(
         central_dp_event(noise_multiplier, sampling_rate, rounds),
-        NeighboringRelation.ADD_OR_REMOVE_ONE,
+        _dp.relation("ADD_OR_REMOVE_ONE"),
         "device",
         "gaussian-central",
     )

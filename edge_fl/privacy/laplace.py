@@ -12,15 +12,18 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Literal, NamedTuple
+from typing import TYPE_CHECKING, Literal, NamedTuple
 
 import numpy as np
-from dp_accounting import dp_event
 
-from edge_fl.privacy import _checks
+from edge_fl.privacy import _checks, _dp
 from edge_fl.privacy.clipping import clip_rows_l1
-from edge_fl.privacy.events import NeighboringRelation, PrivacyEvent
 from edge_fl.privacy.noise import laplace_noise
+
+if TYPE_CHECKING:
+    from dp_accounting import dp_event
+
+    from edge_fl.privacy.events import PrivacyEvent
 
 __all__ = ["LaplaceConfig", "LaplaceRelease"]
 
@@ -52,8 +55,11 @@ class LaplaceConfig:
     schedule: Schedule = "uniform"
     decay: float = 0.9
 
-    neighboring_relation = NeighboringRelation.REPLACE_ONE
     unit = "example"
+
+    @property
+    def neighboring_relation(self):  # dp-accounting's enum, imported only to account
+        return _dp.relation("REPLACE_ONE")
 
     def __post_init__(self) -> None:
         _checks.positive("clip_l1", self.clip_l1)
@@ -139,9 +145,11 @@ class LaplaceConfig:
     # --- accounting ------------------------------------------------------------------------
     def dp_event(self, round_index: int) -> dp_event.LaplaceDpEvent:
         """One release: Laplace with scale / L1 sensitivity = 1 / eps_r (eps_r pure DP)."""
-        return dp_event.LaplaceDpEvent(noise_multiplier=1.0 / self.epsilon_round(round_index))
+        return _dp.events().LaplaceDpEvent(noise_multiplier=1.0 / self.epsilon_round(round_index))
 
     def privacy_event(self, round_index: int) -> PrivacyEvent:
+        from edge_fl.privacy.events import PrivacyEvent
+
         return PrivacyEvent(
             self.dp_event(round_index), self.neighboring_relation, "example", "laplace"
         )

@@ -44,14 +44,18 @@ from __future__ import annotations
 import math
 import warnings
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
-from dp_accounting import dp_event
 
-from edge_fl.privacy import _checks
+from edge_fl.privacy import _checks, _dp
 from edge_fl.privacy.clipping import Clipped, clip_l2, clip_rows_l2
-from edge_fl.privacy.events import NeighboringRelation, PrivacyEvent
 from edge_fl.privacy.noise import gaussian_noise
+
+if TYPE_CHECKING:
+    from dp_accounting import dp_event
+
+    from edge_fl.privacy.events import PrivacyEvent
 
 __all__ = ["NbAflCalibrationWarning", "NbAflConfig", "nbafl_constant"]
 
@@ -79,8 +83,11 @@ class NbAflConfig:
     min_dataset_size: int
     secure_draws: int = 2
 
-    neighboring_relation = NeighboringRelation.REPLACE_ONE
     unit = "example"
+
+    @property
+    def neighboring_relation(self):  # dp-accounting's enum, imported only to account
+        return _dp.relation("REPLACE_ONE")
 
     def __post_init__(self) -> None:
         _checks.positive("clip_norm", self.clip_norm)
@@ -170,7 +177,9 @@ class NbAflConfig:
 
     def dp_event(self) -> dp_event.GaussianDpEvent:
         """One upload: Gaussian with multiplier sigma_U / (2C/m) = c L / eps (replace-one)."""
-        return dp_event.GaussianDpEvent(self.sigma_uplink / self.uplink_sensitivity)
+        return _dp.events().GaussianDpEvent(self.sigma_uplink / self.uplink_sensitivity)
 
     def privacy_event(self) -> PrivacyEvent:
+        from edge_fl.privacy.events import PrivacyEvent
+
         return PrivacyEvent(self.dp_event(), self.neighboring_relation, "example", "nbafl")

@@ -10,13 +10,16 @@ report that it was clipped (:func:`clip_count`).
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
-from dp_accounting import dp_event
 
-from edge_fl.privacy import _checks
-from edge_fl.privacy.events import NeighboringRelation, PrivacyEvent
+from edge_fl.privacy import _checks, _dp
+
+if TYPE_CHECKING:
+    from dp_accounting import dp_event
+
+    from edge_fl.privacy.events import PrivacyEvent
 
 __all__ = [
     "RrEstimate",
@@ -75,11 +78,13 @@ def clip_count(estimate: float, n: int) -> tuple[float, bool]:
 def rr_dp_event(eps: float) -> dp_event.RandomizedResponseDpEvent:
     """One report: ``RandomizedResponseDpEvent(2 / (1 + e^eps), 2)`` (replace-one)."""
     e = _checks.positive("eps", eps)
-    return dp_event.RandomizedResponseDpEvent(
+    return _dp.events().RandomizedResponseDpEvent(
         noise_parameter=2.0 * math.exp(-e) / (1.0 + math.exp(-e)), num_buckets=2
     )
 
 
 def rr_privacy_event(eps: float, mechanism: str = "randomized-response") -> PrivacyEvent:
     """A local-DP report: relation replace-one, unit device."""
-    return PrivacyEvent(rr_dp_event(eps), NeighboringRelation.REPLACE_ONE, "device", mechanism)
+    from edge_fl.privacy.events import PrivacyEvent
+
+    return PrivacyEvent(rr_dp_event(eps), _dp.relation("REPLACE_ONE"), "device", mechanism)

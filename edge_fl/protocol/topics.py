@@ -40,6 +40,11 @@ class Topics:
         return f"{self.base}/global"
 
     @property
+    def job_document(self) -> str:
+        """Retained: the job's device-side settings (``edge_fl.protocol.jobdoc``)."""
+        return f"{self.base}/job"
+
+    @property
     def metrics(self) -> str:
         return f"{self.base}/metrics"
 

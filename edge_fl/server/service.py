@@ -132,8 +132,10 @@ class AggregatorService:
         resumed_payload: bytes | None = None,
         signer: Any = None,  # edge_fl.protocol.signing.Signer: signs every global message
         acks: str = "off",  # off | rejections | all: replies on ack/<device>
+        job_document: bytes | None = None,  # retained on <prefix>/<job>/job while the job runs
     ) -> None:
         self.signer = signer
+        self.job_document = job_document
         self.acks = acks
         self._acks_sent: Counter = Counter()  # per device in the current round (capped)
         self._acks_round = -1
@@ -162,6 +164,7 @@ class AggregatorService:
         self.done_published = False
         self.stats: Counter = Counter()  # journaled, duplicates (re-deliveries absorbed), ...
         self.connected = asyncio.Event()
+        self._ever_connected = False
 
     # ---------------------------------------------------------------- plumbing
 
@@ -284,6 +287,14 @@ class AggregatorService:
                 1 for d, r in self.core.devices.items() if r.online or d in self._live_status
             )
 
+        log.info(
+            "waiting up to %.0fs for %d devices to report on %s (a round needs %d)",
+            self.wait_for_devices_s,
+            want,
+            self.topics.all_status,
+            need,
+        )
+        next_note = self._now() + 5.0
         while (
             self.stopped is None
             and self._now() < until
@@ -293,7 +304,16 @@ class AggregatorService:
                 1, self.core.settings.min_updates
             ):
                 break  # everyone reported; fewer are available than we would like: go
-            await self._sleep_until(until)
+            if self._now() >= next_note:
+                next_note = self._now() + 5.0
+                log.info(
+                    "still waiting: %d of %d devices reported, %d available; %.0fs left",
+                    reported(),
+                    want,
+                    len(self.core.available()),
+                    until - self._now(),
+                )
+            await self._sleep_until(min(until, next_note))
         if self.stopped is None and len(self.core.available()) < self.core.settings.min_updates:
             raise RuntimeError(
                 f"only {len(self.core.available())} devices online after "
@@ -435,9 +455,14 @@ class AggregatorService:
             if self.core.round_number == 0 and self.core.current is None:
                 # forget the retained model of an earlier run of this job id
                 await client.publish(self.topics.global_model, b"", qos=1, retain=True)
+            if self.job_document is not None and not self.core.finished:
+                await client.publish(
+                    self.topics.job_document, self.job_document, qos=1, retain=True
+                )
             await client.subscribe(self.topics.all_status, qos=1)
             await client.subscribe(self.topics.all_updates, qos=1)
             self.connected.set()
+            self._ever_connected = True
             self._attempt = 0
             reader = asyncio.create_task(self._reader(client))
             runner: asyncio.Task | None = None
@@ -476,6 +501,8 @@ class AggregatorService:
                     retain=True,
                 )
                 self.done_published = True
+                if self.job_document is not None:  # the job ended: no device should join it
+                    await client.publish(self.topics.job_document, b"", qos=1, retain=True)
             finally:
                 reader.cancel()
                 if runner is not None:
@@ -503,6 +530,12 @@ class AggregatorService:
                     attempt = self._attempt
                     if self.stopped is not None:
                         return self._stop_offline(exc)
+                    if not self._ever_connected and attempt > min(3, self.reconnect_attempts):
+                        # never reached it: a wrong URL or a stopped broker, not a blip
+                        raise BrokerUnavailable(
+                            f"cannot reach the broker at {self.spec.redacted()}: {exc} (is it "
+                            "running, and is the URL right?)"
+                        ) from exc
                     if attempt > self.reconnect_attempts:
                         raise BrokerUnavailable(
                             f"lost the broker at {self.spec.redacted()} and could not reconnect "

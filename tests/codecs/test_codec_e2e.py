@@ -11,27 +11,11 @@ from edge_fl.config import load_config
 from edge_fl.simulation import simulate
 
 
-@pytest.fixture
-def codec_wiring(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Until edge_fl/job.py passes ``cfg.compression.build()`` to DeviceAgent (a no-op then)."""
-    from edge_fl.job import Job
-
-    original = Job.agent
-
-    def agent(self: Job, index: int) -> Any:
-        a = original(self, index)
-        if a.codec is None:
-            a.codec = self.cfg.compression.build()
-        return a
-
-    monkeypatch.setattr(Job, "agent", agent)
-
-
 @pytest.mark.parametrize(
     ("uplink", "options"), [("q4", {}), ("topk", {"compression.topk_fraction": 0.1})]
 )
 def test_a_compressed_job_learns_and_sends_the_codecs_bytes(
-    codec_wiring: None, uplink: str, options: dict[str, Any]
+    uplink: str, options: dict[str, Any]
 ) -> None:
     cfg = load_config(
         None,

@@ -1,0 +1,209 @@
+"""``edge-fl device``: one device agent (e.g. on a Raspberry Pi) that joins a job from the broker.
+
+The whole command on a device is ``edge-fl device --broker URL --id ID [--data-dir DIR]``: the
+job's settings come from the aggregator's signed job document (``edge_fl.device.join``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import sys
+from typing import Any
+
+import click
+
+from edge_fl.cli import _fail, _logging
+
+log = logging.getLogger("edge_fl.device")
+
+
+def _local_settings(config: str | None, **flags: Any) -> dict[str, Any]:
+    """This device's own settings: the flags over the optional device config file."""
+    out: dict[str, Any] = {"url": None, "prefix": "edgefl", "id": None, "index": None}
+    out |= {"data_dir": None, "public_key": None, "job": None}
+    if config:
+        from edge_fl.config import ConfigError, read_config_file
+
+        try:
+            raw = read_config_file(config)
+        except ConfigError as exc:
+            _fail(str(exc))
+        allowed = {"broker", "device", "security", "data", "job"}
+        unknown = sorted(set(raw) - allowed)
+        if unknown:
+            _fail(
+                f"{config}: {', '.join(unknown)}: not a device setting (a device takes only "
+                "broker, device, security.public_key, data.data_dir and job; everything else "
+                "comes from the aggregator's job document)"
+            )
+        broker, device = raw.get("broker") or {}, raw.get("device") or {}
+        out |= {
+            "url": broker.get("url"),
+            "prefix": broker.get("prefix", "edgefl"),
+            "id": device.get("id"),
+            "index": device.get("index"),
+            "data_dir": (raw.get("data") or {}).get("data_dir"),
+            "public_key": (raw.get("security") or {}).get("public_key"),
+            "job": raw.get("job"),
+        }
+    out |= {k: v for k, v in flags.items() if v is not None}
+    return out
+
+
+@click.command()
+@click.option("--broker", "url", help="mqtt[s]://ID:PASSWORD@host:port[?ca=FILE]")
+@click.option("--id", "device_id", help="this device's id = its MQTT username (e.g. d00007)")
+@click.option(
+    "--data-dir",
+    type=click.Path(file_okay=False),
+    help="where this device's data files are (femnist/mnist; the bundled digits need none)",
+)
+@click.option(
+    "--public-key", help="the aggregator's public key (hex, PEM or a file): verify what it sends"
+)
+@click.option("--job", help="which job to join when the broker announces several")
+@click.option("--prefix", help="topic prefix (default edgefl)")
+@click.option("--index", type=int, help="this device's share of the dataset (default: from --id)")
+@click.option("--config", type=click.Path(dir_okay=False), help="the same settings as a file")
+@click.option("--wait", type=float, help="give up after this many seconds without a job")
+@click.option(
+    "--retry-forever",
+    is_flag=True,
+    help="retry also after an authentication or certificate refusal (for a system service)",
+)
+@click.option("-v", "--verbose", count=True)
+def device(url, device_id, data_dir, public_key, job, prefix, index, config, wait, **kw) -> None:
+    """Join the job announced on the broker and serve its rounds until it ends.
+
+    Everything about the job (model, data, training, privacy) comes from the aggregator's job
+    document, signed when it has a key: give --public-key to accept only that."""
+    _logging(kw["verbose"] or 1)
+    s = _local_settings(
+        config,
+        url=url,
+        id=device_id,
+        data_dir=data_dir,
+        public_key=public_key,
+        job=job,
+        prefix=prefix,
+        index=index,
+    )
+    if not s["url"]:
+        _fail("a device needs --broker URL (or broker.url in --config)")
+    if not s["id"]:
+        _fail("which device is this? give --id (its MQTT username, e.g. d00007)")
+    from edge_fl.job import device_index
+
+    index = s["index"] if s["index"] is not None else device_index(s["id"])
+    if index is None:
+        _fail(f"device id {s['id']!r} does not end in its index: give --index")
+    try:
+        sent = asyncio.run(_serve(s, index, kw["retry_forever"], wait))
+    except RuntimeError as exc:
+        _fail(str(exc))
+    click.echo(f"device {s['id']}: {sent} updates sent", err=True)
+    sys.exit(0)
+
+
+async def _serve(s: dict[str, Any], index: int, retry_forever: bool, wait: float | None) -> int:
+    from edge_fl.config import ConfigError
+    from edge_fl.device.join import NoJob, device_config, fetch_job_document
+    from edge_fl.device.runtime import run_device
+    from edge_fl.job import build_job
+    from edge_fl.transport.url import parse_broker_url
+
+    try:
+        spec = parse_broker_url(s["url"])
+    except ValueError as exc:
+        raise RuntimeError(str(exc)) from None
+    verifier = None
+    if s["public_key"]:
+        from edge_fl.protocol.signing import SigningKeyError, load_verifier
+
+        try:
+            verifier = load_verifier(s["public_key"])
+        except (SigningKeyError, OSError) as exc:
+            raise RuntimeError(f"--public-key: {exc}") from None
+    else:
+        log.warning(
+            "no --public-key: this device cannot tell the aggregator's job and models from a "
+            "forgery by anyone who may publish on the broker"
+        )
+    doc = await _fetch(spec, s, verifier, retry_forever, wait, fetch_job_document, NoJob)
+    local = {
+        "broker": {"url": s["url"], "prefix": s["prefix"]},
+        "security": {"public_key": s["public_key"]},
+        "device": {"id": s["id"], "index": index},
+        "data_dir": s["data_dir"],
+    }
+    try:
+        cfg = device_config(doc, local)
+        if not 0 <= index < cfg.data.devices:
+            raise RuntimeError(
+                f"device index {index} (from {s['id']!r}) is outside the job's "
+                f"[0, data.devices = {cfg.data.devices})"
+            )
+        job = build_job(cfg)
+    except ConfigError as exc:
+        raise RuntimeError(str(exc)) from None
+    _check_budget_support(job)
+    agent = job.agent(index)
+    agent.device_id = s["id"]
+    log.info(
+        "joined job %s (digest %s, %s, %s mechanism, %d examples)",
+        doc.job,
+        doc.digest,
+        "signed" if doc.signed else "UNSIGNED",
+        cfg.privacy.mechanism,
+        agent.n_samples,
+    )
+    return await run_device(
+        agent, spec, job.topics, doc.digest, trust=job.trust(), retry_forever=retry_forever
+    )
+
+
+async def _fetch(spec, s, verifier, retry_forever, wait, fetch, no_job) -> Any:
+    """The job document; broker trouble is retried with backoff like the rounds are."""
+    import aiomqtt
+
+    from edge_fl.device.runtime import permanent_refusal
+
+    attempt = 0
+    while True:
+        try:
+            return await fetch(
+                spec,
+                prefix=s["prefix"],
+                job=s["job"],
+                verifier=verifier,
+                identifier=f"edgefl-join-{s['id']}",
+                wait_s=wait,
+            )
+        except no_job as exc:
+            raise RuntimeError(str(exc)) from None
+        except aiomqtt.MqttError as exc:
+            hint = permanent_refusal(exc)
+            if hint is not None and not retry_forever:
+                raise RuntimeError(
+                    f"broker {spec.redacted()} refused this device: {exc} ({hint})"
+                ) from None
+            attempt += 1
+            delay = min(0.5 * 2**attempt, 60.0)
+            log.warning("broker %s: %s; retrying in %.1fs", spec.redacted(), exc, delay)
+            await asyncio.sleep(delay)
+
+
+def _check_budget_support(job: Any) -> None:
+    """A budget is enforced by the device's own ledger, which needs dp-accounting: say so now,
+    not at the first release."""
+    if job.private and job.cfg.privacy.budget_epsilon is not None:
+        try:
+            import dp_accounting  # noqa: F401
+        except ImportError:
+            from edge_fl.privacy._dp import HINT
+
+            raise RuntimeError(
+                "this job sets privacy.budget_epsilon: the device's own ledger that enforces it "
+                f"needs dp-accounting: {HINT}"
+            ) from None
