@@ -701,6 +701,33 @@ def test_amqtt_fallback_pubsub(
 
 
 @pytest.mark.broker
+def test_a_device_that_does_not_trust_the_brokers_certificate_stops_with_one_line(
+    secure_broker: EmbeddedBroker, secure_files: dict[str, Any], tmp_path: Path
+) -> None:
+    """A CA that did not sign the broker's certificate: retrying cannot fix it either."""
+    other = tmp_path / "other"
+    subprocess.run(
+        ["bash", str(BROKER_DIR / "make-certs.sh"), "-o", str(other), "localhost"],
+        check=True,
+        capture_output=True,
+        timeout=30,
+    )
+    edge_fl = str(Path(sys.executable).parent / "edge-fl")
+    password = secure_files["passwords"]["dev-a"]
+    url = f"mqtts://dev-a:{password}@127.0.0.1:{secure_broker.spec.port}?ca={other / 'ca.crt'}"
+    done = subprocess.run(
+        [edge_fl, "device", "--broker", url, "--id", "dev-a", "--index", "0"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 2, done.stderr
+    errors = [x for x in done.stderr.splitlines() if x.startswith("edge-fl: error:")]
+    assert len(errors) == 1 and "certificate" in errors[0], done.stderr
+    assert "Traceback" not in done.stderr and password not in done.stderr
+
+
+@pytest.mark.broker
 def test_a_device_with_a_wrong_password_stops_with_one_line(
     secure_broker: EmbeddedBroker, secure_files: dict[str, Any]
 ) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -32,6 +33,14 @@ def test_fleet_against_an_unreachable_broker():
     port = free_port()  # nothing listens here
     done = run("fleet", "--broker", f"mqtt://127.0.0.1:{port}", "--devices", "3")
     one_line_error(done, f"127.0.0.1:{port}", "refused", "reachable")
+
+
+def test_simulate_against_an_unreachable_broker_fails_within_seconds():
+    port = free_port()  # nothing listens here
+    started = time.monotonic()
+    done = run("simulate", "--broker", f"mqtt://127.0.0.1:{port}", "--rounds", "1", "--no-progress")
+    one_line_error(done, f"cannot reach the broker at mqtt://127.0.0.1:{port}", "running")
+    assert time.monotonic() - started < 20  # three quick attempts, not a minute of retries
 
 
 @pytest.mark.skipif(find_mosquitto() is None, reason="needs mosquitto")
