@@ -89,6 +89,29 @@ class RoundsConfig(_Section):
     staleness_a: float = Field(0.5, ge=0, description="polynomial exponent / hinge slope")
     staleness_b: int = Field(4, ge=0, description="hinge: staleness counted in full up to b")
     max_staleness: int = Field(20, ge=0, description="async: drop updates staler than this")
+    concurrency: int | None = Field(
+        None,
+        ge=0,
+        description="async: at most C devices train at once (a replacement is selected whenever "
+        "one answers, times out or leaves); default: the sync round size (clients_per_round x "
+        "over_selection; FedBuff: at least buffer_size); 0: no limit, every available device "
+        "trains on every version",
+    )
+    dispatch_timeout_s: float | None = Field(
+        None,
+        gt=0,
+        description="async with a concurrency limit: a selected device that has not answered "
+        "after this many seconds gives its slot to another; default: deadline_s",
+    )
+
+    def concurrency_limit(self, n_devices: int) -> int | None:
+        """C for a fleet of ``n_devices`` (None: no limit; sync mode: None)."""
+        if self.mode == "sync" or self.concurrency == 0:
+            return None
+        if self.concurrency is not None:
+            return self.concurrency
+        c = math.ceil(self.target(n_devices) * self.over_selection)
+        return max(c, self.buffer_size) if self.mode == "fedbuff" else c
 
     def target(self, n_devices: int) -> int:
         k = self.clients_per_round
@@ -104,6 +127,12 @@ class RoundsConfig(_Section):
         if k >= 1 and k != int(k):
             raise ValueError(
                 f"rounds.clients_per_round = {k}: use an integer count >= 1 or a fraction in (0, 1)"
+            )
+        c = self.concurrency
+        if self.mode == "fedbuff" and c and c < self.buffer_size:
+            raise ValueError(
+                f"rounds.concurrency = {c} < rounds.buffer_size = {self.buffer_size}: FedBuff "
+                "applies K updates at a time, so at least K devices must train at once"
             )
         return self
 

@@ -170,6 +170,11 @@ class Job:
         mechanism: Any = (
             RobustAggregation(self.mechanism, self.robust) if self.robust.active else self.mechanism
         )
+        extra: dict[str, Any] = {}
+        if r.mode != "sync":  # the concurrency limit and its timeout, on the core's clock
+            timeout = r.dispatch_timeout_s
+            extra["concurrency"] = r.concurrency_limit(self.cfg.data.devices)
+            extra["dispatch_timeout_s"] = None if timeout is None else self.clock.to_wall(timeout)
         core = core_class(
             settings,
             self.initial_params(),
@@ -179,6 +184,7 @@ class Job:
             mechanism=mechanism,
             noise_rng=self.noise_rng,
             privacy=privacy,
+            **extra,
         )
         return core
 

@@ -70,6 +70,12 @@ def _common_job_options(f):
         click.option("--buffer-size", type=int, help="FedBuff: apply every K updates"),
         click.option("--max-staleness", type=int, help="async: drop staler updates"),
         click.option(
+            "--concurrency",
+            type=int,
+            help="async: at most C devices train at once (default: the sync round size; 0: no "
+            "limit)",
+        ),
+        click.option(
             "--profile", help="fleet profile: homogeneous | phone-fleet | raspberry-pi | PATH"
         ),
         click.option("--time-scale", type=float, help="real seconds per simulated second"),
@@ -109,6 +115,7 @@ def _overrides(kw: dict[str, Any]) -> dict[str, Any]:
         "rounds.mode": kw.get("mode"),
         "rounds.buffer_size": kw.get("buffer_size"),
         "rounds.max_staleness": kw.get("max_staleness"),
+        "rounds.concurrency": kw.get("concurrency"),
         "fleet.profile": kw.get("profile"),
         "fleet.time_scale": kw.get("time_scale"),
         "fleet.dropout": kw.get("dropout"),

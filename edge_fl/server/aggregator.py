@@ -56,6 +56,7 @@ PARTICIPATION_FIELDS = (
     "online",
     "capped_samples",
     "bad_status",
+    "device_updates",
 )
 #: record fields for the operator only, never on the metrics topic (they name devices)
 PRIVATE_FIELDS = ("rejection_samples",)
@@ -526,6 +527,9 @@ class AggregatorCore:
             "mechanism": self.settings.mechanism,
             "epsilon": None,
             "stopped_devices": sum(1 for r in self.devices.values() if r.stopped),
+            # device work: updates devices computed for the job that reached the aggregator, one
+            # per (device, round), admitted or not (late and refused ones too), cumulative
+            "device_updates": len(self.releases),
             "wall_time_s": wall_time_s,
             **rnd.staleness_stats(),
             **info,
