@@ -104,7 +104,13 @@ def test_async_modes_apply_stale_updates_and_version_up(
     cfg = config(
         profile_path,
         mode,
-        **{"rounds.rounds": applications, "rounds.max_staleness": 50, **overrides},
+        # no concurrency limit: every available device trains on every version
+        **{
+            "rounds.rounds": applications,
+            "rounds.max_staleness": 50,
+            "rounds.concurrency": 0,
+            **overrides,
+        },
     )
     slow = slow_training_s(cfg)
     summary = simulate(cfg, tmp_path)
@@ -131,3 +137,45 @@ def test_async_modes_apply_stale_updates_and_version_up(
     assert summary["final_accuracy"] > 0.5
     meta = json.loads((tmp_path / "run.json").read_text())
     assert meta["config"]["rounds"]["mode"] == mode
+
+
+@pytest.mark.parametrize(
+    ("mode", "applications", "overrides"),
+    [
+        ("fedbuff", 5, {"rounds.buffer_size": 2}),
+        ("fedasync", 8, {"rounds.server_lr": 0.5}),
+    ],
+)
+def test_async_with_a_concurrency_limit_keeps_at_most_c_devices_training(
+    profile_path, tmp_path, mode, applications, overrides
+):
+    c = 3
+    cfg = config(
+        profile_path,
+        mode,
+        **{
+            "rounds.rounds": applications,
+            "rounds.max_staleness": 50,
+            "rounds.concurrency": c,
+            **overrides,
+        },
+    )
+    summary = simulate(cfg, tmp_path)
+    recs = records(tmp_path)
+    closed = [r for r in recs if r["status"] == "closed"]
+    assert len(recs) == applications and len(closed) >= applications - 1
+    assert [r["version"] for r in closed] == list(range(1, len(closed) + 1))
+    for r in recs:
+        assert r["concurrency"] == c
+        assert r["in_flight"] <= c
+        assert r["selected"] <= c  # a window's message sends at most C devices
+        assert r["rejected_by_reason"].get("not_selected", 0) == 0
+    last = recs[-1]
+    # devices train only when selected: every update the aggregator saw was asked for, and the
+    # fleet published no more than was dispatched (12 devices, far fewer than 12 x versions)
+    assert last["dispatched"] >= c
+    assert summary["after_last_round"]["device_updates"] <= last["dispatched"]
+    assert summary["fleet_published"] <= last["dispatched"]
+    assert summary["fleet_published"] < 12 * applications / 2
+    assert [r["device_updates"] for r in recs] == sorted(r["device_updates"] for r in recs)
+    assert summary["final_accuracy"] > 0.3

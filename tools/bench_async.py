@@ -1,6 +1,6 @@
 """Async (FedBuff, FedAsync) against sync rounds with deadlines, in SIMULATED time, on digits.
 
-    .venv/bin/python tools/bench_async.py                     # the documented run (3 seeds, ~21 min)
+    .venv/bin/python tools/bench_async.py                     # the documented run (3 seeds, ~15 min)
     .venv/bin/python tools/bench_async.py --seeds 1 --no-doc  # one seed, outputs under --out only
     .venv/bin/python tools/bench_async.py --reuse             # re-analyse finished runs
 
@@ -19,8 +19,20 @@ profile (~10x compute spread, slow uplinks, night-time availability; ~79 of 100 
   once as async does (asynchrony vs mere parallelism). 2U updates.
 * ``fedbuff``: K = 10, staleness weight (1 + s)^-0.5, server_lr 1, max_staleness 100. 2U updates.
 * ``fedasync``: (1 + s)^-0.5, server_lr 0.25, max_staleness 100, one update per application. 2U.
+  ``fedbuff`` and ``fedasync`` run without a concurrency limit (``concurrency: 0``): every available
+  device trains on every version, as before the limit existed.
+* ``fedbuff-C``, ``fedasync-C``: the same with a concurrency limit of ``--concurrency`` devices
+  (default 20, sync's round target; sync asks 26 with its over-selection), a dispatch timeout of
+  sync's deadline, and U updates to apply (sync's count, not 2U): does asynchrony reach sync's
+  accuracy sooner with no more device work?
 * ``fedbuff-T``, ``fedasync-T``: the same, for about T simulated seconds (applications = the rate
   of the 2U run x T x 1.05): fairness by simulated time rather than by device work.
+
+Device work = updates devices computed: the aggregator's ``device_updates`` (every update that
+reached it, one per (device, version or round), admitted or not: late, stale, refused included)
+plus the fleet's ``dropouts`` (devices that trained and then dropped out before uploading), both
+cumulative per record; the table gives it when sync's final accuracy was first reached and at the
+end.
 
 Async settings were tuned on seed 0 (not reported as a result; docs/bench/async.md lists the
 sweep). Simulated time (``sim_time_s``) is counted from the first model broadcast (the fleet's
@@ -66,6 +78,15 @@ def mode_rounds(
     """The ``rounds`` section of one mode; ``budget`` = updates to apply; ``done``: this seed's
     finished runs (a ``-T`` mode runs as many applications as its base mode made per simulated
     second, times sync's simulated time, plus 5%)."""
+    if mode.endswith("-C"):
+        rounds = mode_rounds(args, mode[:-2], budget, done)
+        rounds["concurrency"] = args.concurrency
+        rounds["dispatch_timeout_s"] = args.deadline  # sync's deadline: ~p95 of a device's time
+        assert budget is not None
+        c_budget = math.ceil(args.c_budget_factor * done["sync"]["updates_applied"])
+        k = 1 if mode.startswith("fedasync") else args.buffer_size
+        rounds["rounds"] = math.ceil(c_budget / k)
+        return rounds
     if mode.endswith("-T"):
         base, sync = done[mode[:-2]], done["sync"]
         rate = base["applications"] / base["sim_time_final_s"]
@@ -90,6 +111,7 @@ def mode_rounds(
         "staleness_b": args.staleness_b,
         "max_staleness": args.max_staleness,
         "deadline_s": 30.0,  # an async window that gets nothing for 30 s is skipped
+        "concurrency": 0,  # no limit (the -C modes set one)
     }
     if mode == "fedbuff":
         return {
@@ -138,17 +160,23 @@ def analyse(result: dict[str, Any], time_scale: float) -> dict[str, Any]:
     offset = recs[0]["sim_time_s"] - recs[0]["wall_time_s"] / time_scale
     closed = [r for r in recs if r["status"] == "closed"]
     curve, applied = [], 0  # (simulated s, accuracy, updates applied so far) per record
+    work = []  # device work so far per record: updates that reached the aggregator + dropouts
     for r in recs:
         applied += r["received"] if r["status"] == "closed" else 0
         curve.append((r["sim_time_s"] - offset, r["accuracy"], applied))
+        work.append(r.get("device_updates", 0) + (r.get("dropouts") or 0))
     hist: dict[int, int] = {}
     for r in closed:
         for s, n in (r.get("staleness_hist") or {}).items():
             hist[int(s)] = hist.get(int(s), 0) + n
     n_stale = sum(hist.values())
     s = result["summary"]
+    after = (s.get("after_last_round") or {}).get("device_updates")
     return {
         "curve": curve,
+        "work": work,
+        "device_work": max(work[-1], (after or 0) + (recs[-1].get("dropouts") or 0)),
+        "device_updates": recs[-1].get("device_updates"),
         "final_accuracy": recs[-1]["accuracy"],
         "best_accuracy": max(a for _, a, _ in curve),
         "sim_time_final_s": curve[-1][0],
@@ -188,6 +216,14 @@ def first_reach(curve: Curve, target: float) -> tuple[float, int] | tuple[None, 
     return next(((t, u) for t, a, u in curve if a is not None and a >= target), (None, None))
 
 
+def work_at_reach(res: dict[str, Any], target: float) -> int | None:
+    """Device work done when the accuracy first reached ``target``."""
+    for (_, a, _), w in zip(res["curve"], res["work"], strict=True):
+        if a is not None and a >= target:
+            return w
+    return None
+
+
 def accuracy_at(curve: Curve, t_end: float | None = None, updates: int | None = None):
     """The accuracy of the last record by simulated time ``t_end`` or by ``updates`` applied."""
     before = [
@@ -218,8 +254,68 @@ def for_json(results: dict[str, Any], max_points: int = 300) -> dict[str, Any]:
             step = max(1, math.ceil(len(curve) / max_points))
             kept = curve[::step] + ([curve[-1]] if (len(curve) - 1) % step else [])
             r["curve"] = [[round(t, 3), a if a is None else round(a, 4), u] for t, a, u in kept]
+            work = r.pop("work", [])
+            r["work"] = work[::step] + ([work[-1]] if work and (len(work) - 1) % step else [])
             r["curve_thinned_every"] = step
     return out
+
+
+def work_table(results: dict[str, Any], modes: list[str]) -> str:
+    """Per seed and mode: accuracy, simulated time and device work, against sync's."""
+    lines = [
+        "| seed | mode | final acc | sim s to sync's final acc (speed-up) | device work then"
+        " (x sync's) | device work in all (x sync's) | updates applied | mean staleness |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for seed, per_mode in results["seeds"].items():
+        sync = per_mode.get("sync")
+        for mode in modes:
+            r = per_mode.get(mode)
+            if r is None:
+                continue
+            t, w = r["time_to_sync_final_s"], r["work_to_sync_final"]
+            st, sw = (sync["time_to_sync_final_s"], sync["work_to_sync_final"]) if sync else (0, 0)
+            reach = _fmt_t(t) + (f" ({st / t:.1f}x)" if t and st else "")
+            then = "-" if w is None else f"{w}" + (f" ({w / sw:.2f}x)" if sw else "")
+            total = f"{r['device_work']}" + (f" ({r['device_work'] / sync['device_work']:.2f}x)"
+                                             if sync else "")  # fmt: skip
+            lines.append(
+                f"| {seed} | {mode} | {r['final_accuracy']:.3f} | {reach} | {then} | {total} | "
+                f"{r['updates_applied']} | {_fmt(r['staleness_mean'], '.2f')} |"
+            )
+    return "\n".join(lines)
+
+
+def work_summary(results: dict[str, Any], modes: list[str]) -> str:
+    """Over seeds: how often each mode reached sync's final accuracy sooner with no more work."""
+    lines = [
+        "| mode | seeds | final acc (mean) | reached sync's final acc | of those: sooner and with"
+        " <= sync's work | speed-up (median) | work then, x sync's (median) | work in all, x"
+        " sync's (mean) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for mode in modes:
+        pairs = [(pm["sync"], pm[mode]) for pm in results["seeds"].values() if mode in pm]
+        if not pairs:
+            continue
+        hit = [(s, r) for s, r in pairs if r["time_to_sync_final_s"] is not None]
+        good = [
+            (s, r)
+            for s, r in hit
+            if r["time_to_sync_final_s"] <= s["time_to_sync_final_s"]
+            and r["work_to_sync_final"] <= s["work_to_sync_final"]
+        ]
+        speed = [s["time_to_sync_final_s"] / max(r["time_to_sync_final_s"], 1e-9) for s, r in hit]
+        work = [r["work_to_sync_final"] / s["work_to_sync_final"] for s, r in hit]
+        lines.append(
+            f"| {mode} | {len(pairs)} | "
+            f"{statistics.mean(r['final_accuracy'] for _, r in pairs):.3f} | "
+            f"{len(hit)}/{len(pairs)} | {len(good)}/{len(hit)} | "
+            f"{_fmt(statistics.median(speed) if speed else None, '.1f')}x | "
+            f"{_fmt(statistics.median(work) if work else None, '.2f')} | "
+            f"{statistics.mean(r['device_work'] / s['device_work'] for s, r in pairs):.2f} |"
+        )
+    return "\n".join(lines)
 
 
 def table(results: dict[str, Any], modes: list[str]) -> str:
@@ -310,7 +406,14 @@ def plot(results: dict[str, Any], modes: list[str], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    colors = {"sync": "C0", "sync-wide": "C2", "fedbuff": "C1", "fedasync": "C3"}
+    colors = {
+        "sync": "C0",
+        "sync-wide": "C2",
+        "fedbuff": "C1",
+        "fedasync": "C3",
+        "fedbuff-C": "C4",
+        "fedasync-C": "C5",
+    }
     # a -T run extends its equal-updates run in simulated time: plot the longer one
     shown = [m for m in modes if f"{m}-T" not in modes]
     fig, ax = plt.subplots(figsize=(9, 5.5))
@@ -360,8 +463,16 @@ def main() -> None:
     ap.add_argument(
         "--modes",
         nargs="+",
-        default=["sync", "sync-wide", "fedbuff", "fedasync", "fedbuff-T", "fedasync-T"],
-        help="sync first; X-T = mode X for as long (simulated) as sync ran",
+        default=["sync", "fedbuff-C", "fedasync-C", "fedbuff", "fedasync"],
+        help="sync first; X-C = mode X with --concurrency; X-T = mode X for as long (simulated) "
+        "as sync ran (also: sync-wide, fedbuff-T, fedasync-T)",
+    )
+    ap.add_argument("--concurrency", type=int, default=20, help="C of the -C modes")
+    ap.add_argument(
+        "--c-budget-factor",
+        type=float,
+        default=1.0,
+        help="the -C modes apply this many times sync's updates",
     )
     ap.add_argument("--time-scale", type=float, default=1.0, help="real s per simulated s")
     ap.add_argument("--sync-rounds", type=int, default=30)
@@ -424,6 +535,7 @@ def main() -> None:
             for key in ("time_to_sync_final_s", "updates_to_sync_final"):
                 res[key] = None
             res["acc_at_sync_end"] = res["acc_at_sync_updates"] = None
+            res["work_to_sync_final"] = None
             if sync is None:
                 continue
             target, end = sync["final_accuracy"], sync["sim_time_final_s"]
@@ -432,8 +544,13 @@ def main() -> None:
             )
             res["acc_at_sync_end"] = accuracy_at(res["curve"], t_end=end)
             res["acc_at_sync_updates"] = accuracy_at(res["curve"], updates=sync["updates_applied"])
+            res["work_to_sync_final"] = work_at_reach(res, target)
         json_path.parent.mkdir(parents=True, exist_ok=True)
         json_path.write_text(json.dumps(for_json(results), indent=1) + "\n")  # after every seed
+    print()
+    print(work_table(results, args.modes))
+    print()
+    print(work_summary(results, args.modes))
     print()
     print(table(results, args.modes))
     print()

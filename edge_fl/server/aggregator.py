@@ -438,6 +438,7 @@ class AggregatorCore:
             "late": t.late,
             "rejected_by_reason": {str(k): v for k, v in sorted(t.rejected.items())},
             "rejection_samples": dict(t.samples),
+            "device_updates": len(self.releases),  # the job's total device work (see records)
         }
 
     def public_record(self, record: dict[str, Any]) -> dict[str, Any]:

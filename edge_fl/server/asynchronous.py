@@ -430,7 +430,6 @@ class AsyncAggregatorCore(AggregatorCore):
 
     def after_last_round(self) -> dict[str, Any]:
         out = super().after_last_round()
-        out["device_updates"] = len(self.releases)  # the job's total, stragglers included
         if self.concurrency is not None:
             out["dispatched"] = self.dispatched
         return out
