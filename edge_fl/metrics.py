@@ -22,6 +22,10 @@ from typing import Any
 
 log = logging.getLogger("edge_fl.metrics")
 
+# Per-round wire byte fields summed into the summary (see edge_fl.transport.wire): MQTT-layer
+# bytes of every device's session, and the link model's IP-level estimate (TLS, TCP/IP).
+WIRE_TOTALS = ("wire_up", "wire_down", "wire_up_ip", "wire_down_ip")
+
 
 class OutputError(RuntimeError):
     """An output file could not be written: disk full, read-only or unwritable directory."""
@@ -187,8 +191,12 @@ class RunRecorder:
         return notes
 
     def summary(self, extra: dict[str, Any] | None = None) -> dict[str, Any]:
+        """Run totals; ``extra`` (the runner's own facts) is added last and wins."""
         closed = [r for r in self.records if r.get("status") != "skipped"]
         last = self.records[-1] if self.records else {}
+        wire: dict[str, Any] = {}
+        if any("wire_up" in r for r in self.records):  # a fleet counted its wire bytes
+            wire = {f"total_{key}": sum(r.get(key, 0) for r in self.records) for key in WIRE_TOTALS}
         return {
             "rounds": len(self.records),
             "rounds_closed": len(closed),
@@ -202,6 +210,7 @@ class RunRecorder:
             "total_rejected": sum(r.get("rejected", 0) for r in self.records),
             "epsilon": last.get("epsilon"),
             "accountant": last.get("accountant"),
+            **wire,
             **(extra or {}),
         }
 

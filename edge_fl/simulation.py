@@ -2,6 +2,12 @@
 
 The embedded broker is a private Mosquitto (or amqtt as a slow fallback) on a free loopback port;
 with ``broker.url`` set the same run goes to an external broker instead.
+
+Every round record carries the fleet's wire bytes (``edge_fl.transport.wire``): ``wire_up`` /
+``wire_down`` (all devices' MQTT packets, exact), ``wire_up_ip`` / ``wire_down_ip`` (the link
+model's estimate with TLS records and TCP/IP headers and ACKs) and the per-device distribution
+(``wire_up_p50`` / ``_p95`` / ``_max``, same for down). Payload ``bytes_up`` / ``bytes_down`` are
+unchanged.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ from edge_fl.metrics import OutputError, RunRecorder, write_json
 from edge_fl.server.service import AggregatorService, StopSignals
 from edge_fl.transport.broker import EmbeddedBroker
 from edge_fl.transport.url import BrokerSpec, parse_broker_url
+from edge_fl.transport.wire import DEFAULT_LINK, LinkModel
 
 log = logging.getLogger("edge_fl.simulate")
 
@@ -70,11 +77,15 @@ async def run_job(
     progress: bool = False,
     fleet_hook: Any = None,
     signals: StopSignals | None = None,
+    link: LinkModel | None = None,
+    device_downlink: bool = False,
 ) -> dict[str, Any]:
     """Aggregator and fleet on one event loop; returns the run summary.
 
     With ``signals``, SIGTERM/SIGINT stop the job cleanly: the open round is decided, the fleet is
-    told the job ended (and leaves), and the summary says ``stopped``."""
+    told the job ended (and leaves), and the summary says ``stopped``. ``link``: the model of the
+    wire IP estimate (default: Ethernet MSS 1448); ``device_downlink``: every device receives
+    the global model on its own session (measured rather than charged; N copies on the wire)."""
     cfg = job.cfg
     core = job.aggregator_core()
     t0 = time.perf_counter()
@@ -85,6 +96,7 @@ async def run_job(
         record["elapsed_s"] = round(time.perf_counter() - t0, 4)
         record["sim_time_s"] = round(job.clock.now() - job.clock.start_s, 3)
         record["dropouts"] = fleet.dropouts
+        record.update(fleet.wire_round())
         if "first_round_s" not in timings:
             timings["first_round_s"] = record["elapsed_s"]
         recorder.add(record)
@@ -108,6 +120,8 @@ async def run_job(
         acks=cfg.security.acks,
     )
     fleet = job.fleet_runtime(spec, trust=job.trust(signer.verifier))
+    fleet.link = link or DEFAULT_LINK
+    fleet.device_downlink = device_downlink
     with bar:
         aggregator = asyncio.create_task(service.run(), name="aggregator")
         await asyncio.wait(
@@ -130,6 +144,7 @@ async def run_job(
         if not fleet_task.done():
             fleet_task.cancel()
     timings["run_s"] = round(time.perf_counter() - t0, 4)
+    wire = _wire_summary(recorder, fleet)
     if recorder.out_dir is not None:
         path = recorder.out_dir / "model.onnx"
         try:
@@ -151,8 +166,39 @@ async def run_job(
             "ended_early": core.ended_early,
             "stopped": service.stopped,
             "after_last_round": core.after_last_round(),
+            **wire,
         }
     )
+
+
+def _wire_summary(recorder: RunRecorder, fleet: Any) -> dict[str, Any]:
+    """Run totals of the fleet's wire bytes: every record's plus what came after the last one
+    (the end-of-job model, statuses, DISCONNECT), and the link model the estimate used."""
+    after = fleet.wire_round()
+    link = fleet.link
+    totals = {
+        key: sum(r.get(key, 0) for r in recorder.records) + after[key]
+        for key in ("wire_up", "wire_down", "wire_up_ip", "wire_down_ip")
+    }
+    return {
+        **{f"total_{key}": value for key, value in totals.items()},
+        "wire": {
+            "after_last_round": {k: after[k] for k in totals},
+            "device_downlink": fleet.device_downlink,
+            "shared_downlink": {
+                k: v for k, v in fleet.downlink_wire.totals().items() if k in ("up", "down")
+            },
+            "link_model": {
+                "tls": fleet.spec.tls,
+                "mss": link.mss,
+                "header": link.header,
+                "ack_ratio": link.ack_ratio,
+                "tls_record_overhead": link.tls_record_overhead,
+                "tls_handshake_up": link.tls_handshake_up,
+                "tls_handshake_down": link.tls_handshake_down,
+            },
+        },
+    }
 
 
 def simulate(

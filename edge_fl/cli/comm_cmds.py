@@ -9,8 +9,16 @@ delta-varint), so it is averaged over ``--samples`` selections and min / max are
 Uplink codecs (``edge_fl.codecs``): every codec's update, encoded by the real codec and the real
 update encoder, per mechanism that accepts it (``Mechanism.accepts_codec``; a refused combination
 says why). The update size does not depend on the values, only on d (and top-k's fraction), except
-for the mechanism's name in ``m``. ``wire`` is reserved for wire-level bytes (MQTT packet,
-acknowledgements, TLS, TCP/IP): None until that accounting exists.
+for the mechanism's name in ``m``.
+
+``wire``: one device's MQTT-layer bytes of one round (``edge_fl.transport.wire.mqtt_packet_bytes``):
+up = the update's PUBLISH (QoS 1: topic, packet id, payload) + the PUBACK of the global model; down
+= the global model's PUBLISH (signed, as a simulation and a keyed deployment send it) + the PUBACK
+of the update. ``*_ip`` / ``*_ip_tls``: the link model's IP bytes without / with TLS (Ethernet MSS
+1448, pure ACKs, TLS 1.3 records). ``wire_session``: the once-per-connection packets (CONNECT with
+the last will, CONNACK, online status, SUBSCRIBE/SUBACK, the end-of-job model, offline status,
+DISCONNECT). Keep-alive PINGREQ/PINGRESP (2 + 2 bytes) only flow after ``keepalive_s`` without
+traffic: none in rounds shorter than that.
 """
 
 from __future__ import annotations
@@ -29,6 +37,9 @@ MAX_DIM = 50_000_000  # the dense encodings are built in memory (4 bytes per par
 # below 128 (msgpack fixint); a round >= 128 adds one or two bytes to every update.
 HEADER = {"device": "d00000", "round": 1, "base_version": 0, "n_samples": 50}
 GLOBAL_HEADER = {"job": "edgefl", "config_digest": "0123456789ab", "deadline_s": 30.0}
+# What the wire figures assume: the topics of job "edgefl" (--job) with the default prefix, device
+# d00000, QoS 1 for updates and the global model (docs/protocol.md), MQTT 3.1.1.
+WIRE_JOB = GLOBAL_HEADER["job"]
 
 
 def _check_int(name: str, value: Any, lo: int, hi: int) -> int:
@@ -49,6 +60,7 @@ def comm_cost_report(
     selected: int = 0,
     rng: Any = None,
     topk_fraction: float = 0.01,
+    job: str = WIRE_JOB,
 ) -> dict[str, Any]:
     """Payload bytes of one update of a ``dim``-parameter model under each mechanism, and of the
     global-model broadcast. ``rng``: a numpy Generator (default: the production CSPRNG)."""
@@ -120,10 +132,27 @@ def comm_cost_report(
         )
         for dt in ("f4", "f2")
     }
+    signed = _signed_global_bytes(weights, ids, magrr, job)
+    nonce = _nonce_bytes()
+    codecs = codec_costs(dim, delta, hdr, rng, topk_fraction)
+    for entry in codecs["codecs"].values():
+        entry["wire"] = round_wire(entry["payload"] + nonce, signed, job=job)
+    by_mech = codecs["by_mechanism"]
+    wire_by_mechanism = {
+        mech: {
+            name: None if size is None else round_wire(size + nonce, signed, job=job)["up"]
+            for name, size in sizes.items()
+        }
+        for mech, sizes in by_mech.items()
+    }
+    wire_by_mechanism["signds"] = {"signds": round_wire(round(mean) + nonce, signed, job=job)["up"]}
     return {
         "dim": dim,
         "updates": {**dense, "signds": round(mean, 1)},
-        **codec_costs(dim, delta, hdr, rng, topk_fraction),
+        **codecs,
+        "wire_up_by_mechanism": wire_by_mechanism,
+        "wire_session": session_wire(job=job),
+        "wire_global_payload": signed,
         "signds": {
             **{key: p.describe()[key] for key in ("topk", "h", "nu_th", "capped", "h_uncapped")},
             "sign_k": params.k,
@@ -150,6 +179,147 @@ def comm_cost_report(
             "includes_magrr_state": True,
         },
         "header": {**hdr, **GLOBAL_HEADER},
+    }
+
+
+def _signed_global_bytes(weights: Any, ids: Any, magrr: Any, job: str = WIRE_JOB) -> int:
+    """The f4 global message as a job sends it: with the round's nonce, in the signed envelope
+    (simulations always sign)."""
+    from edge_fl.protocol import GlobalModel, encode_global
+    from edge_fl.protocol.messages import NONCE_BYTES
+    from edge_fl.protocol.signing import Signer
+
+    msg = GlobalModel(
+        job=job,
+        nonce=bytes(NONCE_BYTES),
+        version=1,
+        round=1,
+        params=weights,
+        selected=ids,
+        deadline_s=GLOBAL_HEADER["deadline_s"],
+        config_digest=GLOBAL_HEADER["config_digest"],
+        wire_dtype="f4",
+        mechanism_state=magrr,
+    )
+    return len(encode_global(msg, signer=Signer.generate()))
+
+
+def _nonce_bytes() -> int:
+    """What the round nonce an update echoes adds to it (the payload figures leave it out)."""
+    import numpy as np
+
+    from edge_fl.protocol import DenseUpdate, encode_update
+    from edge_fl.protocol.messages import NONCE_BYTES
+
+    delta = np.zeros(1, dtype=np.float32)
+    plain = DenseUpdate(**HEADER, delta=delta)
+    echoed = DenseUpdate(**HEADER, delta=delta, nonce=bytes(NONCE_BYTES))
+    return len(encode_update(echoed, dim=1)) - len(encode_update(plain, dim=1))
+
+
+def round_wire(
+    update_payload: int,
+    global_payload: int,
+    *,
+    job: str = WIRE_JOB,
+    device: str = HEADER["device"],
+    uploads: bool = True,
+    link: Any = None,
+) -> dict[str, int]:
+    """One device's bytes of one round at the MQTT layer and the link model's IP estimates.
+
+    ``uploads``: False for a device that is online but not selected (it only gets the model)."""
+    from edge_fl.protocol import Topics
+    from edge_fl.transport.wire import ip_bytes, mqtt_packet_bytes, packet_counts
+
+    topics = Topics(job)
+    puback = mqtt_packet_bytes("puback")
+    model = mqtt_packet_bytes("publish", topic=topics.global_model, payload=global_payload, qos=1)
+    up_packets = [puback]
+    down_packets = [model]
+    if uploads:
+        up_packets.append(
+            mqtt_packet_bytes("publish", topic=topics.update(device), payload=update_payload, qos=1)
+        )
+        down_packets.append(puback)
+    out = {"up": sum(up_packets), "down": sum(down_packets)}
+    for tls, suffix in ((False, "ip"), (True, "ip_tls")):
+        up, down = ip_bytes(packet_counts(up_packets, down_packets, tls, link), link)
+        out[f"up_{suffix}"], out[f"down_{suffix}"] = up, down
+    return out
+
+
+def session_wire(
+    *,
+    job: str = WIRE_JOB,
+    device: str = HEADER["device"],
+    n_samples: int = HEADER["n_samples"],
+    final_global: int = 200,
+) -> dict[str, int]:
+    """The MQTT bytes of one device session beside its rounds (one connect to one DISCONNECT),
+    as ``edge-fl device`` makes it. ``final_global``: the end-of-job model's payload."""
+    from edge_fl.protocol import Status, Topics, encode_status
+    from edge_fl.transport.wire import mqtt_packet_bytes
+
+    topics = Topics(job)
+    status = len(encode_status(Status(device, True, n_samples, {})))
+    offline = len(encode_status(Status(device, False, n_samples, {})))
+    puback = mqtt_packet_bytes("puback")
+    sub = [topics.global_model]
+    up = (
+        mqtt_packet_bytes(
+            "connect",
+            client_id=f"edgefl-{job}-{device}",
+            will_topic=topics.status(device),
+            will_payload=offline,
+        )
+        + mqtt_packet_bytes("publish", topic=topics.status(device), payload=status, qos=1)
+        + mqtt_packet_bytes("subscribe", topics=sub)
+        + puback  # the end-of-job model
+        + mqtt_packet_bytes("publish", topic=topics.status(device), payload=offline, qos=1)
+        + mqtt_packet_bytes("disconnect")
+    )
+    down = (
+        mqtt_packet_bytes("connack")
+        + puback
+        + mqtt_packet_bytes("suback", topics=sub)
+        + mqtt_packet_bytes("publish", topic=topics.global_model, payload=final_global, qos=1)
+        + puback
+    )
+    return {"up": up, "down": down}
+
+
+def wire_round_cost(
+    dim: int,
+    *,
+    codec: str = "f32",
+    selected: int = 0,
+    topk_fraction: float = 0.01,
+    job: str = WIRE_JOB,
+    rng: Any = None,
+) -> dict[str, int]:
+    """One device's MQTT bytes of one round with uplink ``codec`` (and the IP estimates)."""
+    import numpy as np
+
+    from edge_fl.codecs import build_codec
+    from edge_fl.job import device_id
+    from edge_fl.privacy.magrr import MagRRState
+    from edge_fl.protocol import DenseUpdate, encode_update
+
+    rng = np.random.default_rng(0) if rng is None else rng
+    delta = rng.standard_normal(dim).astype(np.float32)
+    options = {"fraction": topk_fraction} if codec == "topk" else {}
+    c = build_codec(codec, **options)
+    fields, _ = c.encode(delta, rng)
+    update = DenseUpdate(**HEADER, delta=delta, wire_dtype="f4", mechanism="none")
+    payload = len(encode_update(update, coded=(c.dt, fields))) + _nonce_bytes()
+    ids = tuple(device_id(i) for i in range(selected)) or None
+    magrr = MagRRState.initial().to_dict()
+    glob = _signed_global_bytes(delta, ids, magrr, job)
+    return {
+        **round_wire(payload, glob, job=job),
+        "update_payload": payload,
+        "global_payload": glob,
     }
 
 
@@ -183,7 +353,7 @@ def codec_costs(
             **{k: v for k, v in codec.describe().items() if k not in ("codec", "dt")},
             "payload": sizes["none"],  # the update with m = "none"
             "codec_fields": codec.payload_bytes(dim),
-            "wire": None,  # wire-level bytes: not measured yet (MQTT, TLS, TCP/IP)
+            "wire": None,  # filled by comm_cost_report: one device's round (round_wire)
         }
     base = codecs["f32"]["payload"]
     for entry in codecs.values():
@@ -199,7 +369,7 @@ def _print_codecs(data: dict[str, Any]) -> None:
     table.add_column("codec (dt)")
     table.add_column("payload", justify="right")
     table.add_column("vs f32", justify="right")
-    table.add_column("wire", justify="right")
+    table.add_column("wire up / down", justify="right")
     table.add_column("unbiased")
     table.add_column("refused with")
     for name, c in data["codecs"].items():
@@ -208,13 +378,17 @@ def _print_codecs(data: dict[str, Any]) -> None:
             label,
             f"{c['payload']:,}",
             f"{c['vs_f32']:.2f}x",
-            "-" if c["wire"] is None else f"{c['wire']:,}",
+            "-" if c["wire"] is None else f"{c['wire']['up']:,} / {c['wire']['down']:,}",
             "yes" if c["unbiased"] else "no",
             ", ".join(m for m, r in data["refused"].items() if name in r) or "",
         )
     Console().print(table)
     click.echo("payload: the update with m = 'none' (another mechanism's name changes a few bytes;")
-    click.echo("--json has every mechanism); wire: MQTT/TLS/TCP bytes, not measured here yet.")
+    click.echo(
+        "--json has every mechanism); wire: one device's MQTT bytes of one round (the update"
+    )
+    click.echo("and the signed f4 global model with topics, packet ids, PUBACKs; --json adds the")
+    click.echo("TLS and TCP/IP estimates and the once-per-session packets).")
 
 
 def _print_table(data: dict[str, Any]) -> None:
@@ -255,6 +429,9 @@ def _print_table(data: dict[str, Any]) -> None:
 @click.option(
     "--topk-fraction", type=float, default=0.01, show_default=True, help="topk codec: fraction k."
 )
+@click.option(
+    "--job", default=WIRE_JOB, show_default=True, help="Job id (its length is in every topic)."
+)
 @click.option("--seed", type=int, default=None, help="Seed (reproducible, NOT secure).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def comm_cost(
@@ -267,6 +444,7 @@ def comm_cost(
     samples: int,
     selected: int,
     topk_fraction: float,
+    job: str,
     seed: int | None,
     as_json: bool,
 ) -> None:
@@ -285,6 +463,7 @@ def comm_cost(
         "signds.max_dim_out": "--max-dim-out",
         "model dimension d": "--dim",
         "topk fraction": "--topk-fraction",
+        "job id": "--job",
     }
     if seed is not None and seed < 0:
         raise click.BadParameter(
@@ -302,6 +481,7 @@ def comm_cost(
             selected=selected,
             rng=None if seed is None else seeded_generator(seed),
             topk_fraction=topk_fraction,
+            job=job,
         )
     except ValueError as err:
         msg = str(err)

@@ -10,6 +10,14 @@ On a secured broker every device connects as its own MQTT user (``device_specs``
 ``broker/mint-credentials.sh`` prints): the ACL lets a user write only its own update topic and
 Mosquitto allows one connection per username. Without a fleet user of its own, the downlink then
 rides on the first device's session (any user may read the global model).
+
+Wire bytes (``edge_fl.transport.wire``): every device session counts its MQTT packets (CONNECT,
+statuses, updates, PUBACKs, PINGs, DISCONNECT, reconnects). A device here does not subscribe to
+the global model itself (the shared downlink does), so by default each device is charged what its
+own subscription would cost: SUBSCRIBE/SUBACK per session and, per global model the downlink
+receives, the PUBLISH packet (topic, packet id, payload) and its PUBACK, sized exactly by
+``mqtt_packet_bytes``. With ``device_downlink=True`` every device subscribes and receives the
+model on its own session instead (everything measured; the broker sends one copy per device).
 """
 
 from __future__ import annotations
@@ -30,6 +38,16 @@ from edge_fl.fleet.profiles import AlwaysAvailable, DeviceProfile
 from edge_fl.protocol import GlobalModel, Topics
 from edge_fl.transport.limits import ensure_open_files
 from edge_fl.transport.url import BrokerSpec
+from edge_fl.transport.wire import (
+    DEFAULT_LINK,
+    LinkModel,
+    WireCounter,
+    attach,
+    ip_bytes,
+    mqtt_packet_bytes,
+    packet_counts,
+    percentiles,
+)
 
 log = logging.getLogger("edge_fl.fleet")
 
@@ -104,6 +122,10 @@ class Fleet:
         self._pending: dict[str, GlobalModel] = {}  # newest model that arrived while busy
         self._pool = ThreadPoolExecutor(max_workers=train_workers, thread_name_prefix="train")
         self._tasks: set[asyncio.Task] = set()
+        self.link: LinkModel = DEFAULT_LINK
+        self.device_downlink = False  # True: each device subscribes to the model on its session
+        self.wire: dict[str, WireCounter] = {}  # per device, across its reconnects
+        self.downlink_wire = WireCounter()  # the shared downlink session (not a device's)
 
     def use_credentials(self, device_specs: dict[str, BrokerSpec]) -> None:
         """Connect each device with its own spec (its MQTT user); before `run`."""
@@ -122,13 +144,77 @@ class Fleet:
             self.topics.status(agent.device_id), agent.status(online=False), qos=1, retain=True
         )
         spec = self.device_specs.get(agent.device_id, self.spec)
-        return aiomqtt.Client(
+        client = aiomqtt.Client(
             **spec.aiomqtt_kwargs(),
             identifier=f"{self.client_prefix}-{agent.device_id}",
             will=will,
             clean_session=True,
             keepalive=self.keepalive_s,
         )
+        counter = self.wire.get(agent.device_id)
+        if counter is None:
+            counter = self.wire[agent.device_id] = WireCounter(self.link)
+        attach(client, counter)
+        return client
+
+    def _tls(self, device: str) -> bool:
+        return self.device_specs.get(device, self.spec).tls
+
+    def _charge_subscription(self, device: str) -> None:
+        """SUBSCRIBE/SUBACK of the model subscription a real device makes on its session."""
+        topics = [self.topics.global_model]
+        sub = mqtt_packet_bytes("subscribe", topics=topics)
+        suback = mqtt_packet_bytes("suback", topics=topics)
+        self.wire[device].add(packet_counts([sub], [suback], self._tls(device), self.link))
+
+    def _charge_model(self, message: aiomqtt.Message) -> None:
+        """Charge every device with a session the global model its own subscription would get."""
+        payload = message.payload
+        size = mqtt_packet_bytes(
+            "publish",
+            topic=message.topic.value,
+            payload=len(payload) if isinstance(payload, bytes | bytearray) else 0,
+            qos=min(message.qos, 1),
+        )
+        acks = [mqtt_packet_bytes("puback")] if message.qos else []
+        costs = {tls: packet_counts(acks, [size], tls, self.link) for tls in (False, True)}
+        for device in self.clients:
+            if device == self.downlink_device or device in self.crashed:
+                continue  # the downlink device receives it for real; a crashed one is gone
+            if device not in self.unavailable:
+                self.wire[device].add(costs[self._tls(device)])
+
+    async def _drain(self, client: aiomqtt.Client) -> None:
+        """Read (and drop) what a device's own subscription delivers: its bytes are counted."""
+        with contextlib.suppress(aiomqtt.MqttError, asyncio.CancelledError):
+            async for _ in client.messages:
+                pass
+
+    def wire_round(self) -> dict[str, int]:
+        """Wire bytes of every device since the previous call: sums, the link model's IP
+        estimate (TLS and TCP/IP included) and the per-device distribution."""
+        ups: list[int] = []
+        downs: list[int] = []
+        up_ip = down_ip = 0
+        for counter in self.wire.values():
+            counts = counter.take()
+            if not (counts["up"] or counts["down"]):
+                continue
+            ups.append(counts["up"])
+            downs.append(counts["down"])
+            u, d = ip_bytes(counts, self.link)
+            up_ip += u
+            down_ip += d
+        up_dist, down_dist = percentiles(ups), percentiles(downs)
+        return {
+            "wire_up": sum(ups),
+            "wire_down": sum(downs),
+            "wire_up_ip": up_ip,
+            "wire_down_ip": down_ip,
+            "wire_devices": len(ups),
+            **{f"wire_up_{k}": v for k, v in up_dist.items()},
+            **{f"wire_down_{k}": v for k, v in down_dist.items()},
+        }
 
     async def _connect(self, agent: DeviceAgent, gate: asyncio.Semaphore) -> None:
         async with gate:  # Mosquitto's listen backlog is 100: pace the connects
@@ -141,6 +227,11 @@ class Fleet:
                 spec = self.device_specs[agent.device_id]
                 raise DeviceConnectError(agent.device_id, spec, exc) from exc
             self.clients[agent.device_id] = client
+            if self.device_downlink and agent.device_id != self.downlink_device:
+                await client.subscribe(self.topics.global_model, qos=1)
+                self._spawn(self._drain(client))
+            elif agent.device_id != self.downlink_device:
+                self._charge_subscription(agent.device_id)
             profile = self.profiles.get(agent.device_id)
             online = not (
                 self.clock.modelled
@@ -316,9 +407,11 @@ class Fleet:
                 await self._connect(self.agents[device], asyncio.Semaphore(1))
                 client = self.clients[device]
             return await self._serve_downlink(client)
-        async with aiomqtt.Client(
+        downlink = aiomqtt.Client(
             **self.spec.aiomqtt_kwargs(), identifier=f"{self.client_prefix}-downlink"
-        ) as downlink:
+        )
+        attach(downlink, self.downlink_wire)
+        async with downlink:
             return await self._serve_downlink(downlink)
 
     async def _serve_downlink(self, downlink: aiomqtt.Client) -> bool:
@@ -327,6 +420,8 @@ class Fleet:
         self.trust.window.rejoin()  # rounds may have passed while the downlink was away
         self.reconnect_attempt = 0
         async for message in downlink.messages:
+            if not self.device_downlink:
+                self._charge_model(message)
             payload = message.payload
             if not isinstance(payload, bytes | bytearray) or not payload:
                 continue  # cleared retained message: no model yet
