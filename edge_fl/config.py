@@ -343,6 +343,20 @@ class FleetConfig(_Section):
     train_workers: int = Field(1, ge=1, le=64, description="threads training devices")
 
 
+class PopulationConfig(_Section):
+    """A modelled population (``data.devices`` of them, up to millions) of which only ``online``
+    devices hold MQTT sessions (``edge_fl.fleet.population``); their data is drawn lazily."""
+
+    online: PositiveInt | None = Field(
+        None,
+        description="devices holding sessions, a uniform sample of those available at "
+        "fleet.start_hour; None = no population model (every device is online)",
+    )
+    test_devices: PositiveInt = Field(
+        200, description="the pooled test set is the test shares of this many sampled devices"
+    )
+
+
 class SecurityConfig(_Section):
     """Who devices trust, and what the aggregator tells them (docs/protocol.md)."""
 
@@ -384,6 +398,7 @@ class JobConfig(_Section):
     compression: CompressionConfig = CompressionConfig()
     security: SecurityConfig = SecurityConfig()
     fleet: FleetConfig = FleetConfig()
+    population: PopulationConfig = PopulationConfig()
     device: DeviceConfig = DeviceConfig()
 
     @model_validator(mode="after")

@@ -76,19 +76,20 @@ class Job:
 
     @cached_property
     def facts(self) -> JobFacts:
-        sizes = tuple(len(ix) for ix in self.dataset.device_indices)
+        sizes = dataset_sizes(self.dataset)
         r = self.cfg.rounds
         return JobFacts(
             rounds=r.rounds,
-            n_devices=self.cfg.data.devices,
+            # a population's rounds select among the devices online, not the whole population
+            n_devices=self.expected_devices,
             expected_participants=float(self.target),
             n_params=self.model.n_params,
             local_lr=self.cfg.training.lr,
             local_epochs=self.cfg.training.epochs,
             batch_size=self.cfg.training.batch_size,
-            min_dataset_size=min(sizes),
+            min_dataset_size=int(np.min(sizes)),
             max_uploads=self.cfg.privacy.max_uploads
-            or default_max_uploads(r.rounds, self.target, self.cfg.data.devices, r.mode),
+            or default_max_uploads(r.rounds, self.target, self.expected_devices, r.mode),
             mode=r.mode,
             dataset_sizes=sizes,
         )
@@ -96,6 +97,12 @@ class Job:
     @property
     def topics(self) -> Topics:
         return Topics(self.cfg.job, self.cfg.broker.prefix)
+
+    @property
+    def expected_devices(self) -> int:
+        """The devices that hold sessions and report a status: ``population.online`` when the
+        job models a population, else ``data.devices``."""
+        return self.cfg.population.online or self.cfg.data.devices
 
     @property
     def target(self) -> int:
@@ -256,6 +263,10 @@ class Job:
     ):
         from edge_fl.fleet.runtime import Fleet
 
+        if self.cfg.population.online is not None:
+            from edge_fl.fleet.population import population_fleet
+
+            return population_fleet(self, spec, indices, prefix=prefix, trust=trust)
         return Fleet(
             self.agents(indices),
             spec,
@@ -298,7 +309,7 @@ class Job:
             "dataset": {
                 "name": self.dataset.name,
                 "devices": self.dataset.n_devices,
-                "train": len(self.dataset.y_train),
+                "train": getattr(self.dataset, "n_train", None) or len(self.dataset.y_train),
                 "test": len(self.dataset.y_test),
             },
             "randomness": {"generator": info.kind, "secure": info.secure, "seed": info.seed},
@@ -309,17 +320,32 @@ class Job:
         }
 
 
+def dataset_sizes(dataset: Any) -> Any:
+    """Every device's training-set size: a lazily drawn population's int32 array (never its
+    rows), else a tuple from the partition."""
+    sizes = getattr(dataset, "train_sizes", None)
+    return sizes if sizes is not None else tuple(len(ix) for ix in dataset.device_indices)
+
+
 def build_job(cfg: JobConfig) -> Job:
     d = cfg.data
-    dataset = load_federated(
-        d.dataset,
-        d.devices,
-        partition=d.partition,
-        alpha=d.alpha,
-        seed=cfg.seed,
-        data_dir=d.data_dir,
-        samples_per_device=d.samples_per_device,
-    )
+    if cfg.population.online is not None:
+        from edge_fl.data.lazy_synthetic import lazy_dataset
+
+        try:
+            dataset: Any = lazy_dataset(cfg)
+        except ValueError as exc:
+            raise ConfigError(f"invalid configuration:\n  population: {exc}") from None
+    else:
+        dataset = load_federated(
+            d.dataset,
+            d.devices,
+            partition=d.partition,
+            alpha=d.alpha,
+            seed=cfg.seed,
+            data_dir=d.data_dir,
+            samples_per_device=d.samples_per_device,
+        )
     options = {"hidden": cfg.model.hidden} if cfg.model.name == "mlp" else {}
     model = make_model(cfg.model.name, dataset.n_features, dataset.n_classes, **options)
     job = Job(cfg, dataset, model)
