@@ -193,6 +193,32 @@ def job_config(devices: int, rounds: int, **overrides: Any) -> Any:
     return load_config(None, values)
 
 
+@contextlib.contextmanager
+def count_ingest_tap(tls: bool) -> Any:
+    """The aggregator reads PUBLISH packets past paho (``service.IngestTap``): count what it
+    diverts into ``wire.PROCESS`` too, so the process total is every byte the broker sent it."""
+    from edge_fl.server import service
+    from edge_fl.transport import wire
+
+    tap = getattr(service, "IngestTap", None)
+    if tap is None:
+        yield
+        return
+    divert = tap._divert
+
+    def counted(self: Any, start: int, end: int) -> bool:
+        taken = divert(self, start, end)
+        if taken:
+            wire.PROCESS.received(end, tls)  # the buffer starts at the packet's first byte
+        return taken
+
+    tap._divert = counted
+    try:
+        yield
+    finally:
+        tap._divert = divert
+
+
 async def _measure(cfg: Any, spec: Any, capture_dir: Path | None, device_downlink: bool) -> dict:
     from edge_fl.job import build_job
     from edge_fl.metrics import RunRecorder
@@ -250,7 +276,7 @@ def measure(
         with EmbeddedBroker("mosquitto", tls=listener, extra_config=["sys_interval 1"]) as broker:
             spec = parse_broker_url(broker.url)
             cap = Capture(broker.port, directory) if capture else None
-            with cap if cap is not None else contextlib.nullcontext():
+            with cap if cap is not None else contextlib.nullcontext(), count_ingest_tap(tls):
                 out = asyncio.run(_measure(cfg, spec, directory, device_downlink))
             # the broker closes its sockets when it stops: not part of the compared traffic
         out["capture"] = cap.result if cap is not None else None

@@ -3,6 +3,11 @@
 Reconnects with backoff when the network or broker goes away: a Pi on Wi-Fi loses its connection
 routinely. The agent core remembers which round it answered, so a redelivered or re-read retained
 global model never produces a second update.
+
+The agent counts its own wire bytes (``edge_fl.transport.wire``: every MQTT packet its sessions
+send and receive, reconnects included) and logs them per round and in total at exit, with the
+link model's IP estimate (TLS and TCP/IP headers), so a device's data bill can be checked against
+them and against the aggregator's records.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import aiomqtt
 from edge_fl.device.agent import DeviceAgent
 from edge_fl.protocol import GlobalModel, GlobalWindow, PayloadRejected, Topics, decode_global
 from edge_fl.transport.url import BrokerSpec
+from edge_fl.transport.wire import WireCounter, attach, ip_bytes
 
 if TYPE_CHECKING:
     from edge_fl.protocol.signing import Verifier
@@ -54,14 +60,39 @@ class Trust:
         return msg
 
 
+def log_wire(wire: WireCounter, what: str, counts: dict[str, int] | None = None) -> None:
+    """One line of MQTT-layer bytes (``counts``: a ``take()``; default: the totals) and the IP
+    estimate."""
+    counts = counts if counts is not None else wire.totals()
+    up_ip, down_ip = ip_bytes(counts, wire.link)
+    log.info(
+        "%s: wire up %d B, down %d B (MQTT, %d/%d packets); IP estimate up %d B, down %d B",
+        what,
+        counts["up"],
+        counts["down"],
+        counts["up_packets"],
+        counts["down_packets"],
+        up_ip,
+        down_ip,
+    )
+
+
 async def _session(
-    agent: DeviceAgent, spec: BrokerSpec, topics: Topics, digest: str, trust: Trust
+    agent: DeviceAgent,
+    spec: BrokerSpec,
+    topics: Topics,
+    digest: str,
+    trust: Trust,
+    wire: WireCounter | None = None,
 ) -> bool:
     """One connection; returns True when the job is done."""
+    wire = wire if wire is not None else WireCounter()
     will = aiomqtt.Will(topics.status(agent.device_id), agent.status(False), qos=1, retain=True)
-    async with aiomqtt.Client(
+    client = aiomqtt.Client(
         **spec.aiomqtt_kwargs(), identifier=f"edgefl-{topics.job}-{agent.device_id}", will=will
-    ) as client:
+    )
+    attach(client, wire)
+    async with client:
         await client.publish(topics.status(agent.device_id), agent.status(True), qos=1, retain=True)
         await client.subscribe(topics.global_model, qos=1)
         log.info("device %s connected to %s", agent.device_id, spec.redacted())
@@ -108,6 +139,9 @@ async def _session(
             if update is not None:
                 await client.publish(topics.update(agent.device_id), update, qos=1)
                 log.info("round %d: sent %d bytes", msg.round, len(update))
+            # since the previous round's line: this round's model, update and acks (the update's
+            # PUBACK, still on its way, falls into the next line)
+            log_wire(wire, f"round {msg.round}", wire.take())
     return False
 
 
@@ -129,17 +163,36 @@ async def run_device(
     max_backoff_s: float = 60.0,
     trust: Trust | None = None,
     retry_forever: bool = False,
+    wire: WireCounter | None = None,
 ) -> int:
     """Serve rounds until the job is done; returns the number of updates sent.
 
     A lost network or broker is retried with backoff. A refusal that retrying cannot fix (bad
     credentials, a certificate that does not verify) ends the run with a RuntimeError naming it,
-    unless ``retry_forever`` (a service that must come back once the operator fixes the broker)."""
+    unless ``retry_forever`` (a service that must come back once the operator fixes the broker).
+    ``wire``: counts every session's bytes (logged per round and in total at exit)."""
     trust = trust or Trust()
+    wire = wire if wire is not None else WireCounter()
+    try:
+        return await _serve(agent, spec, topics, digest, max_backoff_s, trust, retry_forever, wire)
+    finally:
+        log_wire(wire, f"device {agent.device_id} total ({wire.connections} connections)")
+
+
+async def _serve(
+    agent: DeviceAgent,
+    spec: BrokerSpec,
+    topics: Topics,
+    digest: str,
+    max_backoff_s: float,
+    trust: Trust,
+    retry_forever: bool,
+    wire: WireCounter,
+) -> int:
     attempt = 0
     while True:
         try:
-            if await _session(agent, spec, topics, digest, trust):
+            if await _session(agent, spec, topics, digest, trust, wire):
                 return agent.state.updates_sent
             attempt = 0
         except aiomqtt.MqttError as exc:
