@@ -27,7 +27,7 @@ def test_codec_sizes_are_the_codecs_exact_sizes_plus_the_same_header() -> None:
     assert len(header) == 1  # the codec fields are all that differs
     assert codecs["topk"]["codec_fields"] == build_codec("topk", fraction=0.05).payload_bytes(dim)
     assert codecs["topk"]["fraction"] == 0.05
-    assert all(c["wire"] is None for c in codecs.values())  # reserved for wire-level bytes
+    assert all(c["wire"]["up"] > c["payload"] for c in codecs.values())  # headers, acks, status
     assert 3.8 < codecs["q8"]["vs_f32"] < 3.9 and 7.4 < codecs["q4"]["vs_f32"] < 7.6
 
 
