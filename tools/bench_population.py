@@ -44,14 +44,25 @@ def _status_kb(pid: int, key: str) -> int:
     return 0
 
 
+def _cpu_s(pid: int) -> float:
+    """User + system CPU seconds of a process so far (/proc/PID/stat fields 14 and 15)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return 0.0
+
+
 class Sampler(threading.Thread):
-    """Peak RSS per named process (VmHWM) and the peak of the sum of current RSS (VmRSS)."""
+    """Peak RSS per named process (VmHWM), the peak of the sum of current RSS (VmRSS) and CPU
+    seconds per process (the last reading before it exits: robust to other load on the box)."""
 
     def __init__(self) -> None:
         super().__init__(daemon=True)
         self.pids: dict[str, int] = {}
         self.peak_kb: dict[str, int] = {}
         self.peak_total_kb = 0
+        self.cpu_s: dict[str, float] = {}
         self.stop = threading.Event()
 
     def run(self) -> None:
@@ -60,6 +71,7 @@ class Sampler(threading.Thread):
             for name, pid in list(self.pids.items()):
                 self.peak_kb[name] = max(self.peak_kb.get(name, 0), _status_kb(pid, "VmHWM"))
                 total += _status_kb(pid, "VmRSS")
+                self.cpu_s[name] = max(self.cpu_s.get(name, 0.0), _cpu_s(pid))
             self.peak_total_kb = max(self.peak_total_kb, total)
 
 
@@ -156,6 +168,7 @@ def one_run(args: argparse.Namespace, population: bool, work: Path) -> dict[str,
     job = f"bench-{label}-{os.getpid()}"
     sampler = Sampler()
     sampler.start()
+    load_before = os.getloadavg()[0]
     with EmbeddedBroker(kind="mosquitto", connection_messages=False) as broker:
         sampler.pids["mosquitto"] = broker.pid
         cfg: dict[str, Any] = {
@@ -226,6 +239,8 @@ def one_run(args: argparse.Namespace, population: bool, work: Path) -> dict[str,
         "fleets": [e for e in fleets if e.get("event") in ("connected", "fleet_done")],
         "peak_rss_mb": {k: round(v / 1024, 1) for k, v in sampler.peak_kb.items()},
         "peak_rss_sum_mb": round(sampler.peak_total_kb / 1024, 1),
+        "cpu_s": {k: round(v, 1) for k, v in sampler.cpu_s.items()},
+        "load_1min_before_after": [round(load_before, 2), round(os.getloadavg()[0], 2)],
     }
 
 
@@ -246,8 +261,8 @@ def table(runs: list[dict[str, Any]]) -> str:
     base = next((r for r in runs if r["run"] == "baseline"), None)
     lines = [
         "| run | modelled devices | sessions | rounds closed | round wall s | start-up s | "
-        "peak RSS per process MB | peak RSS sum MB |",
-        "|---|---|---|---|---|---|---|---|",
+        "peak RSS per process MB | peak RSS sum MB | CPU s per process | load before/after |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in runs:
         procs = ", ".join(f"{k} {v:g}" for k, v in r["peak_rss_mb"].items())
@@ -255,7 +270,8 @@ def table(runs: list[dict[str, Any]]) -> str:
             f"| {r['run']} | {r['devices_modelled']:,} | {r['online_sessions']:,} | "
             f"{r['rounds_closed']} ({'/'.join(map(str, r['received']))} updates) | "
             f"{', '.join(f'{w:.2f}' for w in r['round_wall_s'])} | {r['startup_s']} | {procs} | "
-            f"{r['peak_rss_sum_mb']:g} |"
+            f"{r['peak_rss_sum_mb']:g} | {', '.join(f'{v:g}' for v in r['cpu_s'].values())} | "
+            f"{'/'.join(map(str, r['load_1min_before_after']))} |"
         )
     pop = next((r for r in runs if r["run"] == "population"), None)
     if base and pop and base["peak_rss_sum_mb"] and base["round_wall_s"]:
@@ -265,7 +281,8 @@ def table(runs: list[dict[str, Any]]) -> str:
             "population / baseline: peak RSS sum "
             f"{pop['peak_rss_sum_mb'] / base['peak_rss_sum_mb']:.2f}x, "
             f"mean round wall {mean(pop['round_wall_s']) / mean(base['round_wall_s']):.2f}x, "
-            f"start-up {pop['startup_s'] / base['startup_s']:.2f}x"
+            f"start-up {pop['startup_s'] / base['startup_s']:.2f}x, "
+            f"CPU s of all processes {sum(pop['cpu_s'].values()) / sum(base['cpu_s'].values()):.2f}x"
         )
     return "\n".join(lines)
 
