@@ -1,13 +1,18 @@
-"""Aggregator ingest rate (decode + validate + admit + accumulate) against raw MQTT subscribers.
+"""Aggregator ingest rate against a raw paho subscriber, same broker, same payloads, one run.
 
-All three subscribers drain the SAME pre-queued updates from the same private Mosquitto in the same
-run, so the ratios are fair on a shared, noisy machine:
-  1. paho-mqtt, raw (counts bytes only)        -- the baseline
-  2. aiomqtt, raw (counts bytes only)          -- the client library the aggregator uses
-  3. the edge-fl aggregator: aiomqtt + AggregatorCore.on_update for every message
+Every subscriber drains the SAME pre-queued QoS 1 updates from the same private Mosquitto, in
+turn, repeated ``--repeats`` times (interleaved, so a noisy shared machine hits all alike):
+  1. paho raw: paho-mqtt's threaded loop, counts bytes, paho acknowledges   -- the baseline
+  2. aiomqtt raw: ``async for`` over aiomqtt's messages, counts bytes        -- for reference
+  3. edge-fl service: ``AggregatorService.run()`` itself (the ``edge-fl aggregator`` path):
+     its ingest tap, decode + validate + admit + accumulate in ``AggregatorCore``, manual
+     acknowledgements after each group of messages; no journal
+  4. edge-fl service + journal: the same with ``--out`` (every accepted update journaled and
+     fsynced before it is acknowledged), on the disk that holds ``--journal-dir``
 
-Updates are queued first (persistent session, QoS 1; Mosquitto configured with unlimited queue
-length), then the subscriber reconnects and drains: no publisher competes for the two cores.
+Updates are queued first (persistent session; Mosquitto with unlimited queue length), then the
+subscriber connects and drains: no publisher competes for the CPU. A rate is messages from the
+first to the last received, per second.
 
     .venv/bin/python tools/bench_ingest.py --updates 2000 --model mlp
 """
@@ -17,6 +22,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import statistics
+import tempfile
 import threading
 import time
 
@@ -31,6 +37,8 @@ from edge_fl.server.aggregator import AggregatorCore, AggregatorSettings
 from edge_fl.transport.broker import EmbeddedBroker
 
 TOPICS = Topics("bench")
+#: every round the benchmark opens carries this nonce, so payloads can be made in advance
+NONCE = bytes(range(16))
 
 
 def make_payloads(n: int, n_params: int) -> list[tuple[str, bytes]]:
@@ -39,7 +47,7 @@ def make_payloads(n: int, n_params: int) -> list[tuple[str, bytes]]:
     for i in range(n):
         delta = rng.standard_normal(n_params).astype(np.float32) * 0.01
         dev = f"d{i:05d}"
-        out.append((dev, encode_update(DenseUpdate(dev, 1, 0, 30, delta))))
+        out.append((dev, encode_update(DenseUpdate(dev, 1, 0, 30, delta, nonce=NONCE))))
     return out
 
 
@@ -49,6 +57,7 @@ def queue_updates(spec, client_id: str, payloads: list[tuple[str, bytes]]) -> No
     sub.connect(spec.host, spec.port)
     sub.loop_start()
     sub.subscribe(TOPICS.all_updates, qos=1)
+    sub.subscribe(TOPICS.all_status, qos=1)
     time.sleep(0.2)
     sub.disconnect()
     sub.loop_stop()
@@ -88,16 +97,15 @@ def drain_paho(spec, client_id: str, n: int) -> float:
     return (n - 1) / elapsed
 
 
-async def drain_aiomqtt(spec, client_id: str, n: int, handle) -> float:
+async def drain_aiomqtt(spec, client_id: str, n: int) -> float:
     async with aiomqtt.Client(
         spec.host, spec.port, identifier=client_id, clean_session=False, max_inflight_messages=100
     ) as c:
         count = 0
         t0 = 0.0
-        async for msg in c.messages:
+        async for _msg in c.messages:
             if count == 0:
                 t0 = time.perf_counter()
-            handle(msg)
             count += 1
             if count == n:
                 return (n - 1) / (time.perf_counter() - t0)
@@ -105,6 +113,7 @@ async def drain_aiomqtt(spec, client_id: str, n: int, handle) -> float:
 
 
 def make_core(n: int, n_params: int) -> AggregatorCore:
+    """One open round selecting ``n`` announced devices, whose target is all ``n`` updates."""
     core = AggregatorCore(
         AggregatorSettings(job="bench", rounds=1, target=n, min_updates=n, deadline_s=1e9),
         np.zeros(n_params, np.float32),
@@ -115,7 +124,60 @@ def make_core(n: int, n_params: int) -> AggregatorCore:
         dev = f"d{i:05d}"
         core.on_status(dev, encode_status(Status(dev, True, 30)))
     core.open_round(0.0)
+    assert core.current is not None
+    core.current.nonce = NONCE
     return core
+
+
+class Stamped:
+    """Wraps ``core.on_update``: times the first and the last update, checks each is accepted."""
+
+    def __init__(self, core: AggregatorCore) -> None:
+        self.core, self.inner = core, core.on_update
+        self.count, self.first, self.last = 0, 0.0, 0.0
+        core.on_update = self  # type: ignore[method-assign]
+
+    def __call__(self, device: str, payload: bytes, **kw) -> object:
+        now = time.perf_counter()
+        if self.count == 0:
+            self.first = now
+        reason = self.inner(device, payload, **kw)
+        assert reason is None, reason
+        self.count += 1
+        self.last = time.perf_counter()
+        return reason
+
+    def rate(self) -> float:
+        return (self.count - 1) / (self.last - self.first)
+
+
+def drain_service(spec, client_id: str, n: int, n_params: int, journal_dir: str | None) -> float:
+    """``AggregatorService.run()`` on a round that needs all ``n`` queued updates to close."""
+    from edge_fl.server.journal import Journal
+    from edge_fl.server.service import AggregatorService
+
+    core = make_core(n, n_params)
+    stamp = Stamped(core)
+    with tempfile.TemporaryDirectory(dir=journal_dir) as out:
+        journal = Journal.start(out, job="bench", digest="bench") if journal_dir else None
+        service = AggregatorService(
+            core,
+            spec,
+            TOPICS,
+            expected_devices=n,
+            client_id=client_id,
+            checkpoint_dir=out if journal else None,
+            journal=journal,
+        )
+        asyncio.run(service.run())
+        if journal is not None:
+            journal.close()
+    assert stamp.count == n, f"{stamp.count} of {n} accepted"
+    assert service.tap is not None and service.tap.diverted >= n
+    return stamp.rate()
+
+
+SUBSCRIBERS = ("paho raw", "aiomqtt raw", "edge-fl service", "edge-fl service+journal")
 
 
 def main() -> None:
@@ -123,39 +185,43 @@ def main() -> None:
     ap.add_argument("--updates", type=int, default=2000)
     ap.add_argument("--model", default="mlp", help="mlp (4810 params) or logreg (650)")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--journal-dir", default=None, help="where the journal goes (default: /tmp)")
     args = ap.parse_args()
     model = make_model(args.model, 64, 10)
     payloads = make_payloads(args.updates, model.n_params)
     size = len(payloads[0][1])
-    rates: dict[str, list[float]] = {"paho raw": [], "aiomqtt raw": [], "edge-fl aggregator": []}
+    journal_dir = args.journal_dir or tempfile.gettempdir()
+    rates: dict[str, list[float]] = {name: [] for name in SUBSCRIBERS}
     with EmbeddedBroker(kind="mosquitto") as broker:
         spec = broker.spec
         for rep in range(args.repeats):
-            for name in rates:
-                cid = f"bench-{name.split()[0]}-{rep}"
+            for k, name in enumerate(SUBSCRIBERS):
+                cid = f"bench-{k}-{rep}"
                 queue_updates(spec, cid, payloads)
                 if name == "paho raw":
                     rate = drain_paho(spec, cid, args.updates)
                 elif name == "aiomqtt raw":
-                    rate = asyncio.run(drain_aiomqtt(spec, cid, args.updates, lambda m: None))
+                    rate = asyncio.run(drain_aiomqtt(spec, cid, args.updates))
                 else:
-                    core = make_core(args.updates, model.n_params)
-                    topics = TOPICS
-
-                    def handle(m, core=core, topics=topics):
-                        reason = core.on_update(topics.device_of(str(m.topic), "up"), m.payload)
-                        assert reason is None, reason
-
-                    rate = asyncio.run(drain_aiomqtt(spec, cid, args.updates, handle))
-                    assert core.current is not None and len(core.current.accepted) == args.updates
+                    jdir = journal_dir if name.endswith("journal") else None
+                    rate = drain_service(spec, cid, args.updates, model.n_params, jdir)
                 rates[name].append(rate)
     base = statistics.median(rates["paho raw"])
-    print(f"updates: {args.updates} x {size} bytes ({args.model}, {model.n_params} params), QoS 1")
-    print(f"{'subscriber':<22}{'median upd/s':>14}{'MB/s':>8}{'vs paho':>9}   runs")
+    print(
+        f"{args.updates} updates x {size} bytes ({args.model}, {model.n_params} params), QoS 1, "
+        f"queued in a persistent session on one private Mosquitto; journal in {journal_dir}"
+    )
+    print(f"{'subscriber':<25}{'median upd/s':>14}{'MB/s':>8}{'vs paho':>9}   runs")
     for name, values in rates.items():
         med = statistics.median(values)
         runs = " ".join(f"{v:,.0f}" for v in values)
-        print(f"{name:<22}{med:>14,.0f}{med * size / 1e6:>8.1f}{med / base:>9.2f}   {runs}")
+        print(f"{name:<25}{med:>14,.0f}{med * size / 1e6:>8.1f}{med / base:>9.2f}   {runs}")
+    ratios = [s / p for s, p in zip(rates["edge-fl service"], rates["paho raw"], strict=True)]
+    print(
+        "edge-fl service / paho raw per repeat: "
+        + " ".join(f"{r:.2f}" for r in ratios)
+        + f" (median {statistics.median(ratios):.2f})"
+    )
 
 
 if __name__ == "__main__":

@@ -1,4 +1,9 @@
-"""The aggregator service: the core's I/O edge over aiomqtt.
+"""The aggregator service: the core's I/O edge over aiomqtt (connection) and paho (packets).
+
+Ingest: aiomqtt connects, subscribes and publishes; received PUBLISH packets do not go through
+its queue: an :class:`IngestTap` on paho's socket parses them from large reads and the service
+dispatches each into the core at once (``on_update``/``on_status``), then acknowledges a group of
+them after one journal fsync (BENCHMARKS.md, ``tools/bench_ingest.py``).
 
 It subscribes to updates and statuses, feeds payload bytes to :class:`AggregatorCore`, drives
 round deadlines with the event loop's clock, publishes the retained global model and one metrics
@@ -23,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import json
 import logging
 import signal
@@ -53,6 +59,147 @@ STATUS_SETTLE_S = 0.5
 
 class BrokerUnavailable(RuntimeError):
     """The broker could not be reached within the retry budget."""
+
+
+#: PUBLISH packet type (MQTT 3.1.1 section 2.2.1)
+_PUBLISH = 0x30
+#: bytes read from the socket per system call (paho reads a packet in 3-5 small reads)
+TAP_CHUNK = 1 << 18
+#: at most this many bytes are read and dispatched per call of the tap before paho runs again
+TAP_BURST = 1 << 20
+
+PublishHandler = Callable[[str, bytes, int, int, bool], None]
+
+
+class IngestTap:
+    """paho's socket, read in large chunks, with PUBLISH packets handed straight to a handler.
+
+    Why: paho reads a packet in 3-5 ``recv`` calls and builds an ``MQTTMessage``, and aiomqtt
+    then converts it, queues it and wakes a task for it: that plumbing cost more than decoding,
+    validating and folding the update (BENCHMARKS.md). The tap reads up to :data:`TAP_CHUNK`
+    bytes per call, parses each PUBLISH (QoS 0 or 1) itself and calls
+    ``handler(topic, payload, mid, qos, retain)``; every other packet (CONNACK, SUBACK, PUBACK
+    of our publishes, PINGRESP, a QoS 2 PUBLISH, a topic that is not UTF-8) goes to paho
+    unchanged, in stream order: parsing pauses until paho has read it. paho still writes
+    everything, acknowledges nothing by itself (manual acks) and keeps the connection state.
+
+    ``pending()`` says whether a complete packet waits in the buffer, which aiomqtt's reader
+    asks (as it does of a TLS socket) to call ``loop_read`` again before waiting on the socket.
+    """
+
+    def __init__(self, sock: Any, handler: PublishHandler, mqtt5: bool = False) -> None:
+        self._sock = sock
+        self._handler = handler
+        self._mqtt5 = mqtt5
+        self._buf = bytearray()  # read, not yet parsed
+        self._out = bytearray()  # a packet for paho, not yet read by it
+        self._eof = False
+        self.diverted = 0  # PUBLISH packets handed to the handler
+        self.passed = 0  # packets left to paho
+
+    def __getattr__(self, name: str) -> Any:  # send, fileno, close, setblocking, ...
+        return getattr(self._sock, name)
+
+    def recv(self, n: int) -> bytes:
+        if not self._out:
+            self._fill()
+        if self._out:
+            chunk = bytes(self._out[:n])
+            del self._out[:n]
+            return chunk
+        if self._eof:
+            return b""  # paho: connection lost
+        raise BlockingIOError(errno.EAGAIN, "no complete packet for paho yet")
+
+    def pending(self) -> int:
+        """Bytes that can be read without waiting on the socket (0 unless a whole packet)."""
+        inner = getattr(self._sock, "pending", None)
+        more = inner() if inner is not None else 0
+        return len(self._out) + (1 if self._frame_end() is not None else 0) + more
+
+    def _frame_end(self) -> tuple[int, int] | None:
+        """(offset of the variable header, end) of the first buffered packet, if complete."""
+        buf = self._buf
+        length, mult, i = 0, 1, 1
+        while True:
+            if i >= len(buf):
+                return None
+            byte = buf[i]
+            length += (byte & 0x7F) * mult
+            i += 1
+            if not byte & 0x80:
+                break
+            mult *= 128
+            if i > 4:  # malformed: let paho see it and drop the connection
+                return 1, len(buf)
+        end = i + length
+        return (i, end) if end <= len(buf) else None
+
+    def _fill(self) -> None:
+        """Parse buffered packets, reading the socket as needed, until one is for paho, the
+        socket has nothing more or :data:`TAP_BURST` bytes were read."""
+        read = 0
+        while not self._out:
+            frame = self._frame_end()
+            if frame is None:
+                if self._eof or read >= TAP_BURST:
+                    return
+                try:
+                    data = self._sock.recv(TAP_CHUNK)
+                except (BlockingIOError, InterruptedError):
+                    return
+                except OSError:  # TLS want-read/want-write and errors: paho handles them
+                    if read:
+                        return
+                    raise
+                if not data:
+                    self._eof = True
+                    return
+                read += len(data)
+                self._buf += data
+                continue
+            start, end = frame
+            if not self._divert(start, end):
+                self._out += self._buf[:end]
+                self.passed += 1
+            del self._buf[:end]
+
+    def _divert(self, start: int, end: int) -> bool:
+        """Hand a QoS 0/1 PUBLISH packet to the handler; False: paho reads it."""
+        buf = self._buf
+        cmd = buf[0]
+        qos = (cmd >> 1) & 3
+        if cmd & 0xF0 != _PUBLISH or qos > 1 or end - start < 2:
+            return False
+        tlen = (buf[start] << 8) | buf[start + 1]
+        if tlen == 0:  # an MQTT 5 topic alias: paho resolves it
+            return False
+        i = start + 2 + tlen
+        mid = 0
+        if qos:
+            if i + 2 > end:
+                return False
+            mid = (buf[i] << 8) | buf[i + 1]
+            i += 2
+        if self._mqtt5:  # skip the properties (variable byte integer length, then that many)
+            plen, mult = 0, 1
+            while i < end:
+                byte = buf[i]
+                i += 1
+                plen += (byte & 0x7F) * mult
+                mult *= 128
+                if not byte & 0x80:
+                    break
+            i += plen
+        if i > end:
+            return False
+        try:
+            topic = buf[start + 2 : start + 2 + tlen].decode("utf-8")
+        except UnicodeDecodeError:
+            return False
+        self.diverted += 1
+        self._handler(topic, bytes(buf[i:end]), mid, qos, bool(cmd & 1))
+        return True
 
 
 class StopSignals:
@@ -158,6 +305,10 @@ class AggregatorService:
         self._round_started = 0.0
         self._settle_until: float | None = None
         self._pending_acks: list[tuple[int, int]] = []
+        self._flush_handle: asyncio.Handle | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._ingest_failed: asyncio.Future[None] | None = None
+        self.tap: IngestTap | None = None  # the current connection's (diverted/passed counts)
         self._resumed_round = core.current is not None  # rebuilt from the journal
         self._finished = False
         self.stopped: str | None = None  # the signal (or reason) a clean stop was asked for
@@ -200,9 +351,12 @@ class AggregatorService:
         )
         task.add_done_callback(lambda t: t.exception() if not t.cancelled() else None)
 
-    def _dispatch(self, message: aiomqtt.Message) -> None:
-        topic = str(message.topic)
+    def _dispatch(self, message: Any) -> None:
+        """One received message (anything with ``topic``, ``payload`` and ``retain``)."""
         payload = message.payload if isinstance(message.payload, bytes | bytearray) else b""
+        self._ingest(str(message.topic), payload, bool(message.retain))
+
+    def _ingest(self, topic: str, payload: bytes | bytearray, retain: bool) -> None:
         if (device := self.topics.device_of(topic, "up")) is not None:
             core = self.core
             before = len(core.releases)
@@ -232,7 +386,7 @@ class AggregatorService:
             self._ack(device, reason)
         elif (device := self.topics.device_of(topic, "status")) is not None:
             self.core.on_status(device, bytes(payload))
-            if not message.retain:
+            if not retain:
                 self._live_status.add(device)  # said during this run, not left by an earlier one
             self._wake.set()
 
@@ -241,21 +395,102 @@ class AggregatorService:
         if self.journal is not None:
             self.journal.sync()
         client = self._client
-        if client is not None and self.ack_after_processing:
+        if client is None:
+            return  # connecting (acknowledged once connected) or gone (ids are void then)
+        if self.ack_after_processing:
             for mid, qos in self._pending_acks:
                 client._client.ack(mid, qos)  # paho's manual acknowledgement
         self._pending_acks.clear()
 
+    def _on_publish(self, topic: str, payload: bytes, mid: int, qos: int, retain: bool) -> None:
+        """A message off the wire (from :class:`IngestTap`, or paho for what it leaves to paho):
+        dispatched at once; acknowledged by :meth:`_flush` after the journal's fsync, which runs
+        once the socket has nothing more buffered (group commit) or after :data:`ACK_BATCH`."""
+        if self._ingest_failed is not None and self._ingest_failed.done():
+            return  # ingest failed (the journal cannot be written): nothing more is accepted
+        try:
+            if qos and not self.ack_after_processing and self._client is not None:
+                self._client._client._send_puback(mid)  # the chaos tool's ack-on-receipt
+                qos = 0
+            if self.stopped is not None and self.topics.device_of(topic, "up") is not None:
+                return  # stopping: not accepted, not acknowledged (a resumed job gets it)
+            self._ingest(topic, payload, retain)
+            if qos > 0:
+                self._pending_acks.append((mid, qos))
+                if len(self._pending_acks) >= ACK_BATCH:
+                    self._flush()
+                elif self._flush_handle is None and self._loop is not None:
+                    self._flush_handle = self._loop.call_soon(self._scheduled_flush)
+        except Exception as exc:  # handed to the reader task, which raises it
+            self._fail(exc)
+
+    def _on_paho_message(self, _client: Any, _userdata: Any, message: Any) -> None:
+        """paho's callback, for the packets the tap leaves to paho (and without a tap)."""
+        try:
+            topic = message.topic
+        except UnicodeDecodeError:  # brokers refuse such topics; never dispatchable
+            log.warning("message on a topic that is not UTF-8 ignored")
+            if message.qos and self._client is not None:
+                self._client._client.ack(message.mid, message.qos)
+            return
+        payload = message.payload if isinstance(message.payload, bytes | bytearray) else b""
+        self._on_publish(topic, bytes(payload), message.mid, message.qos, bool(message.retain))
+
+    def _scheduled_flush(self) -> None:
+        self._flush_handle = None
+        if self._ingest_failed is not None and self._ingest_failed.done():
+            return
+        try:
+            self._flush()
+        except Exception as exc:  # handed to the reader task, which raises it
+            self._fail(exc)
+
+    def _fail(self, exc: Exception) -> None:
+        """Ingest cannot go on (e.g. the journal's disk failed): the reader task raises ``exc``
+        and the service stops as it did when the reader itself raised; nothing more is acked."""
+        log.error("ingest failed: %s", exc)
+        if self._ingest_failed is not None and not self._ingest_failed.done():
+            self._ingest_failed.set_exception(exc)
+
     async def _reader(self, client: aiomqtt.Client) -> None:
-        async for message in client.messages:
-            if self.stopped is not None and self.topics.device_of(str(message.topic), "up"):
-                continue  # stopping: not accepted, not acknowledged (a resumed job gets it)
-            self._dispatch(message)
-            if message.qos > 0:
-                self._pending_acks.append((message.mid, message.qos))
-            # group commit: one fsync for every message already queued behind this one
-            if len(client.messages) == 0 or len(self._pending_acks) >= ACK_BATCH:
-                self._flush()
+        """Ends with :class:`aiomqtt.MqttError` when the connection drops, or raises the error
+        that stopped ingest. Messages are dispatched by the tap as they are read, not here;
+        aiomqtt's queue stays empty (its ``on_message`` is replaced), but is drained anyway."""
+        assert self._ingest_failed is not None
+        failed = self._ingest_failed
+
+        async def queued() -> None:
+            async for message in client.messages:
+                payload = message.payload
+                data = bytes(payload) if isinstance(payload, bytes | bytearray) else b""
+                self._on_publish(str(message.topic), data, message.mid, message.qos,
+                                 message.retain)  # fmt: skip
+
+        drain = asyncio.ensure_future(queued())
+        try:
+            await asyncio.wait({drain, failed}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            drain.cancel()
+        if failed.done():
+            failed.result()
+        drain.result()
+
+    def _install_tap(self, client: aiomqtt.Client) -> None:
+        """Route received PUBLISH packets past aiomqtt's queue: every socket paho opens is
+        wrapped in an :class:`IngestTap` before aiomqtt registers it with the event loop."""
+        paho_client = client._client
+        paho_client.manual_ack_set(True)  # acknowledged in _flush (or on receipt, see above)
+        paho_client.on_message = self._on_paho_message
+        aiomqtt_open = paho_client.on_socket_open
+        mqtt5 = getattr(paho_client, "_protocol", None) == 5
+
+        def on_socket_open(pc: Any, userdata: Any, sock: Any) -> None:
+            tap = IngestTap(sock, self._on_publish, mqtt5=mqtt5)
+            pc._sock = tap  # paho reads and writes through it from now on
+            self.tap = tap
+            aiomqtt_open(pc, userdata, tap)
+
+        paho_client.on_socket_open = on_socket_open
 
     async def _publish_global(self, client: aiomqtt.Client) -> None:
         if self._global_payload is not None:
@@ -446,12 +681,14 @@ class AggregatorService:
             clean_session=False,
             max_inflight_messages=100,
         )
-        if self.ack_after_processing:
-            client._client.manual_ack_set(True)  # acknowledged in _flush, after the journal
+        self._install_tap(client)
+        self._loop = asyncio.get_running_loop()
+        self._ingest_failed = self._loop.create_future()
+        self._pending_acks.clear()  # message ids of an earlier connection mean nothing now
         async with client:
             self._client = client
+            self._flush()  # what arrived while connecting (the persistent session's queue)
             self._settle_until = None
-            self._pending_acks.clear()  # message ids of an earlier connection mean nothing now
             if self.core.round_number == 0 and self.core.current is None:
                 # forget the retained model of an earlier run of this job id
                 await client.publish(self.topics.global_model, b"", qos=1, retain=True)
