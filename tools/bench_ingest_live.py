@@ -2,9 +2,11 @@
 
 A separate process holds N device connections (aiomqtt, one per device) and, on a signal, has
 every device publish its update (QoS 1) concurrently. The subscriber under test is either a raw
-paho subscriber (baseline: receive and count) or the edge-fl aggregator path (aiomqtt + decode +
-validate + admit + accumulate in AggregatorCore). Both face the same burst in the same run; the rate
-is updates received per second from the first to the last.
+paho subscriber (baseline: receive and count, paho acknowledges) or the edge-fl aggregator service
+itself (``AggregatorService.run()``: its ingest tap, decode + validate + admit + accumulate in
+AggregatorCore, manual acknowledgements; no journal) on a round that closes with the N-th update.
+Both face the same burst from the same uploaders on the same private Mosquitto, alternately, in one
+run; the rate is updates received per second from the first to the last.
 
     .venv/bin/python tools/bench_ingest_live.py --uploaders 1000 --repeats 3
 """
@@ -20,9 +22,10 @@ import time
 
 import aiomqtt
 import paho.mqtt.client as paho
-from bench_ingest import TOPICS, make_core, make_payloads
+from bench_ingest import TOPICS, Stamped, make_core, make_payloads
 
 from edge_fl.models import make_model
+from edge_fl.server.service import AggregatorService
 from edge_fl.transport.broker import EmbeddedBroker
 from edge_fl.transport.limits import ensure_open_files
 
@@ -81,24 +84,20 @@ def paho_burst(spec, n, go) -> float:
     return rate
 
 
-async def aggregator_burst(spec, n, n_params, go) -> float:
+async def service_burst(spec, n, n_params, go, rep: int) -> float:
+    """The aggregator service on a round that needs every uploader's update."""
     core = make_core(n, n_params)
-    async with aiomqtt.Client(
-        spec.host, spec.port, identifier="edge-fl-agg", max_inflight_messages=100
-    ) as c:
-        await c.subscribe(TOPICS.all_updates, qos=1)
-        await asyncio.sleep(0.3)
-        go.set()
-        count, t0 = 0, 0.0
-        async for m in c.messages:
-            if count == 0:
-                t0 = time.perf_counter()
-            reason = core.on_update(TOPICS.device_of(str(m.topic), "up"), m.payload)
-            assert reason is None, reason
-            count += 1
-            if count == n:
-                return (n - 1) / (time.perf_counter() - t0)
-    raise RuntimeError("closed")
+    stamp = Stamped(core)
+    service = AggregatorService(
+        core, spec, TOPICS, expected_devices=n, client_id=f"edge-fl-agg-{rep}"
+    )
+    run = asyncio.create_task(service.run())
+    await service.connected.wait()
+    await asyncio.sleep(0.3)
+    go.set()
+    await asyncio.wait_for(run, 120)
+    assert stamp.count == n, f"{stamp.count} of {n} accepted"
+    return stamp.rate()
 
 
 def main() -> None:
@@ -109,7 +108,7 @@ def main() -> None:
     args = ap.parse_args()
     model = make_model(args.model, 64, 10)
     payloads = make_payloads(args.uploaders, model.n_params)
-    rates: dict[str, list[float]] = {"paho raw": [], "edge-fl aggregator": []}
+    rates: dict[str, list[float]] = {"paho raw": [], "edge-fl service": []}
     ctx = mp.get_context("spawn")
     with EmbeddedBroker(kind="mosquitto") as broker:
         spec = broker.spec
@@ -119,7 +118,7 @@ def main() -> None:
         )
         proc.start()
         try:
-            for _ in range(args.repeats):
+            for rep in range(args.repeats):
                 for name in rates:
                     assert ready.wait(120), "uploaders did not connect"
                     ready.clear()
@@ -127,7 +126,7 @@ def main() -> None:
                         rates[name].append(paho_burst(spec, args.uploaders, go))
                     else:
                         rate = asyncio.run(
-                            aggregator_burst(spec, args.uploaders, model.n_params, go)
+                            service_burst(spec, args.uploaders, model.n_params, go, rep)
                         )
                         rates[name].append(rate)
         finally:
@@ -143,6 +142,12 @@ def main() -> None:
         med = statistics.median(values)
         runs = " ".join(f"{v:,.0f}" for v in values)
         print(f"{name:<22}{med:>14,.0f}{med / base:>9.2f}   {runs}")
+    ratios = [s / p for s, p in zip(rates["edge-fl service"], rates["paho raw"], strict=True)]
+    print(
+        "edge-fl service / paho raw per repeat: "
+        + " ".join(f"{r:.2f}" for r in ratios)
+        + f" (median {statistics.median(ratios):.2f})"
+    )
 
 
 if __name__ == "__main__":
