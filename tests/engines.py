@@ -131,7 +131,11 @@ class NatsCluster:
             f'jetstream {{ store_dir: "{store}" }}\n'
             f"cluster {{ name: edgefl-test, listen: 127.0.0.1:{self.route_ports[i]}, "
             f"routes: [{routes}] }}\n"
-            f"mqtt {{ listen: 127.0.0.1:{self.mqtt_ports[i]}{ack_wait} }}\n"
+            # stream_replicas explicit: left out, 2.9.10 created the MQTT streams with 2 replicas
+            # (the peers it knew at the first MQTT connect), and losing one of those 2 nodes
+            # stalled every session ("NO quorum") until it came back
+            f"mqtt {{ listen: 127.0.0.1:{self.mqtt_ports[i]}, "
+            f"stream_replicas: {min(self.size, 3)}{ack_wait} }}\n"
         )
 
     # ------------------------------------------------------------------ URLs

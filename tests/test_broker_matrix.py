@@ -24,6 +24,9 @@ import pytest
 from engines import NatsCluster, RabbitNode
 
 from edge_fl.config import load_config
+from edge_fl.device.runtime import run_device
+from edge_fl.job import build_job
+from edge_fl.server.service import AggregatorService
 from edge_fl.simulation import simulate
 from edge_fl.transport.broker import EmbeddedBroker, find_mosquitto, free_port
 from edge_fl.transport.url import parse_broker_url
@@ -299,3 +302,228 @@ def test_qos1_updates_wait_in_a_persistent_session(engine: Engine) -> None:
     assert sorted(p for p, _ in received) == expected  # unacknowledged: all again
     assert flags == [True, True]
     print(f"{engine.name}: QoS 1 SUBACK of a persistent session in {suback_s:.3f} s")
+
+
+@pytest.mark.parametrize(
+    "engine",
+    [
+        "mosquitto",
+        pytest.param("nats", marks=pytest.mark.slow),  # a full cluster restart: ~11-12 s
+        pytest.param("rabbitmq", marks=pytest.mark.slow),  # ~6-7.5 s
+    ],
+    indirect=True,
+)
+def test_state_survives_an_engine_restart(engine: Engine) -> None:
+    """Stop and start the whole engine (every node): the retained global model and the QoS 1
+    updates queued for the aggregator's offline persistent session are still there."""
+    topic = f"edgefl/{uid('rs')}"
+    agg_id = uid("agg")
+
+    async def before() -> None:
+        async with client(engine.url, agg_id, clean_session=False) as agg:
+            await agg.subscribe(f"{topic}/up/+", qos=1)
+        async with client(engine.url, uid("dev")) as dev:
+            await dev.publish(f"{topic}/global", b"model-7", qos=1, retain=True)
+            for i in range(5):
+                await dev.publish(f"{topic}/up/d{i}", f"u{i}".encode(), qos=1)
+
+    async def after() -> tuple[float | None, list[bytes]]:
+        retained = await retained_on(engine.url, f"{topic}/global", b"model-7", timeout=15.0)
+        async with client(engine.url, agg_id, clean_session=False) as agg:
+            updates = sorted(m.payload for m in await collect(agg, 5, 15.0))
+        return retained, updates
+
+    asyncio.run(before())
+    restart_s = engine.restart()
+    retained, updates = asyncio.run(after())
+    print(f"{engine.name}: restart {restart_s:.2f} s, retained back after {retained} s")
+    assert retained is not None
+    assert updates == [f"u{i}".encode() for i in range(5)]
+
+
+# ------------------------------------------------------------- features that differ
+def test_mqtt_version_and_qos(engine: Engine) -> None:
+    """edge-fl's clients speak MQTT 3.1.1 (aiomqtt's and paho's default) and use QoS 0/1 only,
+    the common ground: NATS 2.9 refuses MQTT 5, RabbitMQ 3.10 never answers its CONNECT, and
+    RabbitMQ grants QoS 2 as QoS 1."""
+
+    async def probe() -> tuple[str, int | None]:
+        try:
+            async with client(
+                engine.url, uid("v5"), protocol=aiomqtt.ProtocolVersion.V5, timeout=3
+            ):
+                v5 = "ok"
+        except aiomqtt.MqttError as exc:
+            v5 = "refused" if "nsupported protocol" in str(exc) else "timeout"
+        topic = f"edgefl/{uid('q')}/global"
+        async with client(engine.url, uid("v311")) as c:
+            granted = await c.subscribe(topic, qos=1)
+        return v5, getattr(granted[0], "value", granted[0]) if granted else None
+
+    v5, granted = asyncio.run(probe())
+    assert granted == 1  # 3.1.1 with QoS 1 works everywhere
+    assert v5 == {"mosquitto": "ok", "nats": "refused", "rabbitmq": "timeout"}[engine.name]
+
+
+def test_shared_subscriptions(engine: Engine) -> None:
+    """`$share/group/topic` splits a stream between workers on Mosquitto (also for 3.1.1
+    clients); NATS 2.9 and RabbitMQ 3.10 treat it as a plain topic that nothing publishes to, so
+    sharded ingest there must partition the topic space instead (docs/brokers.md)."""
+    base = f"edgefl/{uid('sh')}/up"
+    counts = {"a": 0, "b": 0}
+
+    async def scenario() -> None:
+        async with client(engine.url, uid("wa")) as a, client(engine.url, uid("wb")) as b:
+            for c in (a, b):
+                await c.subscribe(f"$share/ingest/{base}/+", qos=1)
+            async with client(engine.url, uid("dev")) as pub:
+                for i in range(20):
+                    await pub.publish(f"{base}/d{i:02d}", b"u", qos=1)
+
+            async def count(c: aiomqtt.Client, key: str) -> None:
+                async for _ in c.messages:
+                    counts[key] += 1
+
+            tasks = [asyncio.create_task(count(a, "a")), asyncio.create_task(count(b, "b"))]
+            await asyncio.sleep(1.5)
+            for t in tasks:
+                t.cancel()
+
+    asyncio.run(scenario())
+    if engine.name == "mosquitto":
+        assert counts["a"] + counts["b"] == 20 and min(counts.values()) > 0
+    else:
+        assert counts == {"a": 0, "b": 0}, "the engine now supports shared subscriptions?"
+
+
+def test_large_payloads(engine: Engine) -> None:
+    """A 4 MB retained global model reaches a late subscriber and a 4 MB QoS 1 update waits in
+    the aggregator's persistent session (above NATS's 1 MB core max_payload and within the
+    embedded Mosquitto's 16 MB max_packet_size)."""
+    size = 4_000_000
+    topic = f"edgefl/{uid('big')}"
+    agg_id = uid("agg")
+
+    async def scenario() -> tuple[int, int]:
+        async with client(engine.url, agg_id, clean_session=False) as agg:
+            await agg.subscribe(f"{topic}/up/+", qos=1)
+        async with client(engine.url, uid("pub")) as pub:
+            await pub.publish(f"{topic}/global", b"g" * size, qos=1, retain=True)
+            await pub.publish(f"{topic}/up/d1", b"u" * size, qos=1)
+        async with client(engine.url, uid("late")) as late:
+            await late.subscribe(f"{topic}/global", qos=1)
+            model = await collect(late, 1, 10.0)
+        async with client(engine.url, agg_id, clean_session=False) as agg:
+            update = await collect(agg, 1, 10.0)
+        async with client(engine.url, agg_id, clean_session=True):
+            pass  # drop the session
+        return (len(model[0].payload) if model else 0), (len(update[0].payload) if update else 0)
+
+    assert asyncio.run(scenario()) == (size, size)
+
+
+# ------------------------------------------------------------ failover in a NATS cluster
+def kill_job_config(url: str, rounds: int) -> object:
+    return load_config(
+        None,
+        {
+            "job": uid("kill"),
+            "broker.url": url,  # all three nodes
+            "data.devices": 6,
+            "rounds.rounds": rounds,
+            "rounds.clients_per_round": 6,
+            "rounds.min_updates": 6,  # one lost update makes a round short, then skipped
+            "rounds.deadline_s": 15.0,
+            "rounds.on_short_round": "skip",
+            "training.epochs": 20,  # the node dies with training and uploads in flight
+        },
+    )
+
+
+@pytest.mark.slow  # ~110 s while it fails (rounds wait out their deadlines), 11-29 s when it passes
+@pytest.mark.xfail(
+    strict=False,
+    reason=(
+        "needs a device-runtime change (edge_fl/device/runtime.py, owned elsewhere): on NATS 2.9.10 "
+        "a clean session that reconnects under the same client id to another node after its node "
+        "died receives nothing on a QoS 1 subscription (the dead node's JetStream consumer is not "
+        "cleaned up), and a device that announces itself before subscribing can miss the first "
+        "retained model (retained messages reach the other nodes asynchronously). Measured 3 of 4 "
+        "runs failed; with the global model subscribed at QoS 0 before the online status, 4 of 4 "
+        "passed (docs/brokers.md)"
+    ),
+)
+def test_killing_the_aggregators_nats_node_mid_job(nats_cluster: NatsCluster) -> None:
+    """SIGKILL the cluster node the aggregator is connected to while a round is open: the
+    aggregator and the devices (each its own reconnect loop, given all three nodes) reconnect to
+    the two others, every round closes with every device's update, and the accepted updates are
+    exactly what the devices sent."""
+    cluster = nats_cluster
+    rounds = 6
+    cfg = kill_job_config(cluster.url, rounds)
+    job = build_job(cfg)
+    core = job.aggregator_core()
+    spec = parse_broker_url(cfg.broker.url)
+    assert len(spec.nodes) == 3
+    records: list[dict] = []
+    victim: list[int] = []
+    heard: list[tuple[float, str, int]] = []  # (time, device, round) a device trained on
+
+    async def scenario() -> list[int]:
+        service = AggregatorService(
+            core,
+            spec,
+            job.topics,
+            wait_for_devices_s=30,
+            expected_devices=6,
+            on_record=records.append,
+            reconnect_attempts=30,
+        )
+        agg = asyncio.create_task(service.run())
+        await service.connected.wait()
+        agents = [job.agent(i) for i in range(6)]
+        for agent in agents:
+            trained = agent.on_global
+
+            def on_global(msg, trained=trained, device=agent.device_id):
+                heard.append((time.perf_counter(), device, msg.round))
+                return trained(msg)
+
+            agent.on_global = on_global
+        devices = [
+            asyncio.create_task(run_device(agent, spec, job.topics, max_backoff_s=1.0))
+            for agent in agents
+        ]
+        while len(records) < 2 or core.current is None:
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.05)  # devices are training or uploading round 3
+        node = cluster.node_of_client(service.client_id)
+        assert node is not None
+        victim.append(node)
+        killed_in = len(records) + 1
+        t0 = time.perf_counter()
+        cluster.kill(node)
+        await asyncio.wait_for(agg, 120)
+        print(
+            f"killed n{node} (the aggregator's node) in round {killed_in}; job done "
+            f"{time.perf_counter() - t0:.1f} s later"
+        )
+        _, pending = await asyncio.wait(devices, timeout=30)
+        for task in pending:
+            task.cancel()
+        timeline = sorted((round(t - t0, 2), d, r) for t, d, r in heard)
+        summary = [(r["round"], r["status"], r["received"]) for r in records]
+        assert not pending, f"{len(pending)} devices never heard the job end: {summary} {timeline}"
+        return [task.result() for task in devices]
+
+    try:
+        sent = asyncio.run(scenario())
+    finally:
+        for i in victim:
+            cluster.start_node(i)
+        cluster.wait_ready()
+    assert [r["status"] for r in records] == ["closed"] * rounds, records
+    assert [r["received"] for r in records] == [6] * rounds
+    assert core.version == rounds
+    # every update a device produced was accepted once: 6 devices x 6 rounds, none lost
+    assert sum(r["received"] for r in records) == sum(sent) == 6 * rounds, sent
