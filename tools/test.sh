@@ -10,11 +10,27 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
+SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
 if ! command -v mosquitto >/dev/null 2>&1 && [ ! -x /usr/sbin/mosquitto ]; then
     echo "== installing mosquitto (apt-get)"
-    SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
     $SUDO apt-get update -qq
     DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq mosquitto mosquitto-clients openssl >/dev/null
+fi
+# The broker matrix (tests/test_broker_matrix.py) also runs on NATS and RabbitMQ: the tests start
+# private nodes on free ports (never the packages' own services) and skip, naming the missing
+# binary, when one is absent; so a failed install here is a warning, not an error.
+ENGINES=""
+if ! command -v nats-server >/dev/null 2>&1 && [ ! -x /usr/sbin/nats-server ]; then
+    ENGINES="nats-server"
+fi
+if [ ! -x /usr/lib/rabbitmq/bin/rabbitmq-server ]; then
+    ENGINES="$ENGINES rabbitmq-server"
+fi
+if [ -n "$ENGINES" ]; then
+    echo "== installing $ENGINES (apt-get)"
+    { $SUDO apt-get update -qq \
+        && DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq $ENGINES >/dev/null; } \
+        || echo "== could not install $ENGINES: the broker-matrix tests for them skip"
 fi
 
 PY=${PYTHON:-python3}
