@@ -10,9 +10,14 @@
 #                         (default: the example next to this script, if none is installed yet)
 #   --ca FILE             CA certificate to install as /etc/edge-fl/ca.crt
 #   --no-start            install and enable, but do not start the service now
+#   --system-site-packages
+#                         let the venv see Debian's Python packages (e.g. apt-get install
+#                         python3-numpy first): pip then installs only what they do not satisfy
 #
 # Creates: system user edge-fl, venv /opt/edge-fl, /etc/edge-fl/, /var/lib/edge-fl (state),
-# /etc/systemd/system/edge-fl-device.service. Re-running upgrades the package and keeps config.
+# /etc/systemd/system/edge-fl-device.service (checked with systemd-analyze verify). Re-running
+# upgrades the package and keeps config. Without a running systemd (a chroot or an image being
+# built) the unit is enabled but not started: it starts on the next boot.
 set -euo pipefail
 
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -29,12 +34,14 @@ index_url=""
 config=""
 ca=""
 start=1
+site_packages=()
 while [[ $# -gt 0 ]]; do
     case "$1" in
         --index-url) index_url="${2:?--index-url needs a URL}"; shift 2 ;;
         --config) config="${2:?--config needs a file}"; shift 2 ;;
         --ca) ca="${2:?--ca needs a file}"; shift 2 ;;
         --no-start) start=0; shift ;;
+        --system-site-packages) site_packages=(--system-site-packages); shift ;;
         -h|--help) usage 0 ;;
         -*) echo "install.sh: unknown option $1" >&2; usage ;;
         *) [[ -z "$package" ]] || die "only one PACKAGE, got '$package' and '$1'"; package="$1"; shift ;;
@@ -60,7 +67,7 @@ if ! id -u "$user" >/dev/null 2>&1; then
 fi
 
 # 2. virtualenv owned by root: the service can run it but not modify it
-[[ -x "$prefix/bin/python" ]] || python3 -m venv "$prefix"
+[[ -x "$prefix/bin/python" ]] || python3 -m venv "${site_packages[@]}" "$prefix"
 pip_args=(--disable-pip-version-check --no-input)
 [[ -z "$index_url" ]] || pip_args+=(--index-url "$index_url")
 "$prefix/bin/pip" install "${pip_args[@]}" --upgrade pip
@@ -79,11 +86,24 @@ elif [[ ! -f "$etc/device.yaml" ]]; then
 fi
 [[ -z "$ca" ]] || install -m 644 "$ca" "$etc/ca.crt"
 
-# 4. systemd unit
+# 4. systemd unit. A unit systemd would reject must not be left enabled: verify it first
+# (systemd-analyze comes with systemd; it checks keys, sections and that ExecStart exists).
 install -m 644 "$here/$unit" "/etc/systemd/system/$unit"
-systemctl daemon-reload
+if command -v systemd-analyze >/dev/null; then
+    systemd-analyze verify "/etc/systemd/system/$unit" \
+        || die "systemd-analyze verify rejects /etc/systemd/system/$unit (see above)"
+fi
+# sd_booted(3): systemd is PID 1 only if /run/systemd/system exists. In a chroot or an image
+# being built there is no manager to reload or start: enable only (symlinks, works offline).
+booted=0
+if [[ -d /run/systemd/system ]]; then
+    booted=1
+    systemctl daemon-reload
+fi
 systemctl enable "$unit"
-if [[ $start -eq 1 ]]; then
+if [[ $booted -eq 0 ]]; then
+    echo "enabled $unit; systemd is not running here (chroot?): it starts at the next boot"
+elif [[ $start -eq 1 ]]; then
     systemctl restart "$unit"
     echo "started $unit: journalctl -u ${unit%.service} -f"
 else
