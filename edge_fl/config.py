@@ -430,6 +430,8 @@ class JobConfig(_Section):
     def digest(self) -> str:
         """Short hash of the settings devices must agree on (model, data, training, privacy)."""
         shared = self.model_dump(include={"job", "model", "data", "training", "privacy"})
+        if self.population.online is not None:  # the same data settings, drawn lazily: other data
+            shared["population"] = self.population.model_dump()
         raw = json.dumps(shared, sort_keys=True, default=str).encode()
         return hashlib.sha256(raw).hexdigest()[:12]
 

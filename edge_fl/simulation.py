@@ -113,7 +113,7 @@ async def run_job(
         spec,
         job.topics,
         wait_for_devices_s=cfg.rounds.wait_for_devices_s,
-        expected_devices=cfg.data.devices,
+        expected_devices=job.expected_devices,
         on_record=on_record,
         signals=signals,
         signer=signer,

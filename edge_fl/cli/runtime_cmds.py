@@ -149,7 +149,7 @@ def _run_aggregator(cfg, out, resume, signals) -> None:
         parse_broker_url(cfg.broker.url),
         job.topics,
         wait_for_devices_s=cfg.rounds.wait_for_devices_s,
-        expected_devices=cfg.data.devices,
+        expected_devices=job.expected_devices,
         on_record=lambda r: (recorder.add(r), click.echo(_line(r))),
         checkpoint_dir=out,
         journal=journal,
