@@ -264,3 +264,17 @@ def test_a_journal_that_cannot_be_written_stops_the_service_unacknowledged(
         asyncio.run(asyncio.wait_for(service.run(), 30))
     journal.close()
     assert left_in_session(broker.spec, cid) == n
+
+
+def test_ack_on_receipt_mode_acknowledges_every_update(broker):
+    """``ack_after_processing = False`` (the chaos tool's comparison): the tap acknowledges each
+    update as it is read, those delivered while connecting too (else the broker's 100 in flight
+    would stall the drain)."""
+    n, cid = 250, "ingest-auto-ack"
+    queue(broker.spec, cid, n)
+    core = make_core(n)
+    service = AggregatorService(core, broker.spec, TOPICS, expected_devices=n, client_id=cid)
+    service.ack_after_processing = False
+    asyncio.run(asyncio.wait_for(service.run(), 60))
+    assert (core.records[-1]["received"], core.records[-1]["rejected"]) == (n, 0)
+    assert left_in_session(broker.spec, cid) == 0

@@ -308,6 +308,7 @@ class AggregatorService:
         self._flush_handle: asyncio.Handle | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._ingest_failed: asyncio.Future[None] | None = None
+        self._paho: Any = None  # the paho client under the current aiomqtt client
         self.tap: IngestTap | None = None  # the current connection's (diverted/passed counts)
         self._resumed_round = core.current is not None  # rebuilt from the journal
         self._finished = False
@@ -409,8 +410,8 @@ class AggregatorService:
         if self._ingest_failed is not None and self._ingest_failed.done():
             return  # ingest failed (the journal cannot be written): nothing more is accepted
         try:
-            if qos and not self.ack_after_processing and self._client is not None:
-                self._client._client._send_puback(mid)  # the chaos tool's ack-on-receipt
+            if qos and not self.ack_after_processing and self._paho is not None:
+                self._paho._send_puback(mid)  # the chaos tool's ack-on-receipt (before journal)
                 qos = 0
             if self.stopped is not None and self.topics.device_of(topic, "up") is not None:
                 return  # stopping: not accepted, not acknowledged (a resumed job gets it)
@@ -478,7 +479,7 @@ class AggregatorService:
     def _install_tap(self, client: aiomqtt.Client) -> None:
         """Route received PUBLISH packets past aiomqtt's queue: every socket paho opens is
         wrapped in an :class:`IngestTap` before aiomqtt registers it with the event loop."""
-        paho_client = client._client
+        paho_client = self._paho = client._client
         paho_client.manual_ack_set(True)  # acknowledged in _flush (or on receipt, see above)
         paho_client.on_message = self._on_paho_message
         aiomqtt_open = paho_client.on_socket_open
