@@ -251,11 +251,21 @@ class RabbitNode:
             raise FileNotFoundError("rabbitmq-server")
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
-        self.epmd_port, self.mqtt_port, self.amqp_port, self.dist_port = free_ports(4)
-        self.nodename = f"edgefl-test-{os.getpid()}-{self.mqtt_port}@localhost"
         self.start_s: float | None = None
         self._epmd: subprocess.Popen | None = None
         self._proc: subprocess.Popen | None = None
+        self._pick_ports()
+        (self.root / "enabled_plugins").write_text("[rabbitmq_mqtt].\n")
+        (self.root / "rabbitmq-env.conf").write_text("")  # not /etc/rabbitmq/rabbitmq-env.conf
+        cookie = self.root / ".erlang.cookie"
+        cookie.write_text(f"edgefltest{os.getpid()}{self.mqtt_port}")
+        cookie.chmod(0o400)
+
+    def _pick_ports(self) -> None:
+        """Free ports and the config naming them (again after losing a port race: the node takes
+        ~10 s to bind, and other test sessions on the machine pick free ports too)."""
+        self.epmd_port, self.mqtt_port, self.amqp_port, self.dist_port = free_ports(4)
+        self.nodename = f"edgefl-test-{os.getpid()}-{self.mqtt_port}@localhost"
         (self.root / "rabbitmq.conf").write_text(
             f"listeners.tcp.default = 127.0.0.1:{self.amqp_port}\n"
             f"mqtt.listeners.tcp.default = 127.0.0.1:{self.mqtt_port}\n"
@@ -263,11 +273,6 @@ class RabbitNode:
             "log.console = true\n"
             "log.file = false\n"
         )
-        (self.root / "enabled_plugins").write_text("[rabbitmq_mqtt].\n")
-        (self.root / "rabbitmq-env.conf").write_text("")  # not /etc/rabbitmq/rabbitmq-env.conf
-        cookie = self.root / ".erlang.cookie"
-        cookie.write_text(f"edgefltest{os.getpid()}{self.mqtt_port}")
-        cookie.chmod(0o400)
 
     @property
     def url(self) -> str:
@@ -295,8 +300,23 @@ class RabbitNode:
             "RABBITMQ_SERVER_ADDITIONAL_ERL_ARGS": "-kernel inet_dist_use_interface {127,0,0,1}",
         }
 
-    def start(self, timeout: float = 60.0) -> RabbitNode:
+    def start(self, timeout: float = 60.0, attempts: int = 3) -> RabbitNode:
         t0 = time.perf_counter()
+        for attempt in range(attempts):
+            try:
+                self._start_once(timeout)
+                break
+            except RuntimeError as exc:
+                fresh = self.start_s is None  # a restart must keep its ports (and its state)
+                if "eaddrinuse" not in str(exc) or not fresh or attempt == attempts - 1:
+                    raise
+                _stop(self._epmd)
+                self._epmd = None
+                self._pick_ports()
+        self.start_s = time.perf_counter() - t0
+        return self
+
+    def _start_once(self, timeout: float) -> None:
         if self._epmd is None or self._epmd.poll() is not None:
             self._epmd = subprocess.Popen(
                 [self.epmd, "-port", str(self.epmd_port), "-address", "127.0.0.1"],
@@ -324,8 +344,6 @@ class RabbitNode:
             return mqtt_ready(self.mqtt_port)
 
         _wait("RabbitMQ MQTT listener", ready, timeout, log_path)
-        self.start_s = time.perf_counter() - t0
-        return self
 
     def stop_node(self) -> None:
         """Stop the broker (SIGTERM: a clean shutdown that keeps its durable state)."""

@@ -422,6 +422,31 @@ def test_large_payloads(engine: Engine) -> None:
     assert asyncio.run(scenario()) == (size, size)
 
 
+def test_dots_in_job_and_device_ids(engine: Engine) -> None:
+    """Job and device ids may contain '.' (edge_fl.protocol.topics), but both engines map MQTT's
+    '/' to a '.' separator of their own: NATS 2.9 drops a client that publishes such a topic, and
+    RabbitMQ 3.10 accepts it and splits the level, so `up/+` silently misses `up/d.1`."""
+    job = f"{uid('dot')}.v2"
+
+    async def scenario() -> list[str] | str:
+        try:
+            async with client(engine.url, uid("agg")) as agg:
+                await agg.subscribe(f"edgefl/{job}/up/+", qos=1)
+                async with client(engine.url, uid("dev"), timeout=3) as dev:
+                    await dev.publish(f"edgefl/{job}/up/d.1", b"u", qos=1)
+                return [str(m.topic) for m in await collect(agg, 1, 3.0)]
+        except aiomqtt.MqttError as exc:
+            return f"error: {exc}"
+
+    got = asyncio.run(scenario())
+    if engine.name == "nats":
+        assert isinstance(got, str), got  # the publisher is dropped: use ids without '.'
+    elif engine.name == "rabbitmq":
+        assert got == []  # PUBACKed, never delivered: use ids without '.'
+    else:
+        assert got == [f"edgefl/{job}/up/d.1"]
+
+
 # ------------------------------------------------------------ failover in a NATS cluster
 def kill_job_config(url: str, rounds: int) -> object:
     return load_config(
