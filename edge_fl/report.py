@@ -56,6 +56,8 @@ CSV_FIRST_COLUMNS = (
     "rejected",
     "bytes_up",
     "bytes_down",
+    "wire_up",
+    "wire_down",
     "messages_up",
     "epsilon",
     "delta",
@@ -65,7 +67,19 @@ CSV_FIRST_COLUMNS = (
 )
 
 # numeric fields the figures use: each must be a number or null when present
-_NUMERIC = ("accuracy", "loss", "bytes_up", "bytes_down", "epsilon", "delta")
+_NUMERIC = (
+    "accuracy",
+    "loss",
+    "bytes_up",
+    "bytes_down",
+    "wire_up",
+    "wire_down",
+    "wire_up_p50",
+    "wire_up_p95",
+    "wire_up_max",
+    "epsilon",
+    "delta",
+)
 
 
 class RunFileError(ValueError):
@@ -368,6 +382,82 @@ def plot_bytes(
     return _save(fig, path)
 
 
+def _cumulative_bytes(records: Sequence[dict[str, Any]]) -> tuple[list[float], str]:
+    """Cumulative bytes after each round, up and down: wire bytes when the run has them (what a
+    data plan pays), else MQTT payload bytes; and which of the two it is."""
+    wire = all(_is_number(r.get("wire_up")) and _is_number(r.get("wire_down")) for r in records)
+    up, down = ("wire_up", "wire_down") if wire else ("bytes_up", "bytes_down")
+    total, out = 0.0, []
+    for r in records:
+        total += float(r.get(up) or 0) + float(r.get(down) or 0)
+        out.append(total)
+    return out, "wire" if wire else "payload"
+
+
+def plot_frontier(
+    runs: Sequence[RunData], path: str | Path, labels: Sequence[str] | None = None
+) -> Path:
+    """Accuracy against cumulative bytes (up + down), runs overlaid: the communication frontier
+    on which codecs and mechanisms are compared (the run nearest the top left wins)."""
+    names = _check_labels(runs, labels)
+    fig = _figure()
+    ax = fig.add_subplot()
+    kinds = set()
+    for run, name in zip(runs, names, strict=True):
+        x, kind = _cumulative_bytes(run.records)
+        kinds.add(kind)
+        ax.plot(
+            [v / 1e6 for v in x],
+            _series(run.records, "accuracy"),
+            label=f"{name} ({kind})" if len(kinds) > 1 else name,
+            **_style(len(run.records)),
+        )
+    what = "wire bytes (MQTT)" if kinds == {"wire"} else "bytes (wire where recorded, else payload)"
+    ax.set(
+        xlabel=f"cumulative {what}, MB (10^6)",
+        ylabel="test accuracy",
+        title="Accuracy against bytes",
+        ylim=(0.0, 1.0),
+    )
+    ax.set_xscale("log")
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize="small")
+    return _save(fig, path)
+
+
+def plot_device_costs(
+    runs: Sequence[RunData], path: str | Path, labels: Sequence[str] | None = None
+) -> Path | None:
+    """Per-device wire bytes up per round: median, 95th percentile and max over every device
+    session of the round (a device not selected sends only statuses and keep-alives, so with
+    partial participation the median can sit near zero); None when no run recorded them."""
+    names = _check_labels(runs, labels)
+    wired = [
+        (run, name)
+        for run, name in zip(runs, names, strict=True)
+        if any(_is_number(r.get("wire_up_p50")) for r in run.records)
+    ]
+    if not wired:
+        return None
+    fig = _figure()
+    ax = fig.add_subplot()
+    for run, name in wired:
+        x = _rounds(run.records)
+        (line,) = ax.plot(x, _series(run.records, "wire_up_p50", 1e3), label=f"{name} p50")
+        ax.plot(x, _series(run.records, "wire_up_p95", 1e3), ls="--", color=line.get_color())
+        ax.plot(x, _series(run.records, "wire_up_max", 1e3), ls=":", color=line.get_color())
+    ax.set(
+        xlabel="round",
+        ylabel="kB up per device (10^3 bytes)",
+        title="Wire bytes up per device session: p50 (solid), p95 (dashed), max (dotted)",
+    )
+    ax.set_ylim(bottom=0)
+    _integer_rounds(ax)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize="small")
+    return _save(fig, path)
+
+
 def plot_epsilon(
     runs: Sequence[RunData], path: str | Path, labels: Sequence[str] | None = None
 ) -> Path | None:
@@ -543,6 +633,12 @@ def make_report(
         written += [write_csv(run.records, run.directory / "metrics.csv") for run in runs]
     written.append(plot_accuracy(runs, out / "accuracy.png", names))
     written.append(plot_bytes(runs, out / "bytes.png", names))
+    written.append(plot_frontier(runs, out / "frontier.png", names))
+    costs = plot_device_costs(runs, out / "device_costs.png", names)
+    if costs is None:
+        notes.append("device_costs.png not written: no run recorded per-device wire bytes")
+    else:
+        written.append(costs)
     eps_plot = plot_epsilon(runs, out / "epsilon.png", names)
     if eps_plot is None:
         notes.append("epsilon.png not written: no run recorded a privacy epsilon")

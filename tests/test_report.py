@@ -202,7 +202,7 @@ def test_cli_writes_csv_per_run_and_overlaid_pngs(tmp_path: Path) -> None:
         report_cmd, [str(base), str(lap), "--out", str(out), "--csv"], catch_exceptions=False
     )
     assert result.exit_code == 0, result.output
-    for name in ("accuracy.png", "bytes.png", "epsilon.png"):
+    for name in ("accuracy.png", "bytes.png", "frontier.png", "epsilon.png"):
         assert f"wrote {out / name}" in result.output
     # two overlaid runs: both line colours on the accuracy and bytes figures
     _assert_drawn(out / "accuracy.png", C0, C1)
@@ -218,11 +218,44 @@ def test_cli_writes_csv_per_run_and_overlaid_pngs(tmp_path: Path) -> None:
 def test_single_run_defaults_to_its_directory_and_skips_epsilon(tmp_path: Path) -> None:
     run_dir = _write_run(tmp_path / "none", [_record(r) for r in (1, 2)])
     result = make_report([run_dir])
-    assert sorted(p.name for p in result.written) == ["accuracy.png", "bytes.png"]
+    assert sorted(p.name for p in result.written) == ["accuracy.png", "bytes.png", "frontier.png"]
     assert all(p.parent == run_dir for p in result.written)
     assert not (run_dir / "metrics.csv").exists()  # only with --csv
-    assert result.notes == ["epsilon.png not written: no run recorded a privacy epsilon"]
+    assert result.notes == [
+        "device_costs.png not written: no run recorded per-device wire bytes",
+        "epsilon.png not written: no run recorded a privacy epsilon",
+    ]
     _assert_drawn(run_dir / "accuracy.png", C0)
+
+
+def _wired(r: int, up: int, accuracy: float) -> dict:
+    return _record(r, accuracy=accuracy) | {
+        "wire_up": up * 10,
+        "wire_down": 40_000,
+        "wire_up_p50": up,
+        "wire_up_p95": up * 1.2,
+        "wire_up_max": up * 1.5,
+    }
+
+
+def test_frontier_and_device_costs_use_wire_bytes(tmp_path: Path) -> None:
+    """Accuracy against cumulative wire bytes: a compressed run reaching the same accuracy with
+    fewer bytes is drawn to the left; per-device costs are drawn only for runs that have them."""
+    dense = _write_run(tmp_path / "dense", [_wired(r, 20_000, 0.2 * r) for r in (1, 2, 3, 4)])
+    q4 = _write_run(tmp_path / "q4", [_wired(r, 2_700, 0.2 * r) for r in (1, 2, 3, 4)])
+    plain = _write_run(tmp_path / "plain", [_record(r) for r in (1, 2)])
+    result = make_report([dense, q4, plain], tmp_path / "out")
+    names = sorted(p.name for p in result.written)
+    assert "frontier.png" in names and "device_costs.png" in names
+    _assert_drawn(tmp_path / "out" / "frontier.png", C0, C1)
+    _assert_drawn(tmp_path / "out" / "device_costs.png", C0, C1)
+    from edge_fl.report import _cumulative_bytes
+
+    x_dense, kind = _cumulative_bytes(read_run(dense).records)
+    x_q4, _ = _cumulative_bytes(read_run(q4).records)
+    assert kind == "wire" and x_q4[-1] < x_dense[-1]
+    assert x_dense == [240_000.0 * r for r in (1, 2, 3, 4)]
+    assert _cumulative_bytes(read_run(plain).records)[1] == "payload"
 
 
 def test_different_data_give_different_figures(tmp_path: Path) -> None:
