@@ -58,6 +58,8 @@ def test_emulated_pi_installs_and_serves_three_signds_rounds(tmp_path: Path) -> 
     )
     assert report.exists(), done.stderr[-3000:]
     summary = json.loads(report.read_text())
+    if done.returncode == 3:  # e.g. no binfmt_misc and a proot too old to run install.sh
+        pytest.skip(f"cannot emulate an arm64 Pi here: {summary['problems']}")
     assert summary["problems"] == [], summary["problems"]
     assert done.returncode == 0, done.stderr[-3000:]
 

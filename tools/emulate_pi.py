@@ -29,7 +29,8 @@ binfmt_misc mountable: registering changes the host kernel's table until reboot)
 through ``proot -q qemu-aarch64-static`` (no privileges, slower: every system call is traced).
 
 Needs (Debian): qemu-user-static, debootstrap, and proot for ``--mode proot``; mosquitto. Exit
-status 0 only if every check passed; the summary (``--json``) says which failed.
+status 0 only if every check passed (1: a check failed, 3: this machine cannot emulate the Pi);
+the summary (``--json``) says which failed.
 """
 
 from __future__ import annotations
@@ -71,6 +72,10 @@ ROUNDS = 3
 
 class Failure(RuntimeError):
     """A phase that cannot continue, with what to do about it."""
+
+
+class Unsupported(Failure):
+    """This machine cannot emulate the Pi faithfully (exit status 3: the slow test skips)."""
 
 
 def log(msg: str) -> None:
@@ -129,11 +134,27 @@ def choose_mode(requested: str) -> str:
     if why is None and binfmt_ready():
         return "chroot"
     if requested == "chroot":
-        raise Failure(f"--mode chroot: binfmt_misc cannot run aarch64 binaries ({why})")
+        raise Unsupported(f"--mode chroot: binfmt_misc cannot run aarch64 binaries ({why})")
     if os.geteuid() == 0 and shutil.which("proot"):
         log(f"binfmt_misc unusable ({why}): using proot -q {QEMU}")
         return "proot"
-    raise Failure(f"binfmt_misc unusable ({why}) and no proot: apt-get install proot")
+    raise Unsupported(f"binfmt_misc unusable ({why}) and no proot: apt-get install proot")
+
+
+def proot_translates_access(root: Path) -> None:
+    """Fail unless this proot translates faccessat2, which bash's [[ -x ]] uses (glibc >= 2.33).
+
+    proot 5.1.0 (Debian bookworm's) passes it through untranslated, so a test in the root looks at
+    the host's file instead: install.sh then misjudges what it installed. Fixed after 5.1.0
+    (proot-me/proot pull request 338)."""
+    probe = "/usr/lib/aarch64-linux-gnu/ld-linux-aarch64.so.1"  # exists only in the arm64 root
+    done = subprocess.run(in_root("proot", root, ["bash", "-c", f"[[ -x {probe} ]]"]))
+    if done.returncode != 0:
+        raise Unsupported(
+            "this proot does not translate faccessat2 (bash's [[ -x ]] sees the host's files; "
+            "fixed after proot 5.1.0, proot-me/proot#338): use binfmt_misc instead (run as root "
+            "where binfmt_misc can be mounted, --mode chroot) or a newer proot"
+        )
 
 
 def in_root(
@@ -604,6 +625,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         t0 = time.perf_counter()
         summary["root"] = build_root(args.cache, mode, logs, args.rebuild)
         summary["root"]["phase_s"] = round(time.perf_counter() - t0, 1)
+        if mode == "proot":
+            proot_translates_access(Path(summary["root"]["path"]))
         summary["root"]["copy_s"] = round(fresh_copy(Path(summary["root"]["path"]), run_root), 1)
         t0 = time.perf_counter()
         wheel = args.wheel or build_wheel(args.source, out / "wheel", logs)
@@ -613,6 +636,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         summary["job"] = run_job(mode, run_root, out, logs, args.timeout)
         summary["problems"] = check(summary["job"])
         status = 0 if not summary["problems"] else 1
+    except Unsupported as exc:
+        summary["problems"] = [str(exc)]
+        status = 3
     except (Failure, subprocess.TimeoutExpired) as exc:
         summary["problems"] = [str(exc)]
     except KeyboardInterrupt:
