@@ -15,12 +15,22 @@ subscriber connects and drains: no publisher competes for the CPU. A rate is mes
 first to the last received, per second.
 
     .venv/bin/python tools/bench_ingest.py --updates 2000 --model mlp
+
+``--workers N`` measures instead how ingest scales over processes sharing the update stream
+through an MQTT shared subscription (``$share/ingest/<prefix>/<job>/up/+``; Mosquitto deals the
+queued updates round robin): 1 worker process and N worker processes, alternately, each worker
+the service's :class:`IngestTap` feeding its own ``AggregatorCore`` (its partial sum), acks after
+each socket burst, no journal. The rate is all updates over the span from the first worker's first
+to the last worker's last. (Merging the partial sums at round close is not part of it.)
+
+    .venv/bin/python tools/bench_ingest.py --updates 4000 --model mlp --workers 2
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import multiprocessing as mp
 import statistics
 import tempfile
 import threading
@@ -177,6 +187,146 @@ def drain_service(spec, client_id: str, n: int, n_params: int, journal_dir: str 
     return stamp.rate()
 
 
+def share_topic(group: str = "ingest") -> str:
+    return f"$share/{group}/{TOPICS.all_updates}"
+
+
+def queue_shared(
+    spec, client_ids: list[str], payloads: list[tuple[str, bytes]], group: str
+) -> None:
+    """Each worker's persistent session joins the shared subscription (a group of its own: the
+    sessions of earlier drains stay members of theirs), then every update is published: Mosquitto
+    deals them out to the (offline) members' queues round robin."""
+    for cid in client_ids:
+        sub = paho.Client(paho.CallbackAPIVersion.VERSION2, client_id=cid, clean_session=False)
+        sub.connect(spec.host, spec.port)
+        sub.loop_start()
+        sub.subscribe(share_topic(group), qos=1)
+        time.sleep(0.2)
+        sub.disconnect()
+        sub.loop_stop()
+    pub = paho.Client(paho.CallbackAPIVersion.VERSION2, client_id=f"{client_ids[0]}-pub")
+    pub.max_inflight_messages_set(100)
+    pub.connect(spec.host, spec.port)
+    pub.loop_start()
+    infos = [pub.publish(TOPICS.update(dev), p, qos=1) for dev, p in payloads]
+    for info in infos:
+        info.wait_for_publish(30)
+    pub.disconnect()
+    pub.loop_stop()
+
+
+def ingest_worker(host: str, port: int, cid: str, n: int, n_params: int, ready, go, out) -> None:
+    """One ingest worker process: an aiomqtt connection whose socket is read by the service's
+    IngestTap, each update folded into this worker's own core, acknowledged after each burst.
+    Stops after 0.5 s without a new update; reports (count, first, last) on ``out``."""
+    from edge_fl.server.service import IngestTap
+
+    async def run() -> None:
+        core = make_core(n, n_params)
+        stamp = Stamped(core)
+        client = aiomqtt.Client(
+            host, port, identifier=cid, clean_session=False, max_inflight_messages=100
+        )
+        pc = client._client
+        pc.manual_ack_set(True)
+        loop = asyncio.get_running_loop()
+        pending: list[int] = []
+        scheduled: list[asyncio.Handle] = []
+
+        def flush() -> None:
+            scheduled.clear()
+            for mid in pending:
+                pc.ack(mid, 1)
+            pending.clear()
+
+        def on_publish(topic: str, payload: bytes, mid: int, qos: int, retain: bool) -> None:
+            core.on_update(TOPICS.device_of(topic, "up"), payload)
+            if qos:
+                pending.append(mid)
+                if not scheduled:
+                    scheduled.append(loop.call_soon(flush))
+
+        aiomqtt_open = pc.on_socket_open
+
+        def on_socket_open(c, userdata, sock) -> None:
+            tap = IngestTap(sock, on_publish)
+            c._sock = tap
+            aiomqtt_open(c, userdata, tap)
+
+        pc.on_socket_open = on_socket_open
+        ready.set()
+        while not go.is_set():
+            await asyncio.sleep(0.001)
+        async with client:
+            before = -1
+            while stamp.count == 0 or stamp.count != before:
+                before = stamp.count
+                await asyncio.sleep(0.5)
+        out.put((stamp.count, stamp.first, stamp.last))
+
+    asyncio.run(run())
+
+
+def drain_workers(spec, tag: str, workers: int, payloads, n_params: int) -> float:
+    ctx = mp.get_context("spawn")
+    cids = [f"{tag}-w{k}" for k in range(workers)]
+    queue_shared(spec, cids, payloads, group=tag)
+    go, out = ctx.Event(), ctx.Queue()
+    readies = [ctx.Event() for _ in cids]
+    procs = [
+        ctx.Process(
+            target=ingest_worker,
+            args=(spec.host, spec.port, cid, len(payloads), n_params, ready, go, out),
+        )
+        for cid, ready in zip(cids, readies, strict=True)
+    ]
+    for proc in procs:
+        proc.start()
+    for ready in readies:
+        assert ready.wait(60), "a worker did not start"
+    go.set()
+    results = [out.get(timeout=120) for _ in procs]
+    for proc in procs:
+        proc.join(10)
+    total = sum(r[0] for r in results)
+    assert total == len(payloads), f"{total} of {len(payloads)} updates accepted"
+    first, last = min(r[1] for r in results), max(r[2] for r in results)
+    return (total - 1) / (last - first)
+
+
+def workers_main(args, payloads, n_params: int) -> None:
+    size = len(payloads[0][1])
+    names = ("paho raw", "1 worker", f"{args.workers} workers")
+    rates: dict[str, list[float]] = {name: [] for name in names}
+    with EmbeddedBroker(kind="mosquitto") as broker:
+        spec = broker.spec
+        for rep in range(args.repeats):
+            cid = f"bench-paho-{rep}"
+            queue_updates(spec, cid, payloads)
+            rates["paho raw"].append(drain_paho(spec, cid, len(payloads)))
+            rates["1 worker"].append(drain_workers(spec, f"one{rep}", 1, payloads, n_params))
+            many = drain_workers(spec, f"many{rep}", args.workers, payloads, n_params)
+            rates[f"{args.workers} workers"].append(many)
+    base = statistics.median(rates["1 worker"])
+    print(
+        f"{len(payloads)} updates x {size} bytes ({args.model}), QoS 1, queued for the members of "
+        f"{share_topic('<group>')} (a group per drain) on one private Mosquitto"
+    )
+    print(f"{'ingest':<18}{'median upd/s':>14}{'vs 1 worker':>13}   runs")
+    for name, values in rates.items():
+        med = statistics.median(values)
+        runs = " ".join(f"{v:,.0f}" for v in values)
+        print(f"{name:<18}{med:>14,.0f}{med / base:>13.2f}   {runs}")
+    many = rates[f"{args.workers} workers"]
+    ratios = [m / o for m, o in zip(many, rates["1 worker"], strict=True)]
+    print(
+        f"{args.workers} workers / 1 worker per repeat: "
+        + " ".join(f"{r:.2f}" for r in ratios)
+        + f" (median {statistics.median(ratios):.2f})"
+    )
+
+
 SUBSCRIBERS = ("paho raw", "aiomqtt raw", "edge-fl service", "edge-fl service+journal")
 
 
@@ -186,9 +336,13 @@ def main() -> None:
     ap.add_argument("--model", default="mlp", help="mlp (4810 params) or logreg (650)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--journal-dir", default=None, help="where the journal goes (default: /tmp)")
+    ap.add_argument("--workers", type=int, default=0, help="compare 1 and N ingest workers")
     args = ap.parse_args()
     model = make_model(args.model, 64, 10)
     payloads = make_payloads(args.updates, model.n_params)
+    if args.workers:
+        workers_main(args, payloads, model.n_params)
+        return
     size = len(payloads[0][1])
     journal_dir = args.journal_dir or tempfile.gettempdir()
     rates: dict[str, list[float]] = {name: [] for name in SUBSCRIBERS}
