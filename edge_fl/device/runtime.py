@@ -93,8 +93,10 @@ async def _session(
     )
     attach(client, wire)
     async with client:
-        await client.publish(topics.status(agent.device_id), agent.status(True), qos=1, retain=True)
+        # subscribed before announcing itself: the aggregator may open a round the moment this
+        # device counts as online, and the round's model must not arrive before the subscription
         await client.subscribe(topics.global_model, qos=1)
+        await client.publish(topics.status(agent.device_id), agent.status(True), qos=1, retain=True)
         log.info("device %s connected to %s", agent.device_id, spec.redacted())
         trust.window.rejoin()  # rounds may have passed while this device was away
         async for message in client.messages:
