@@ -165,33 +165,22 @@ async def _serve(s: dict[str, Any], index: int, retry_forever: bool, wait: float
 
 async def _fetch(spec, s, verifier, retry_forever, wait, fetch, no_job) -> Any:
     """The job document; broker trouble is retried with backoff like the rounds are."""
-    import aiomqtt
+    from edge_fl.device.runtime import retry_broker
 
-    from edge_fl.device.runtime import permanent_refusal
+    async def once() -> Any:
+        return await fetch(
+            spec,
+            prefix=s["prefix"],
+            job=s["job"],
+            verifier=verifier,
+            identifier=f"edgefl-join-{s['id']}",
+            wait_s=wait,
+        )
 
-    attempt = 0
-    while True:
-        try:
-            return await fetch(
-                spec,
-                prefix=s["prefix"],
-                job=s["job"],
-                verifier=verifier,
-                identifier=f"edgefl-join-{s['id']}",
-                wait_s=wait,
-            )
-        except no_job as exc:
-            raise RuntimeError(str(exc)) from None
-        except aiomqtt.MqttError as exc:
-            hint = permanent_refusal(exc)
-            if hint is not None and not retry_forever:
-                raise RuntimeError(
-                    f"broker {spec.redacted()} refused this device: {exc} ({hint})"
-                ) from None
-            attempt += 1
-            delay = min(0.5 * 2**attempt, 60.0)
-            log.warning("broker %s: %s; retrying in %.1fs", spec.redacted(), exc, delay)
-            await asyncio.sleep(delay)
+    try:
+        return await retry_broker(spec, once, retry_forever=retry_forever)
+    except no_job as exc:
+        raise RuntimeError(str(exc)) from None
 
 
 def _check_budget_support(job: Any) -> None:

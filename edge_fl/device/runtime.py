@@ -15,8 +15,9 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import Counter
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 import aiomqtt
 
@@ -29,6 +30,7 @@ if TYPE_CHECKING:
     from edge_fl.protocol.signing import Verifier
 
 log = logging.getLogger("edge_fl.device")
+T = TypeVar("T")
 
 
 @dataclass
@@ -191,12 +193,29 @@ async def _serve(
     retry_forever: bool,
     wire: WireCounter,
 ) -> int:
+    async def until_done() -> int | None:
+        done = await _session(agent, spec, topics, digest, trust, wire)
+        return agent.state.updates_sent if done else None
+
+    return await retry_broker(
+        spec, until_done, retry_forever=retry_forever, max_backoff_s=max_backoff_s
+    )
+
+
+async def retry_broker(
+    spec: BrokerSpec,
+    once: Callable[[], Awaitable[T | None]],
+    *,
+    retry_forever: bool = False,
+    max_backoff_s: float = 60.0,
+) -> T:
+    """``once()`` until it returns a value; a lost network or broker is retried with backoff (a
+    Pi on Wi-Fi loses its connection routinely), None (a session that ended) at once. A refusal
+    that retrying cannot fix ends with a RuntimeError naming it, unless ``retry_forever``."""
     attempt = 0
     while True:
         try:
-            if await _session(agent, spec, topics, digest, trust, wire):
-                return agent.state.updates_sent
-            attempt = 0
+            result = await once()
         except aiomqtt.MqttError as exc:
             hint = permanent_refusal(exc)
             if hint is not None and not retry_forever:
@@ -207,3 +226,7 @@ async def _serve(
             delay = min(0.5 * 2**attempt, max_backoff_s)
             log.warning("broker %s: %s; retrying in %.1fs", spec.redacted(), exc, delay)
             await asyncio.sleep(delay)
+            continue
+        if result is not None:
+            return result
+        attempt = 0
