@@ -529,9 +529,10 @@ def run_job(mode: str, root: Path, out: Path, logs: Path, timeout: float) -> dic
         agg, pi = procs[0], procs[2]
         deadline = time.monotonic() + timeout
         while agg.poll() is None:
-            if pi.poll() is not None:  # the Pi gave up: waiting for the aggregator is pointless
+            if pi.poll() not in (None, 0):  # the Pi gave up: waiting for the aggregator is vain
                 result["error"] = f"{PI_ID} exited with status {pi.returncode} mid-job"
                 break
+            # (status 0: the Pi saw the job end; the aggregator is writing its files)
             if time.monotonic() > deadline:
                 result["error"] = f"the aggregator did not finish within {timeout:.0f}s"
                 break

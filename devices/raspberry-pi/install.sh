@@ -81,7 +81,7 @@ if [[ -n "$config" ]]; then
     install -m 640 -o root -g "$user" "$config" "$etc/device.yaml"
 elif [[ ! -f "$etc/device.yaml" ]]; then
     install -m 640 -o root -g "$user" "$here/device.yaml" "$etc/device.yaml"
-    echo "installed the EXAMPLE config: edit $etc/device.yaml (broker url, device_id, data)" >&2
+    echo "installed the EXAMPLE config: edit $etc/device.yaml (broker.url, device.id, security.public_key)" >&2
     start=0
 fi
 [[ -z "$ca" ]] || install -m 644 "$ca" "$etc/ca.crt"
