@@ -568,3 +568,36 @@ def test_checkpoint_and_journal_resume_keep_the_in_flight_set(tmp_path):
     assert fresh.training == frozenset(expected) - unsent
     out = fresh.dispatch(2.0)  # topped up to C again
     assert out is not None and len(fresh.in_flight) == 4
+
+
+def test_a_journaled_dispatch_survives_a_resume(tmp_path):
+    """Replacements published mid-window are journaled before devices see them: a resumed core
+    still counts them as selected (their updates are admitted, not refused as not selected)."""
+    from edge_fl.protocol import encode_global
+    from edge_fl.server.checkpoint import save_checkpoint
+    from edge_fl.server.journal import Journal, resume, round_spec
+
+    c = limited_core("fedbuff", c=4, buffer_size=3)
+    save_checkpoint(c, tmp_path, journal_seq=0, last_record=None)
+    journal = Journal.start(tmp_path, job="j", digest="")
+    msg = c.open_round(0.0)
+    journal.append("open", **round_spec(c, encode_global(msg)))
+    first = sorted(c.in_flight)[0]
+    payload = update(c, first, c.in_flight[first], 0.5, 10)
+    assert c.on_update(first, payload) is None
+    journal.append("accept", d=first, p=payload, dn=100)
+    sent = c.dispatch(0.5)
+    assert sent is not None and sent.selected
+    journal.append("dispatch", v=sent.version, sel=list(sent.selected), g=encode_global(sent))
+    journal.sync()
+
+    fresh = limited_core("fedbuff", c=4, buffer_size=3)
+    fresh.devices = {}
+    resumed = resume(fresh, tmp_path)
+    for d in MANY:
+        fresh.on_status(d, encode_status(Status(d, True, 100)))
+    assert set(sent.selected) <= fresh.current.selected
+    assert set(sent.selected) <= set(fresh.in_flight)
+    assert resumed.open_payload == encode_global(sent)
+    late = sent.selected[0]
+    assert fresh.on_update(late, update(fresh, late, fresh.version, 0.5, 10)) is None

@@ -237,6 +237,18 @@ class AsyncAggregatorCore(AggregatorCore):
             window.selected = window.selected | frozenset(sent)
         return sent
 
+    def restore_dispatch(self, version: int, sent: list[str] | tuple[str, ...]) -> None:
+        """Replay of a journaled ``dispatch`` record: ``sent`` were selected to train on
+        ``version`` by a message published mid-window (the in-flight set is rebuilt from it)."""
+        devices = frozenset(str(d) for d in sent)
+        nonce = self.nonces.setdefault(version, new_nonce())
+        self.history[version] = (nonce, self._selected_on(version) | devices)
+        self.ever_selected.update(devices)
+        window = self.current
+        if isinstance(window, AsyncWindow) and window.version == version:
+            window.selected = window.selected | devices
+        self._flight = None  # derived again from the selections and releases
+
     def expire(self, now: float) -> list[str]:
         """Give up on devices selected longer than ``dispatch_timeout_s`` ago (dropped out, or
         slower than the job can wait) and select replacements; returns the devices given up."""

@@ -275,8 +275,10 @@ def open_message(core: AggregatorCore) -> GlobalModel:
     """The global model of the open round, rebuilt (when the journal lacks its bytes)."""
     rnd = core.current
     assert rnd is not None
-    if not isinstance(rnd, SyncRound):
-        return core.global_message(selected=None, round_number=rnd.version)
+    if not isinstance(rnd, SyncRound):  # async: everyone, unless a concurrency limit selects
+        chosen = getattr(rnd, "selected", frozenset())
+        selected = tuple(sorted(chosen)) if getattr(core, "concurrency", None) else None
+        return core.global_message(selected=selected, round_number=rnd.version)
     if core.settings.sample_rate is not None:
         return core.global_message(selected=None)
     return core.global_message(selected=tuple(sorted(rnd.selected)))
@@ -349,6 +351,9 @@ def replay(core: AggregatorCore, records: list[dict[str, Any]], resumed: Resumed
             else:  # cannot happen with the same core and order; say so if it does
                 resumed.mismatched += 1
                 log.warning("journal replay: update from %s not re-accepted (%s)", rec["d"], reason)
+        elif kind == "dispatch":  # replacements sent mid-window (async concurrency limit)
+            core.restore_dispatch(int(rec["v"]), list(rec["sel"]))  # type: ignore[attr-defined]
+            resumed.open_payload = rec.get("g")  # the retained message is now this one
         elif kind == "release":
             key = (str(rec["d"]), int(rec["r"]))
             if key not in released:

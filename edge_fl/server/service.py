@@ -648,6 +648,8 @@ class AggregatorService:
                 # every online device receives the retained broadcast
                 core.tally.bytes_down += len(self._global_payload) * core.online_count
             decision = core.decide(self._now())
+            if decision in (Decision.WAIT, Decision.EXTEND):
+                await self._send_replacements(client)
             if decision in (Decision.CLOSE, Decision.SKIP) and self._early(core):
                 now = self._now()
                 if self._settle_until is None:
@@ -663,6 +665,23 @@ class AggregatorService:
                 continue
             record = self._close(skipped=decision is Decision.SKIP)
             await self._publish_record(client, record)
+
+    async def _send_replacements(self, client: aiomqtt.Client) -> None:
+        """Async with a concurrency limit: publish the devices chosen to replace those that
+        answered, timed out or left, so C keep training while a window fills. Journaled (and on
+        disk) before any device can see it, like a round's opening; it becomes the retained
+        message a reconnect re-broadcasts."""
+        dispatch = getattr(self.core, "dispatch", None)
+        msg = dispatch(self._now()) if dispatch is not None else None
+        if msg is None:
+            return
+        payload = encode_global(msg, signer=self.signer)
+        if self.journal is not None:
+            self.journal.append("dispatch", v=msg.version, sel=list(msg.selected or ()), g=payload)
+            self.journal.sync()
+        self._global_payload = payload
+        await client.publish(self.topics.global_model, payload, qos=1, retain=True)
+        self.core.tally.bytes_down += len(payload) * self.core.online_count
 
     def _early(self, core: AggregatorCore) -> bool:
         """The round could end before its target and deadline: only on device statuses."""
