@@ -13,7 +13,7 @@ from pathlib import Path
 import msgpack
 import pytest
 
-from edge_fl.config import load_config, validate_config
+from edge_fl.config import ConfigError, load_config, validate_config
 from edge_fl.device.join import Announcements, NoJob, device_config
 from edge_fl.job import build_job, device_id, device_index
 from edge_fl.protocol import PayloadRejected, Reject
@@ -130,6 +130,22 @@ def test_device_config_is_the_jobs_plus_only_local_settings():
             exclude={"broker", "device", "security", "fleet", "data"}
         )
     )
+
+
+def test_a_newer_aggregators_unknown_section_is_ignored_but_unknown_keys_are_not(caplog):
+    """Upgrading the aggregator must not stop every deployed device: a section the device does
+    not know is left out (with a warning); an unknown key inside a known section (say, privacy)
+    could change what the device releases, so it stays an error that says to upgrade."""
+    doc = _doc()
+    local = {"device": {"id": "d00001"}}
+    newer = JobDocument(doc.job, doc.digest, {**doc.config, "hologram": {"fps": 60}})
+    with caplog.at_level("WARNING", logger="edge_fl.device"):
+        cfg = device_config(newer, local)
+    assert cfg.job == "jd" and "hologram" in caplog.text and "upgrade" in caplog.text
+    privacy = {**doc.config["privacy"], "quantum": True}
+    stricter = JobDocument(doc.job, doc.digest, {**doc.config, "privacy": privacy})
+    with pytest.raises(ConfigError, match=r"privacy\.quantum: unknown key(.|\n)*upgrade edge-fl"):
+        device_config(stricter, local)
 
 
 def test_config_round_trips_through_its_json_form():

@@ -123,16 +123,33 @@ async def fetch_job_document(
 def device_config(doc: JobDocument, local: dict[str, Any]) -> JobConfig:
     """The device's config: the job document's settings plus this process's own sections
     (``broker``, ``security``, ``device``, ``data.data_dir``). ConfigError names a bad value."""
-    from edge_fl.config import validate_config
+    from edge_fl import __version__
+    from edge_fl.config import ConfigError, JobConfig, validate_config
     from edge_fl.privacy import calibration
 
-    merged = {**doc.config, **{k: v for k, v in local.items() if k != "data_dir"}}
+    known = set(JobConfig.model_fields)
+    # a section this version does not know (a newer aggregator's feature, e.g. a population
+    # model) is left out with a warning; an unknown key inside a known section is an error below
+    unknown = sorted(set(doc.config) - known)
+    if unknown:
+        log.warning(
+            "the job document has sections edge-fl %s does not know (%s): ignored; upgrade "
+            "edge-fl on this device if the job needs them",
+            __version__,
+            ", ".join(unknown),
+        )
+    shared = {k: v for k, v in doc.config.items() if k in known}
+    merged = {**shared, **{k: v for k, v in local.items() if k != "data_dir"}}
     merged["data"] = {**doc.config.get("data", {}), "data_dir": local.get("data_dir")}
-    cfg = validate_config(merged, f"job document of {doc.job!r}")
+    try:
+        cfg = validate_config(merged, f"job document of {doc.job!r}")
+    except ConfigError as exc:
+        raise ConfigError(
+            f"{exc}\n  (this device runs edge-fl {__version__}: if the aggregator runs a newer "
+            "version, upgrade edge-fl here)"
+        ) from None
     try:
         calibration.load(doc.calibration)
     except ValueError as exc:
-        from edge_fl.config import ConfigError
-
         raise ConfigError(f"job document of {doc.job!r}: {exc}") from None
     return cfg
