@@ -254,3 +254,6 @@ def test_device_agent_logs_its_own_wire_bytes(mosquitto, caplog) -> None:
     payload_up = records[1]["bytes_up"] / 2
     overhead = round_wire(int(payload_up), 0, job=cfg.job)["up"]
     assert up == pytest.approx(overhead, rel=TOLERANCE)
+    # exactly the update's PUBLISH: the model arrives at QoS 0 (the device subscribes at QoS 0),
+    # so the device sends no PUBACK for it
+    assert up == overhead

@@ -12,12 +12,12 @@ says why). The update size does not depend on the values, only on d (and top-k's
 for the mechanism's name in ``m``.
 
 ``wire``: one device's MQTT-layer bytes of one round (``edge_fl.transport.wire.mqtt_packet_bytes``):
-up = the update's PUBLISH (QoS 1: topic, packet id, payload) + the PUBACK of the global model; down
-= the global model's PUBLISH (signed, as a simulation and a keyed deployment send it) + the PUBACK
-of the update. ``*_ip`` / ``*_ip_tls``: the link model's IP bytes without / with TLS (Ethernet MSS
-1448, pure ACKs, TLS 1.3 records). ``wire_session``: the once-per-connection packets (CONNECT with
-the last will, CONNACK, online status, SUBSCRIBE/SUBACK, the end-of-job model, offline status,
-DISCONNECT). Keep-alive PINGREQ/PINGRESP (2 + 2 bytes) only flow after ``keepalive_s`` without
+up = the update's PUBLISH (QoS 1: topic, packet id, payload); down = the global model's PUBLISH
+(signed, as a simulation and a keyed deployment send it; delivered at QoS 0, as devices subscribe:
+no packet id, no PUBACK) + the PUBACK of the update. ``*_ip`` / ``*_ip_tls``: the link model's IP
+bytes without / with TLS (Ethernet MSS 1448, pure ACKs, TLS 1.3 records). ``wire_session``: the
+once-per-connection packets (CONNECT with the last will, CONNACK, online status, SUBSCRIBE/SUBACK,
+the end-of-job model, offline status, DISCONNECT). Keep-alive PINGREQ/PINGRESP (2 + 2 bytes) only flow after ``keepalive_s`` without
 traffic: none in rounds shorter than that.
 """
 
@@ -38,7 +38,8 @@ MAX_DIM = 50_000_000  # the dense encodings are built in memory (4 bytes per par
 HEADER = {"device": "d00000", "round": 1, "base_version": 0, "n_samples": 50}
 GLOBAL_HEADER = {"job": "edgefl", "config_digest": "0123456789ab", "deadline_s": 30.0}
 # What the wire figures assume: the topics of job "edgefl" (--job) with the default prefix, device
-# d00000, QoS 1 for updates and the global model (docs/protocol.md), MQTT 3.1.1.
+# d00000, QoS 1 for updates, the global model delivered at QoS 0 (devices subscribe at QoS 0,
+# docs/protocol.md), MQTT 3.1.1.
 WIRE_JOB = GLOBAL_HEADER["job"]
 
 
@@ -233,15 +234,15 @@ def round_wire(
     from edge_fl.transport.wire import ip_bytes, mqtt_packet_bytes, packet_counts
 
     topics = Topics(job)
-    puback = mqtt_packet_bytes("puback")
-    model = mqtt_packet_bytes("publish", topic=topics.global_model, payload=global_payload, qos=1)
-    up_packets = [puback]
+    # the model arrives at QoS 0 (the subscription's QoS caps the delivery): no PUBACK up for it
+    model = mqtt_packet_bytes("publish", topic=topics.global_model, payload=global_payload, qos=0)
+    up_packets: list[int] = []
     down_packets = [model]
     if uploads:
         up_packets.append(
             mqtt_packet_bytes("publish", topic=topics.update(device), payload=update_payload, qos=1)
         )
-        down_packets.append(puback)
+        down_packets.append(mqtt_packet_bytes("puback"))
     out = {"up": sum(up_packets), "down": sum(down_packets)}
     for tls, suffix in ((False, "ip"), (True, "ip_tls")):
         up, down = ip_bytes(packet_counts(up_packets, down_packets, tls, link), link)
@@ -275,7 +276,6 @@ def session_wire(
         )
         + mqtt_packet_bytes("publish", topic=topics.status(device), payload=status, qos=1)
         + mqtt_packet_bytes("subscribe", topics=sub)
-        + puback  # the end-of-job model
         + mqtt_packet_bytes("publish", topic=topics.status(device), payload=offline, qos=1)
         + mqtt_packet_bytes("disconnect")
     )
@@ -283,7 +283,7 @@ def session_wire(
         mqtt_packet_bytes("connack")
         + puback
         + mqtt_packet_bytes("suback", topics=sub)
-        + mqtt_packet_bytes("publish", topic=topics.global_model, payload=final_global, qos=1)
+        + mqtt_packet_bytes("publish", topic=topics.global_model, payload=final_global, qos=0)
         + puback
     )
     return {"up": up, "down": down}

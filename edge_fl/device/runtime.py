@@ -96,8 +96,11 @@ async def _session(
     attach(client, wire)
     async with client:
         # subscribed before announcing itself: the aggregator may open a round the moment this
-        # device counts as online, and the round's model must not arrive before the subscription
-        await client.subscribe(topics.global_model, qos=1)
+        # device counts as online, and the round's model must not arrive before the subscription.
+        # QoS 0: a clean session queues nothing across a disconnect and the retained model comes
+        # again on every subscribe, so QoS 1 buys nothing here; and on a NATS cluster a QoS 1
+        # subscription made right after a node died sometimes received nothing (docs/brokers.md)
+        await client.subscribe(topics.global_model, qos=0)
         await client.publish(topics.status(agent.device_id), agent.status(True), qos=1, retain=True)
         log.info("device %s connected to %s", agent.device_id, spec.redacted())
         trust.window.rejoin()  # rounds may have passed while this device was away

@@ -15,9 +15,13 @@ Wire bytes (``edge_fl.transport.wire``): every device session counts its MQTT pa
 statuses, updates, PUBACKs, PINGs, DISCONNECT, reconnects). A device here does not subscribe to
 the global model itself (the shared downlink does), so by default each device is charged what its
 own subscription would cost: SUBSCRIBE/SUBACK per session and, per global model the downlink
-receives, the PUBLISH packet (topic, packet id, payload) and its PUBACK, sized exactly by
-``mqtt_packet_bytes``. With ``device_downlink=True`` every device subscribes and receives the
-model on its own session instead (everything measured; the broker sends one copy per device).
+receives, the PUBLISH packet at the QoS it arrived with (QoS 0 as devices subscribe: topic and
+payload, no packet id, no PUBACK), sized exactly by ``mqtt_packet_bytes``. With
+``device_downlink=True`` every device subscribes and receives the model on its own session instead
+(everything measured; the broker sends one copy per device).
+
+A device session that drops while the downlink stays up (a cluster node died under it) is
+re-opened on its own (``_watch_sessions``), and the device's update for the newest round re-sent.
 """
 
 from __future__ import annotations
@@ -126,6 +130,17 @@ class Fleet:
         self.device_downlink = False  # True: each device subscribes to the model on its session
         self.wire: dict[str, WireCounter] = {}  # per device, across its reconnects
         self.downlink_wire = WireCounter()  # the shared downlink session (not a device's)
+        # Per-device reconnect while the downlink is up (a cluster node died under some device
+        # sessions, not under the downlink): checked every `session_check_s` and at once when a
+        # publish fails; a device's retries back off from 0.5 s to `max_session_backoff_s`.
+        self.session_check_s = 1.0
+        self.max_session_backoff_s = 10.0
+        self.reopened = 0  # device sessions re-opened by the per-device reconnect
+        self._downlink_up = False
+        self._session_lost = asyncio.Event()
+        self._reopening: set[str] = set()
+        self._retry_at: dict[str, tuple[float, int]] = {}  # device: (next try, failures)
+        self._last_msg: GlobalModel | None = None  # the newest model handed out
 
     def use_credentials(self, device_specs: dict[str, BrokerSpec]) -> None:
         """Connect each device with its own spec (its MQTT user); before `run`."""
@@ -228,7 +243,7 @@ class Fleet:
                 raise DeviceConnectError(agent.device_id, spec, exc) from exc
             self.clients[agent.device_id] = client
             if self.device_downlink and agent.device_id != self.downlink_device:
-                await client.subscribe(self.topics.global_model, qos=1)
+                await client.subscribe(self.topics.global_model, qos=0)
                 self._spawn(self._drain(client))
             elif agent.device_id != self.downlink_device:
                 self._charge_subscription(agent.device_id)
@@ -331,6 +346,7 @@ class Fleet:
             if self._closing:
                 return  # the job is over and connections are closing
             self.publish_failures += 1
+            self._session_lost.set()  # re-open the session now; the update is re-sent then
             log.warning(
                 "device %s could not publish (re-sent if the round is re-broadcast): %s",
                 device,
@@ -346,6 +362,7 @@ class Fleet:
             await client.publish(self.topics.update(agent.device_id), payload, qos=1)
         except aiomqtt.MqttError as exc:
             log.warning("device %s could not re-send: %s", agent.device_id, exc)
+            self._session_lost.set()
             return
         self.resent += 1
 
@@ -355,6 +372,7 @@ class Fleet:
         task.add_done_callback(self._tasks.discard)
 
     def _on_global(self, msg: GlobalModel, model_bytes: int) -> None:
+        self._last_msg = msg
         for device, agent in self.agents.items():
             if device in self.crashed:
                 continue
@@ -372,7 +390,6 @@ class Fleet:
     async def _availability(self, agent: DeviceAgent, profile: DeviceProfile) -> None:
         """Follow the device's availability model: offline status outside its windows."""
         model = profile.availability
-        client = self.clients[agent.device_id]
         topic = self.topics.status(agent.device_id)
         while agent.device_id not in self.crashed:
             t = self.clock.now()
@@ -383,7 +400,13 @@ class Fleet:
                     self.unavailable.discard(agent.device_id)
                 else:
                     self.unavailable.add(agent.device_id)
-                await client.publish(topic, agent.status(available), qos=1, retain=True)
+                # the current session (a re-opened one announces the status it finds anyway)
+                client = self.clients.get(agent.device_id)
+                try:
+                    if client is not None:
+                        await client.publish(topic, agent.status(available), qos=1, retain=True)
+                except aiomqtt.MqttError:
+                    self._session_lost.set()
             await self.clock.sleep_until(model.next_change(t))
 
     def _start_availability(self) -> None:
@@ -416,9 +439,16 @@ class Fleet:
 
     async def _serve_downlink(self, downlink: aiomqtt.Client) -> bool:
         """Receive global models on ``downlink`` and hand them out; True when the job is done."""
-        await downlink.subscribe(self.topics.global_model, qos=1)
+        await downlink.subscribe(self.topics.global_model, qos=0)
         self.trust.window.rejoin()  # rounds may have passed while the downlink was away
         self.reconnect_attempt = 0
+        self._downlink_up = True
+        try:
+            return await self._receive(downlink)
+        finally:
+            self._downlink_up = False
+
+    async def _receive(self, downlink: aiomqtt.Client) -> bool:
         async for message in downlink.messages:
             if not self.device_downlink:
                 self._charge_model(message)
@@ -453,11 +483,75 @@ class Fleet:
             if d not in self.crashed
             and (d not in self.clients or not self.clients[d]._client.is_connected())
         ]
+        lost = [d for d in lost if d not in self._reopening]  # the session watcher has these
         for device in lost:
             self.clients.pop(device, None)
-        await asyncio.gather(
-            *(self._connect(self.agents[d], gate) for d in lost), return_exceptions=True
-        )
+        self._reopening.update(lost)
+        try:
+            await asyncio.gather(
+                *(self._connect(self.agents[d], gate) for d in lost), return_exceptions=True
+            )
+        finally:
+            self._reopening.difference_update(lost)
+
+    def _lost_sessions(self) -> list[str]:
+        """Devices whose own session is gone (not crashed on purpose, not being re-opened, not
+        the downlink's session, which the downlink loop re-opens)."""
+        return [
+            d
+            for d in self.agents
+            if d not in self.crashed
+            and d != self.downlink_device
+            and d not in self._reopening
+            and (d not in self.clients or not self.clients[d]._client.is_connected())
+        ]
+
+    async def _reopen(self, device: str, gate: asyncio.Semaphore) -> None:
+        """Re-open one device's session, then re-send its update for the newest round, as a
+        device re-sends when the retained model arrives on its new session (the aggregator
+        counts a copy it already has as a duplicate)."""
+        self._reopening.add(device)
+        try:
+            self.clients.pop(device, None)
+            try:
+                await self._connect(self.agents[device], gate)
+            except aiomqtt.MqttError as exc:
+                _, failures = self._retry_at.get(device, (0.0, 0))
+                delay = min(0.5 * 2**failures, self.max_session_backoff_s)
+                self._retry_at[device] = (asyncio.get_running_loop().time() + delay, failures + 1)
+                log.warning(
+                    "device %s: reconnect failed (%s); next try in %.1fs", device, exc, delay
+                )
+                return
+            self._retry_at.pop(device, None)
+            self.reopened += 1
+            log.info("device %s: session re-opened", device)
+            agent = self.agents[device]
+            msg = self._last_msg
+            resend = agent.pending_for(msg) if msg is not None else None
+            if resend is not None and device not in self._busy and not self._closing:
+                await self._resend(agent, resend)
+        finally:
+            self._reopening.discard(device)
+
+    async def _watch_sessions(self) -> None:
+        """Re-open device sessions that dropped while the downlink stayed connected: with a
+        cluster, a node can die under some devices' sessions and not under the downlink's, and
+        nothing else would bring those devices back. While the downlink itself is down, `run`
+        re-opens every session after it (no connect storm against a broker that is away)."""
+        gate = asyncio.Semaphore(self.connect_concurrency)
+        loop = asyncio.get_running_loop()
+        while not self._closing:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._session_lost.wait(), self.session_check_s)
+            self._session_lost.clear()
+            if self._closing or not self._downlink_up:
+                continue
+            now = loop.time()
+            due = [d for d in self._lost_sessions() if self._retry_at.get(d, (0.0, 0))[0] <= now]
+            if due:
+                log.warning("fleet: re-opening %d dropped device sessions", len(due))
+                await asyncio.gather(*(self._reopen(d, gate) for d in due))
 
     async def run(self) -> None:
         """Connect every device, serve global models until the job is done, then leave cleanly.
@@ -467,6 +561,7 @@ class Fleet:
         try:
             await self.connect_all()
             self._start_availability()
+            self._spawn(self._watch_sessions())
             self.reconnect_attempt = 0
             while True:
                 try:

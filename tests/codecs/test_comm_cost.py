@@ -6,8 +6,10 @@ import json
 
 from click.testing import CliRunner
 
-from edge_fl.cli.comm_cmds import comm_cost
+from edge_fl.cli.comm_cmds import comm_cost, round_wire, session_wire
 from edge_fl.codecs import build_codec
+from edge_fl.protocol import Topics
+from edge_fl.transport.wire import mqtt_packet_bytes
 
 
 def run(*args: str) -> dict:
@@ -44,3 +46,19 @@ def test_refused_combinations_have_no_size_and_a_reason() -> None:
 def test_topk_fraction_out_of_domain_names_the_flag() -> None:
     result = CliRunner().invoke(comm_cost, ["--dim", "100", "--topk-fraction", "0.9"])
     assert result.exit_code != 0 and "--topk-fraction" in result.output
+
+
+def test_wire_model_takes_the_global_model_at_qos_0() -> None:
+    """Devices subscribe to the global model at QoS 0 (docs/protocol.md): the model's PUBLISH
+    has no packet id and the device sends no PUBACK for it; the update goes up at QoS 1."""
+    topics = Topics("edgefl")
+    update = mqtt_packet_bytes("publish", topic=topics.update("d00000"), payload=1000, qos=1)
+    model = mqtt_packet_bytes("publish", topic=topics.global_model, payload=5000, qos=0)
+    puback = mqtt_packet_bytes("puback")
+    got = round_wire(1000, 5000)
+    assert (got["up"], got["down"]) == (update, model + puback)
+    idle = round_wire(1000, 5000, uploads=False)  # online, not selected: only the model
+    assert (idle["up"], idle["down"]) == (0, model)
+    # the end-of-job model: its PUBLISH down (payload + header, no packet id), no PUBACK up
+    small, big = session_wire(final_global=100), session_wire(final_global=1000)
+    assert big["up"] == small["up"] and big["down"] - small["down"] == 900 + 1  # varint: 2 B
