@@ -61,3 +61,17 @@ def test_more_clients_per_round_than_devices():
 def test_an_unknown_mechanism():
     done = run("simulate", "--mechanism", "bogus", "--no-progress")
     one_line_error(done, "unknown privacy mechanism 'bogus'")
+
+
+def test_a_closed_loop_in_an_abandoned_clients_destructor_is_not_a_traceback():
+    """A fleet that fails leaves clients paho collects after asyncio.run closed the loop; their
+    "Event loop is closed" must not print a traceback under the one-line error, anything else
+    must."""
+    from types import SimpleNamespace
+
+    from edge_fl.cli import _quiet_closed_loop
+
+    seen = []
+    for exc in (RuntimeError("Event loop is closed"), RuntimeError("other"), ValueError("x")):
+        _quiet_closed_loop(SimpleNamespace(exc_value=exc), default=seen.append)
+    assert [str(u.exc_value) for u in seen] == ["other", "x"]

@@ -193,6 +193,18 @@ def _missing_extra(command: str, exc: ModuleNotFoundError) -> None:
 @click.version_option(__version__, prog_name="edge-fl")
 def main() -> None:
     """edge-fl: private, bandwidth-frugal federated learning over MQTT."""
+    sys.unraisablehook = _quiet_closed_loop
+
+
+def _quiet_closed_loop(unraisable: Any, default: Any = sys.__unraisablehook__) -> None:
+    """A client abandoned when a command fails (a fleet whose broker refused one device, say) is
+    collected after its event loop closed; paho's ``__del__`` then calls aiomqtt's socket-close
+    callback, which raises "Event loop is closed". Harmless, and not worth a traceback under the
+    command's one-line error; anything else is reported as usual."""
+    exc = unraisable.exc_value
+    if isinstance(exc, RuntimeError) and str(exc) == "Event loop is closed":
+        return
+    default(unraisable)
 
 
 @main.command()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import sys
 
 import aiomqtt
 import click
@@ -30,6 +31,18 @@ def _broker_problem(url: str, exc: BaseException) -> str:
     else:
         hint = "see the broker's log"
     return f"broker {where}: {text} ({hint})"
+
+
+def _fail_now(message: str) -> None:
+    """One line and exit at once: a fleet that failed mid-connect leaves thousands of half-open
+    clients whose collection at interpreter exit (after their event loop closed) would log noise
+    under the error; nothing of the fleet's is left to write."""
+    import os
+
+    click.echo(f"edge-fl: error: {message}", err=True)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(2)
 
 
 def _parse_shard(shard: str, n_devices: int) -> range:
@@ -316,7 +329,7 @@ def fleet(shard, indices, credentials, verbose, config, **kw) -> None:
     try:
         asyncio.run(runtime.run())
     except DeviceConnectError as exc:
-        _fail(f"device {exc.device}: {_broker_problem(exc.spec.to_url(), exc.cause)}")
+        _fail_now(f"device {exc.device}: {_broker_problem(exc.spec.to_url(), exc.cause)}")
     except (aiomqtt.MqttError, OSError, RuntimeError) as exc:
-        _fail(_broker_problem(spec.to_url(), exc))
+        _fail_now(_broker_problem(spec.to_url(), exc))
     click.echo(f"fleet shard {shard}: {runtime.published} updates published", err=True)
