@@ -31,6 +31,7 @@ import contextlib
 import errno
 import json
 import logging
+import math
 import signal
 import time
 from collections import Counter
@@ -55,6 +56,10 @@ ACK_BATCH = 256
 #: a dying broker publishes every device's last will just before the connection drops, and those
 #: "offline" statuses must not skip a round the devices are still working on
 STATUS_SETTLE_S = 0.5
+#: after the aggregator itself reconnected (a broker restart, a cluster node lost), devices are
+#: reconnecting too and their last wills say "offline": no round ends early on statuses for this
+#: long (the deadline still applies). Measured: a NATS node kill skipped an open round without it.
+RECONNECT_SETTLE_S = 10.0
 
 
 class BrokerUnavailable(RuntimeError):
@@ -304,6 +309,7 @@ class AggregatorService:
         self._client: aiomqtt.Client | None = None
         self._round_started = 0.0
         self._settle_until: float | None = None
+        self._grace_until = 0.0  # after a reconnect: no early close on statuses before this
         self._pending_acks: list[tuple[int, int]] = []
         self._flush_handle: asyncio.Handle | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -653,9 +659,9 @@ class AggregatorService:
             if decision in (Decision.CLOSE, Decision.SKIP) and self._early(core):
                 now = self._now()
                 if self._settle_until is None:
-                    self._settle_until = now + STATUS_SETTLE_S
+                    self._settle_until = max(now + STATUS_SETTLE_S, self._grace_until)
                 if now < self._settle_until:
-                    await self._sleep_until(self._settle_until)
+                    await self._sleep_until(min(self._settle_until, core.deadline or math.inf))
                     continue
             self._settle_until = None
             if decision in (Decision.WAIT, Decision.EXTEND):
@@ -709,6 +715,8 @@ class AggregatorService:
             self._client = client
             self._flush()  # what arrived while connecting (the persistent session's queue)
             self._settle_until = None
+            if self._ever_connected:  # a reconnect: the devices' statuses are stale for a while
+                self._grace_until = self._now() + RECONNECT_SETTLE_S
             if self.core.round_number == 0 and self.core.current is None:
                 # forget the retained model of an earlier run of this job id
                 await client.publish(self.topics.global_model, b"", qos=1, retain=True)
