@@ -41,6 +41,9 @@ class Trust:
     verifier: Verifier | None = None
     window: GlobalWindow = field(default_factory=GlobalWindow)
     rejected: Counter = field(default_factory=Counter)
+    #: a round of this run was seen: a retained end-of-job marker is then this run's end (the
+    #: device was away when it was published), not an earlier run's left on the broker
+    joined: bool = False
 
     def admit(self, payload: bytes, topics: Topics, expected_dim: int) -> GlobalModel | None:
         """The decoded global message, or None (counted, logged) if it must be ignored."""
@@ -59,6 +62,8 @@ class Trust:
                     "ignoring a global model (%s, %d so far): %s", exc.reason, seen, exc.detail
                 )
             return None
+        if not msg.done:
+            self.joined = True
         return msg
 
 
@@ -112,7 +117,7 @@ async def _session(
             if msg is None:
                 continue
             if msg.done:
-                if message.retain:
+                if message.retain and not trust.joined:
                     continue  # an earlier run's end marker
                 await client.publish(
                     topics.status(agent.device_id), agent.status(False), qos=1, retain=True

@@ -459,7 +459,7 @@ class Fleet:
             if msg is None:
                 continue
             if msg.done:
-                if message.retain:
+                if message.retain and not self.trust.joined:
                     continue  # the end of an earlier run of this job id
                 return True
             if self.digest and msg.config_digest != self.digest:
