@@ -13,6 +13,7 @@ with the checkpoint (whose last record is the commit point of a round).
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import logging
 import math
@@ -114,6 +115,39 @@ def _read_records(path: Path) -> tuple[list[dict[str, Any]], int, int]:
         records.append(obj)
         good += len(line)
     return records, good, len(data)
+
+
+LOCK_FILE = ".edge-fl.lock"
+
+
+def lock_run_dir(out_dir: str | Path | None) -> Any:
+    """Hold ``out_dir`` for this process (an open file with an exclusive flock; released when the
+    process ends): two runs writing one directory interleave their ``metrics.jsonl`` into garbage.
+    OutputError names the holder when another process has it."""
+    if out_dir is None:
+        return None
+    import fcntl
+
+    path = Path(out_dir) / LOCK_FILE
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        handle = path.open("a+")
+    except OSError as exc:
+        raise OutputError(getattr(exc, "filename", None) or path, exc) from None
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        handle.seek(0)
+        holder = handle.read().strip() or "?"
+        handle.close()
+        raise OutputError(
+            Path(out_dir), OSError(errno.EBUSY, f"in use by another edge-fl run (pid {holder})")
+        ) from None
+    handle.seek(0)
+    handle.truncate()
+    handle.write(str(os.getpid()))
+    handle.flush()
+    return handle
 
 
 class RunRecorder:

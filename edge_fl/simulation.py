@@ -23,7 +23,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from edge_fl.config import JobConfig
 from edge_fl.job import Job, build_job
-from edge_fl.metrics import OutputError, RunRecorder, write_json
+from edge_fl.metrics import OutputError, RunRecorder, lock_run_dir, write_json
 from edge_fl.server.service import AggregatorService, StopSignals
 from edge_fl.transport.broker import EmbeddedBroker
 from edge_fl.transport.url import BrokerSpec, parse_broker_url
@@ -229,6 +229,7 @@ def _simulate(
 ) -> dict[str, Any]:
     t_start = time.perf_counter()
     job = build_job(cfg)
+    run_lock = lock_run_dir(out_dir)  # noqa: F841 (held until this process ends)
     recorder = RunRecorder(out_dir)
     meta = job.metadata()
     timings = {"build_s": round(time.perf_counter() - t_start, 4)}

@@ -75,3 +75,16 @@ def test_a_closed_loop_in_an_abandoned_clients_destructor_is_not_a_traceback():
     for exc in (RuntimeError("Event loop is closed"), RuntimeError("other"), ValueError("x")):
         _quiet_closed_loop(SimpleNamespace(exc_value=exc), default=seen.append)
     assert [str(u.exc_value) for u in seen] == ["other", "x"]
+
+
+def test_a_run_directory_in_use_by_another_run_is_refused(tmp_path):
+    """Two runs writing one --out interleave metrics.jsonl into garbage: the second is refused."""
+    from edge_fl.metrics import lock_run_dir
+
+    held = lock_run_dir(tmp_path / "run")  # this process plays the first run
+    done = run("simulate", "--rounds", "1", "--out", str(tmp_path / "run"), "--no-progress")
+    one_line_error(done, "in use by another edge-fl run", f"pid {__import__('os').getpid()}")
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+    held.close()  # released: the directory can be used again
+    again = run("simulate", "--rounds", "1", "--out", str(tmp_path / "run"), "--no-progress")
+    assert again.returncode == 0, again.stderr

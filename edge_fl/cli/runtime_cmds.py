@@ -90,13 +90,14 @@ def aggregator(out, resume, verbose, config, **kw) -> None:
 
 def _run_aggregator(cfg, out, resume, signals) -> None:
     from edge_fl.job import build_job
-    from edge_fl.metrics import OutputError, RunRecorder
+    from edge_fl.metrics import OutputError, RunRecorder, lock_run_dir
     from edge_fl.protocol.jobdoc import encode_job_document
     from edge_fl.server.service import AggregatorService
     from edge_fl.transport.url import parse_broker_url
 
     if out and not resume:
         _refuse_unfinished(out)
+    run_lock = lock_run_dir(out)  # noqa: F841 (held until this process ends)
     job = build_job(cfg)
     recorder = RunRecorder(out, append=resume)
     core = job.aggregator_core()
