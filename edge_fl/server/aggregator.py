@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import math
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -465,14 +465,16 @@ class AggregatorCore:
         if rnd is None:
             return Decision.WAIT
         decision = rnd.decide(now)
-        if decision is Decision.WAIT and rnd.selected and not self._can_still_answer(rnd):
+        pending = rnd.selected - rnd.accepted - self.refused
+        if decision is Decision.WAIT and rnd.selected and not self.any_can_answer(pending):
             # every selected device that has not answered is offline or stopped: waiting for the
             # deadline cannot add an update
             return Decision.CLOSE if len(rnd.accepted) >= rnd.min_updates else Decision.SKIP
         return decision
 
-    def _can_still_answer(self, rnd: SyncRound) -> bool:
-        for device in rnd.selected - rnd.accepted - self.refused:
+    def any_can_answer(self, devices: Iterable[str]) -> bool:
+        """Whether one of ``devices`` is online and has not stopped (it may still send)."""
+        for device in devices:
             rec = self.devices.get(device)
             if rec is not None and rec.online and rec.stopped is None:
                 return True

@@ -334,19 +334,12 @@ class AsyncAggregatorCore(AggregatorCore):
         if (
             decision is Decision.WAIT
             and self.concurrency is not None
-            and not self._can_answer_window()
+            and not self.any_can_answer(self._since)
         ):
             # nobody who was sent a model is still training: close (or skip) now, so the next
             # window's message sends the replacements, instead of idling to the deadline
             return Decision.CLOSE if window.count >= 1 else Decision.SKIP
         return decision
-
-    def _can_answer_window(self) -> bool:
-        for device in self._since:
-            rec = self.devices.get(device)
-            if rec is not None and rec.online and rec.stopped is None:
-                return True
-        return False
 
     @property
     def deadline(self) -> float | None:
