@@ -9,6 +9,7 @@ import uuid
 from pathlib import Path
 
 import pytest
+from processes import keygen, run_job
 
 pytestmark = [pytest.mark.slow, pytest.mark.broker]
 
@@ -46,40 +47,23 @@ def test_the_base_install_is_the_device_agent_only(base_venv):
 
 def test_a_base_install_device_runs_a_signed_signds_job(base_venv, mosquitto, tmp_path):
     job = f"base-{uuid.uuid4().hex[:6]}"
-    keys = tmp_path / "keys"
-    made = subprocess.run([EDGE_FL, "keygen", str(keys)], capture_output=True, text=True)
-    public = made.stdout.strip().split()[-1]
+    private, public = keygen(tmp_path / "keys")
     cfg = tmp_path / "job.yaml"
     cfg.write_text(
-        f"job: {job}\nsecurity: {{signing_key: {keys / 'aggregator_ed25519.pem'}}}\n"
+        f"job: {job}\nsecurity: {{signing_key: {private}}}\n"
         "privacy: {mechanism: signds, signds: {sign_k: 0.1, sign_eps: 100}}\n"
         "model: {name: logreg}\ndata: {devices: 2}\ntraining: {epochs: 1, lr: 0.05}\n"
         "rounds: {rounds: 3, clients_per_round: 2, deadline_s: 30}\n"
     )
-    agg = subprocess.Popen(
-        [EDGE_FL, "aggregator", "--config", str(cfg), "--broker", mosquitto.url],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
     device = [str(base_venv / "bin/edge-fl"), "device", "--broker", mosquitto.url]
-    devices = [
-        subprocess.Popen(
-            [*device, "--id", f"d0000{i}", "--public-key", public],
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for i in (0, 1)
-    ]
-    try:
-        stdout, agg_err = agg.communicate(timeout=180)
-        errs = [d.communicate(timeout=60)[1] for d in devices]
-    finally:
-        for p in (agg, *devices):
-            if p.poll() is None:
-                p.kill()
-    assert agg.returncode == 0, agg_err
-    assert all("3 updates sent" in e for e in errs), errs
-    assert [line.split(":")[0] for line in stdout.splitlines() if line.startswith("round")] == [
-        f"round {i} closed" for i in (1, 2, 3)
-    ]
+    done = run_job(
+        [EDGE_FL, "aggregator", "--config", str(cfg), "--broker", mosquitto.url],
+        [[*device, "--id", f"d0000{i}", "--public-key", public] for i in (0, 1)],
+        timeout=180,
+        device_timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    assert all("3 updates sent" in e for e in done.device_errs), done.device_errs
+    assert [
+        line.split(":")[0] for line in done.stdout.splitlines() if line.startswith("round")
+    ] == [f"round {i} closed" for i in (1, 2, 3)]

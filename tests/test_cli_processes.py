@@ -10,6 +10,7 @@ import uuid
 from pathlib import Path
 
 import pytest
+from processes import keygen, run_job
 
 pytestmark = pytest.mark.broker
 
@@ -54,43 +55,24 @@ def test_devices_join_from_the_job_document(mosquitto, tmp_path):
     """`edge-fl device --broker URL --id ID` is the whole device command: the job's settings come
     from the aggregator's signed, retained job document; a wrong key joins nothing."""
     job = f"dev-{uuid.uuid4().hex[:6]}"
-    keys = tmp_path / "keys"
-    made = subprocess.run([EDGE_FL, "keygen", str(keys)], capture_output=True, text=True)
-    public = made.stdout.strip().split()[-1]
+    private, public = keygen(tmp_path / "keys")
     common = ["--broker", mosquitto.url, "--job", job, "--devices", "2", "--rounds", "2"]
     common += ["--clients-per-round", "2", "--deadline", "10", "--lr", "0.2"]
     cfg = tmp_path / "job.yaml"
-    cfg.write_text(f"security: {{signing_key: {keys / 'aggregator_ed25519.pem'}}}\n")
-    agg = subprocess.Popen(
-        [EDGE_FL, "aggregator", "--config", str(cfg), *common],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    cfg.write_text(f"security: {{signing_key: {private}}}\n")
     device = [EDGE_FL, "device", "--broker", mosquitto.url, "--job", job, "--public-key", public]
-    devices = [
-        subprocess.Popen([*device, "--id", f"d0000{i}"], stderr=subprocess.PIPE, text=True)
-        for i in (0, 1)
-    ]
     forged_key = "11" * 32
-    wrong = subprocess.run(
-        [*device[:-1], forged_key, "--id", "d00005", "--wait", "3"],
-        capture_output=True,
-        text=True,
-        timeout=60,
+    wrong = [*device[:-1], forged_key, "--id", "d00005", "--wait", "3"]
+    done = run_job(
+        [EDGE_FL, "aggregator", "--config", str(cfg), *common],
+        [[*device, "--id", "d00000"], [*device, "--id", "d00001"], wrong],
     )
-    try:
-        stdout, agg_err = agg.communicate(timeout=120)
-        errs = [d.communicate(timeout=30)[1] for d in devices]
-    finally:
-        for p in (agg, *devices):
-            if p.poll() is None:
-                p.kill()
-    assert agg.returncode == 0, agg_err
+    stdout, errs, wrong_err = done.stdout, done.device_errs[:2], done.device_errs[2]
+    assert done.returncode == 0, done.stderr
     assert all("2 updates sent" in e for e in errs), errs
     assert "joined job" in errs[0] and "signed" in errs[0]
     rounds = [line for line in stdout.splitlines() if line.startswith("round")]
     assert len(rounds) == 2 and all("recv 2/2" in line for line in rounds)
     assert stdout.splitlines()[-1].startswith("job finished: 2/2 rounds closed")
-    assert wrong.returncode == 2 and "Traceback" not in wrong.stderr
-    assert "refused: is --public-key the aggregator's?" in wrong.stderr, wrong.stderr
+    assert done.device_codes[2] == 2 and "Traceback" not in wrong_err
+    assert "refused: is --public-key the aggregator's?" in wrong_err, wrong_err

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import msgpack
 import pytest
+from processes import keygen, run_job
 
 from edge_fl.config import ConfigError, load_config, validate_config
 from edge_fl.device.join import Announcements, NoJob, device_config
@@ -186,53 +187,23 @@ def test_a_device_without_the_server_extra_runs_a_job(mosquitto, tmp_path, mecha
     """The base install's promise: `edge-fl device` imports no module of the server extra (here
     made unimportable), yet takes part in a signed job with a calibrated mechanism."""
     job = f"light-{mechanism}-{uuid.uuid4().hex[:6]}"
-    keys = tmp_path / "keys"
-    made = subprocess.run([EDGE_FL, "keygen", str(keys)], capture_output=True, text=True)
-    public = made.stdout.strip().split()[-1]
+    private, public = keygen(tmp_path / "keys")
     cfg = tmp_path / "job.yaml"
     cfg.write_text(
-        f"job: {job}\nsecurity: {{signing_key: {keys / 'aggregator_ed25519.pem'}}}\n"
+        f"job: {job}\nsecurity: {{signing_key: {private}}}\n"
         f"privacy: {{mechanism: {mechanism}, epsilon: 50}}\nmodel: {{name: logreg}}\n"
         "data: {devices: 2}\nrounds: {rounds: 2, clients_per_round: 2, deadline_s: 20}\n"
     )
-    agg = subprocess.Popen(
+    device = [sys.executable, "-c", BLOCKER, "device", "--broker", mosquitto.url]
+    done = run_job(
         [EDGE_FL, "aggregator", "--config", str(cfg), "--broker", mosquitto.url],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
+        [[*device, "--id", f"d0000{i}", "--public-key", public] for i in (0, 1)],
     )
-    devices = [
-        subprocess.Popen(
-            [
-                sys.executable,
-                "-c",
-                BLOCKER,
-                "device",
-                "--broker",
-                mosquitto.url,
-                "--id",
-                f"d0000{i}",
-                "--public-key",
-                public,
-            ],
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for i in (0, 1)
-    ]
-    try:
-        stdout, agg_err = agg.communicate(timeout=120)
-        errs = [d.communicate(timeout=30)[1] for d in devices]
-    finally:
-        for p in (agg, *devices):
-            if p.poll() is None:
-                p.kill()
-    assert agg.returncode == 0, agg_err
-    assert all(
-        d.returncode == 0 and "2 updates sent" in e for d, e in zip(devices, errs, strict=True)
-    ), errs
+    errs = done.device_errs
+    assert done.returncode == 0, done.stderr
+    assert done.device_codes == [0, 0] and all("2 updates sent" in e for e in errs), errs
     assert all("blocked" not in e for e in errs)
-    assert "recv 2/2" in stdout
+    assert "recv 2/2" in done.stdout
 
 
 def test_server_commands_on_a_base_install_say_which_extra(tmp_path):

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 from test_secure_deployment import Deployment, readme_section, shell_blocks
+from test_shipped_configs import readme_job_yaml
 
 from edge_fl.config import load_config
 
@@ -91,15 +92,6 @@ def test_every_command_has_an_entry() -> None:
             assert doc == "README.md" and command in covered, command
 
 
-def _job_yaml(directory: Path) -> Path:
-    text = (REPO / "README.md").read_text()
-    block = re.search(r"```yaml\n(# job\.yaml\n.*?)```", text, flags=re.S)
-    assert block, "README.md has no job.yaml block"
-    path = directory / "job.yaml"
-    path.write_text(block.group(1))
-    return path
-
-
 def _args(command: str) -> list[str]:
     import shlex
 
@@ -112,7 +104,7 @@ def _args(command: str) -> list[str]:
     ids=lambda v: v[:60] if isinstance(v, str) else v,
 )
 def test_cheap_commands_run(doc: str, command: str, tmp_path: Path) -> None:
-    _job_yaml(tmp_path)
+    readme_job_yaml(tmp_path)
     args = _args(command)
     assert args[0] == "edge-fl"
     started = time.monotonic()
@@ -187,7 +179,7 @@ def test_broker_readme_block_runs(tmp_path: Path) -> None:
 
 
 def test_example_job_configs_validate(tmp_path: Path) -> None:
-    load_config(_job_yaml(tmp_path))
+    load_config(readme_job_yaml(tmp_path))
     deployment = readme_section(REPO / "README.md", "## Real deployment", "### Raspberry Pi agents")
     heredoc = re.search(r"cat > (\S+job\.yaml) <<'EOF'\n(.*?)\nEOF", deployment, flags=re.S)
     assert heredoc, "the deployment writes its job.yaml"

@@ -108,7 +108,7 @@ def device(url, device_id, data_dir, public_key, job, prefix, index, config, wai
 
 async def _serve(s: dict[str, Any], index: int, retry_forever: bool, wait: float | None) -> int:
     from edge_fl.config import ConfigError
-    from edge_fl.device.join import NoJob, device_config, fetch_job_document
+    from edge_fl.device.join import device_config
     from edge_fl.device.runtime import run_device
     from edge_fl.job import build_job
     from edge_fl.transport.url import parse_broker_url
@@ -130,7 +130,7 @@ async def _serve(s: dict[str, Any], index: int, retry_forever: bool, wait: float
             "no --public-key: this device cannot tell the aggregator's job and models from a "
             "forgery by anyone who may publish on the broker"
         )
-    doc = await _fetch(spec, s, verifier, retry_forever, wait, fetch_job_document, NoJob)
+    doc = await _fetch(spec, s, verifier, retry_forever, wait)
     local = {
         "broker": {"url": s["url"], "prefix": s["prefix"]},
         "security": {"public_key": s["public_key"]},
@@ -163,12 +163,15 @@ async def _serve(s: dict[str, Any], index: int, retry_forever: bool, wait: float
     )
 
 
-async def _fetch(spec, s, verifier, retry_forever, wait, fetch, no_job) -> Any:
+async def _fetch(
+    spec: Any, s: dict[str, Any], verifier: Any, retry_forever: bool, wait: Any
+) -> Any:
     """The job document; broker trouble is retried with backoff like the rounds are."""
+    from edge_fl.device.join import NoJob, fetch_job_document
     from edge_fl.device.runtime import retry_broker
 
     async def once() -> Any:
-        return await fetch(
+        return await fetch_job_document(
             spec,
             prefix=s["prefix"],
             job=s["job"],
@@ -179,7 +182,7 @@ async def _fetch(spec, s, verifier, retry_forever, wait, fetch, no_job) -> Any:
 
     try:
         return await retry_broker(spec, once, retry_forever=retry_forever)
-    except no_job as exc:
+    except NoJob as exc:
         raise RuntimeError(str(exc)) from None
 
 
