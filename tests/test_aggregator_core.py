@@ -144,12 +144,20 @@ def test_bad_status_is_ignored_and_cleared_status_forgets():
 
 
 def test_non_finite_aggregate_leaves_the_model_unchanged():
-    c = core(server_lr=10.0, min_updates=1)
-    c.limits = UpdateLimits(D, max_abs=None)  # a deliberately huge delta, past plausibility
+    c = core(server_lr=1e36, min_updates=1)  # a deliberately absurd server step
     msg = c.open_round(0.0)
     dev = msg.selected[0]
-    assert c.on_update(dev, update(c, dev, 1, 0, 3e38, 5)) is None  # finite, but x10 overflows
+    assert c.on_update(dev, update(c, dev, 1, 0, 1e3, 5)) is None  # finite; x1e36 overflows f32
     record = c.close_round(20.0, 1.0)
     assert record["status"] == "skipped" and record["diverged"] is True
     assert c.version == 0
     np.testing.assert_array_equal(c.params, 0.0)
+
+
+def test_an_update_beyond_the_exact_sum_is_refused_as_implausible_and_changes_nothing():
+    c = core(min_updates=1)
+    c.limits = UpdateLimits(D, max_abs=None)  # past the decoder's plausibility bound
+    msg = c.open_round(0.0)
+    dev = msg.selected[0]
+    assert c.on_update(dev, update(c, dev, 1, 0, 3e38, 5)) is Reject.IMPLAUSIBLE
+    assert c.strategy.count == 0 and c.current.count == 0

@@ -188,21 +188,32 @@ def test_wrong_kind_is_a_type_error_and_counts_nothing():
     assert st.count == 0 and st.capped == 0
 
 
-def test_auto_holds_only_the_first_updates_and_bounds_a_first_attacker():
+def test_auto_holds_the_first_round_and_bounds_a_first_attacker_by_its_median():
     st = strategy(norm_bound="auto")  # 3 x median, reference from 5 updates
     st.add(along(1000.0, n=10_000), 1.0)  # the attacker is first in the job
-    for norm in (1.0, 1.2, 0.8):
+    for norm in (1.0, 1.2, 0.8, 1.1, 50.0):
         st.add(along(norm), 1.0)
-    assert st.count == 4 and st.inner.count == 0  # held: no reference yet
-    st.add(along(1.1), 1.0)  # the fifth: the reference exists, everything is folded
-    assert st.inner.count == 5 and not st._held
-    assert st.bound == pytest.approx(3 * 1.1)
-    st.add(along(50.0), 1.0)  # from now on: decided on arrival, against the reference
-    assert st.inner.count == 6 and st.clipped == 2
+    # no reference when the round opened: the whole round is held, whatever its size, so the
+    # bound is a function of the round's set of updates, not of which came first
+    assert st.count == 6 and st.inner.count == 0
     new, info = st.finish(np.zeros(D, np.float32))
+    assert st.inner.count == 6 and not st._held
+    assert st.bound == pytest.approx(3 * 1.15)  # median of 0.8, 1.0, 1.1, 1.2, 50, 1000
     assert info["norm_clipped"] == 2
     # the attacker's 10,000 samples (no declared cap here) still only move the model by the bound
-    assert norm_of(new) <= 3 * 1.1 + 1e-5
+    assert norm_of(new) <= 3 * 1.15 + 1e-5
+
+
+def test_auto_bound_does_not_depend_on_arrival_order():
+    norms = (1000.0, 1.0, 1.2, 0.8, 1.1, 50.0, 0.9)
+    results = []
+    for order in (norms, norms[::-1], sorted(norms)):
+        st = strategy(norm_bound="auto")
+        for norm in order:
+            st.add(along(norm), 1.0)
+        new, _ = st.finish(np.zeros(D, np.float32))
+        results.append((st.bound, new.tobytes(), sorted(st.reference.norms)))
+    assert results[0] == results[1] == results[2]
 
 
 def test_auto_reference_carries_over_rounds_and_follows_the_norms():
@@ -217,6 +228,8 @@ def test_auto_reference_carries_over_rounds_and_follows_the_norms():
     assert second.inner.count == 1 and second.clipped == 1 and second.bound == pytest.approx(6.0)
     for _ in range(20):  # norms shrink: the window forgets the old ones
         second.add(along(0.1), 1.0)
+    assert ref.bound() == pytest.approx(6.0)  # a round's norms join the reference at its close
+    second.finish(np.zeros(D, np.float32))
     assert ref.bound() == pytest.approx(0.3)
 
 
@@ -323,7 +336,7 @@ def test_the_issue_attack_through_a_job_core_is_clipped_and_capped():
         assert core.on_update(dev, payload(core, dev, noisy, 30)) is None
     record = core.close_round(1.0, 0.1)
     assert record["capped_samples"] == 1  # the core's cap at the declared count
-    assert record["norm_clipped"] == 1  # held (first in the job), bounded when the reference came
+    assert record["norm_clipped"] == 1  # held (first round of the job), bounded at its close
     assert record["received"] == 6
     # the step is within the bound of the honest ones: 3 x their median norm at most
     honest_norm = norm_of(direction)

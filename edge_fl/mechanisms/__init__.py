@@ -30,7 +30,7 @@ __all__ = [
     "mechanism_names",
 ]
 
-_NOT_MECHANISMS = {"base"}
+_NOT_MECHANISMS = {"base", "exact_sum"}
 
 
 class UnknownMechanismError(ValueError):

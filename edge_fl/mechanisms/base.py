@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 import numpy as np
 
+from edge_fl.mechanisms.exact_sum import ExactSum
 from edge_fl.models.training import LocalTraining, local_sgd
 from edge_fl.protocol import DenseUpdate, GlobalModel, Update
 
@@ -99,6 +100,16 @@ class Strategy(Protocol):
 
     def finish(self, params: np.ndarray) -> tuple[np.ndarray, dict[str, Any]]:
         """New global parameters and extra metrics for the round record."""
+        ...
+
+    def partial(self) -> dict[str, Any]:
+        """What was folded so far, msgpack-safe (an ingest worker's share of the round)."""
+        ...
+
+    def merge(self, data: dict[str, Any]) -> None:
+        """Fold in another strategy's :meth:`partial`. Exact: merging the partials of any
+        split of a round's updates gives bit-for-bit what one strategy folding them all gives
+        (docs/scale.md); ValueError if ``data`` is not a partial of this strategy."""
         ...
 
     @property
@@ -285,21 +296,30 @@ class FedAvg:
 
     n_params: int
     server_lr: float = 1.0
-    _sum: np.ndarray = field(init=False)
-    _weight: float = field(default=0.0, init=False)
+    _sum: ExactSum = field(init=False)
+    _weight: int = field(default=0, init=False)
     _count: int = field(default=0, init=False)
 
     def __post_init__(self) -> None:
-        self._sum = np.zeros(self.n_params, dtype=np.float64)
+        self._sum = ExactSum(self.n_params)
 
     def add(self, update: Update, weight: float) -> None:
         """``weight`` scales an update's influence (staleness); it is NOT renormalised away, so
         FedAsync with one update applies ``server_lr * f(s) * delta``."""
         if not isinstance(update, DenseUpdate):
             raise TypeError(f"FedAvg takes dense updates, got {type(update).__name__}")
-        self._sum += weight * update.n_samples * update.delta.astype(np.float64)
-        self._weight += update.n_samples
+        self._sum.add(weight * update.n_samples * update.delta.astype(np.float64))
+        self._weight += int(update.n_samples)
         self._count += 1
+
+    def partial(self) -> dict[str, Any]:
+        return {"s": self._sum.to_bytes(), "w": self._weight, "c": self._count}
+
+    def merge(self, data: dict[str, Any]) -> None:
+        total, weight, count = partial_fields(data, self.n_params)
+        self._sum.merge(total)
+        self._weight += weight
+        self._count += count
 
     @property
     def count(self) -> int:
@@ -312,7 +332,20 @@ class FedAvg:
     def finish(self, params: np.ndarray) -> tuple[np.ndarray, dict[str, Any]]:
         if self._count == 0 or self._weight <= 0:
             return params.copy(), {}
-        step = self.server_lr * self._sum / self._weight
+        step = self.server_lr * self._sum.value() / self._weight
         return (params.astype(np.float64) + step).astype(np.float32), {
             "update_norm": float(np.linalg.norm(step))
         }
+
+
+def partial_fields(data: Any, n_params: int) -> tuple[ExactSum, int, int]:
+    """(sum, weight, count) of a summing strategy's partial, checked (ValueError otherwise)."""
+    if not isinstance(data, dict) or set(data) != {"s", "w", "c"}:
+        raise ValueError("a partial sum is a map with exactly the keys s, w and c")
+    weight, count = data["w"], data["c"]
+    if not isinstance(data["s"], bytes):
+        raise ValueError("a partial sum's 's' must be bytes")
+    for key, value in (("w", weight), ("c", count)):
+        if type(value) is not int or value < 0:
+            raise ValueError(f"a partial sum's {key!r} must be an int >= 0, got {value!r}")
+    return ExactSum.from_bytes(data["s"], n_params), weight, count

@@ -23,7 +23,9 @@ from edge_fl.mechanisms.base import (
     Mechanism,
     dense_update,
     local_update,
+    partial_fields,
 )
+from edge_fl.mechanisms.exact_sum import ExactSum
 from edge_fl.privacy.calibration import calibrated
 from edge_fl.privacy.gaussian import CentralGaussianConfig, calibrate_central_noise_multiplier
 from edge_fl.protocol import DenseUpdate, GlobalModel, PayloadRejected, Reject, Update
@@ -116,11 +118,11 @@ class CentralGaussianSum:
     central: CentralGaussianConfig
     rng: np.random.Generator
     server_lr: float = 1.0
-    _sum: np.ndarray = field(init=False)
+    _sum: ExactSum = field(init=False)
     _count: int = field(default=0, init=False)
 
     def __post_init__(self) -> None:
-        self._sum = np.zeros(self.n_params, dtype=np.float64)
+        self._sum = ExactSum(self.n_params)
 
     def add(self, update: Update, weight: float) -> None:
         if not isinstance(update, DenseUpdate):
@@ -134,8 +136,16 @@ class CentralGaussianSum:
             )
         if norm > bound:  # float16/float32 rounding of a clipped delta: project onto the S-ball
             delta *= bound / norm
-        self._sum += delta
+        self._sum.add(delta)
         self._count += 1
+
+    def partial(self) -> dict[str, Any]:
+        return {"s": self._sum.to_bytes(), "w": 0, "c": self._count}
+
+    def merge(self, data: dict[str, Any]) -> None:
+        total, _, count = partial_fields(data, self.n_params)
+        self._sum.merge(total)
+        self._count += count
 
     @property
     def count(self) -> int:
@@ -146,7 +156,7 @@ class CentralGaussianSum:
         return None
 
     def finish(self, params: np.ndarray) -> tuple[np.ndarray, dict[str, Any]]:
-        step = self.server_lr * self.central.noisy_mean(self._sum, self.rng)
+        step = self.server_lr * self.central.noisy_mean(self._sum.value(), self.rng)
         return (params.astype(np.float64) + step).astype(np.float32), {
             "noise_std": self.central.std,
             "update_norm": float(np.linalg.norm(step)),

@@ -17,7 +17,15 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from edge_fl.mechanisms.base import Device, Guarantee, JobFacts, Mechanism, local_update
+from edge_fl.mechanisms.base import (
+    Device,
+    Guarantee,
+    JobFacts,
+    Mechanism,
+    local_update,
+    partial_fields,
+)
+from edge_fl.mechanisms.exact_sum import ExactSum
 from edge_fl.privacy.magrr import (
     MagRRConfig,
     MagRRState,
@@ -28,11 +36,11 @@ from edge_fl.privacy.magrr import (
 )
 from edge_fl.privacy.signds import (
     SignDSParams,
-    add_vote,
     check_dimension,
     plan,
     select,
     signds_global_update,
+    vote_parts,
 )
 from edge_fl.protocol import GlobalModel, SignDSUpdate, Update
 
@@ -152,20 +160,39 @@ class SignDSAggregate:
     magrr: MagRRConfig
     global_lr: float
     expected_n: int
-    _votes: np.ndarray = field(init=False)
-    _weight: float = field(default=0.0, init=False)
+    _votes: ExactSum = field(init=False)
+    _weight: int = field(default=0, init=False)
     _bits: list[int] = field(default_factory=list, init=False)
     _next: MagRRState | None = field(default=None, init=False)
 
     def __post_init__(self) -> None:
-        self._votes = np.zeros(self.n_params, dtype=np.float64)
+        self._votes = ExactSum(self.n_params)
 
     def add(self, update: Update, weight: float) -> None:
         if not isinstance(update, SignDSUpdate):
             raise TypeError(f"SignDS takes SignDS updates, got {type(update).__name__}")
-        add_vote(self._votes, update.sign, update.indices, weight * update.n_samples)
-        self._weight += update.n_samples
+        idx, value = vote_parts(self.n_params, update.sign, update.indices,
+                                weight * update.n_samples)  # fmt: skip
+        self._votes.add_at(idx, value)
+        self._weight += int(update.n_samples)
         self._bits.append(update.magrr_bit)
+
+    def partial(self) -> dict[str, Any]:
+        """Vote sums, weight and the MagRR bits (their order does not matter: MagRR counts)."""
+        return {"s": self._votes.to_bytes(), "w": self._weight, "b": bytes(self._bits)}
+
+    def merge(self, data: dict[str, Any]) -> None:
+        bits = data.get("b") if isinstance(data, dict) else None
+        if not isinstance(bits, bytes) or any(b > 1 for b in bits):
+            raise ValueError("a SignDS partial's 'b' must be bytes of 0/1 MagRR bits")
+        votes, weight, _ = partial_fields(
+            {"s": data.get("s"), "w": data.get("w"), "c": len(bits)}, self.n_params
+        )
+        if set(data) != {"s", "w", "b"}:
+            raise ValueError("a SignDS partial is a map with exactly the keys s, w and b")
+        self._votes.merge(votes)
+        self._weight += weight
+        self._bits.extend(bits)
 
     @property
     def count(self) -> int:
@@ -180,7 +207,9 @@ class SignDSAggregate:
         step = self.start.step(self.expected_n, self.magrr)
         new = params.copy()
         if self._weight > 0:
-            new = signds_global_update(params.astype(np.float64), self._votes, self._weight, step)
+            new = signds_global_update(
+                params.astype(np.float64), self._votes.value(), self._weight, step
+            )
             new = new.astype(np.float32)
         self._next, info = magrr_step(
             self.start, np.asarray(self._bits, dtype=np.int64), self.expected_n, self.global_lr,

@@ -526,6 +526,12 @@ def add_vote(votes: np.ndarray, sign: int, indices: np.ndarray, weight: float) -
     Re-checks the indices cheaply (the decoder validated them): a duplicate would silently
     double a vote, an out-of-range one would corrupt another coordinate.
     """
+    idx, value = vote_parts(votes.shape[0], sign, indices, weight)
+    votes[idx] += value
+
+
+def vote_parts(d: int, sign: int, indices: np.ndarray, weight: float) -> tuple[np.ndarray, float]:
+    """(indices as int64, weight x sign) of one vote, checked: what :func:`add_vote` adds."""
     s = _check_sign(sign)
     if not _is_real(weight) or not 0 <= float(weight) < math.inf:
         raise ValueError(f"weight = {weight!r} is out of domain [0, inf)")
@@ -533,10 +539,9 @@ def add_vote(votes: np.ndarray, sign: int, indices: np.ndarray, weight: float) -
     if idx.ndim != 1 or not np.issubdtype(idx.dtype, np.integer):
         raise ValueError("indices must be a 1-D integer array")
     idx = idx.astype(np.int64)  # unsigned differences would wrap and hide a descending pair
-    d = votes.shape[0]
     if idx.size and (int(idx[0]) < 0 or int(idx[-1]) >= d or (np.diff(idx) <= 0).any()):
         raise ValueError(f"indices must be strictly ascending in [0, d={d})")
-    votes[idx] += s * float(weight)
+    return idx, s * float(weight)
 
 
 def signds_vote(d: int, selections: Iterable[tuple[int, np.ndarray, float]]) -> np.ndarray:

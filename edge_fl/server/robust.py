@@ -9,10 +9,13 @@ capped at the declared one (tools/bench_poisoning.py). What this module adds on 
   norm of the last ``norm_window`` folded updates (after clipping, across rounds), fixed when a
   round (async: a window) opens. An update above it is clipped to it (``on_excess: clip``) or
   refused (``reject``: a ValueError from ``add``, which the core counts as a rejection). Updates
-  are folded as they arrive; the only ones ever held are the job's first ``norm_min_updates`` with
-  ``auto``, while no reference exists: then they are bounded by the median of themselves and
-  folded (at the latest when their round closes; one over the bound is clipped, also with
-  ``reject``, because the core has already accepted it);
+  are folded as they arrive; the only ones ever held are those of a round that opened while the
+  reference had fewer than ``norm_min_updates`` norms (with ``auto``: the job's first round):
+  when that round closes they are bounded by the median of the reference and all of them, and
+  folded (one over the bound is clipped, also with ``reject``, because the core has already
+  accepted it). A round's norms join the reference when it closes, in sorted order. Both make
+  the result a function of the round's *set* of updates, not of their arrival order, which is
+  what lets ingest workers fold disjoint shares that merge exactly (:meth:`RobustStrategy.merge`);
 - an absolute cap ``max_samples`` on the sample count an update is weighted by (the aggregator core
   also caps the count at the one the device declared in its retained status);
 - opt-in coordinate-wise **trimmed mean** or **median** instead of the sample-weighted mean, for
@@ -196,6 +199,18 @@ class CoordinateTrimmedMean:
             raise ValueError(f"delta has shape {update.delta.shape}, expected ({self.n_params},)")
         self._rows.append((weight * update.delta.astype(np.float64)).astype(np.float32))
 
+    def partial(self) -> dict[str, Any]:
+        """Every row (a trimmed mean of partial means is another estimator): sorting per
+        coordinate makes the merged result independent of the rows' order."""
+        return {"r": b"".join(row.astype("<f4").tobytes() for row in self._rows)}
+
+    def merge(self, data: dict[str, Any]) -> None:
+        rows = data.get("r") if isinstance(data, dict) else None
+        if set(data) != {"r"} or not isinstance(rows, bytes) or len(rows) % (4 * self.n_params):
+            raise ValueError(f"a trimmed-mean partial is {{'r': rows of {self.n_params} float32}}")
+        block = np.frombuffer(rows, dtype="<f4").reshape(-1, self.n_params)
+        self._rows.extend(np.array(row, dtype=np.float32) for row in block)
+
     @property
     def count(self) -> int:
         return len(self._rows)
@@ -236,6 +251,7 @@ class RobustStrategy:
     #: the round's bound, fixed when it opens (auto: from the reference; None while there is none)
     bound: float | None = field(default=None, init=False)
     _held: list[tuple[DenseUpdate, float, float]] | None = field(default=None, init=False)
+    _norms: list[float] = field(default_factory=list, init=False)  # folded: for the reference
 
     def __post_init__(self) -> None:
         s = self.settings
@@ -260,12 +276,9 @@ class RobustStrategy:
         if not isinstance(update, DenseUpdate):
             raise TypeError(f"a norm bound takes dense updates, got {type(update).__name__}")
         norm = l2_norm(update.delta)
-        if self._held is not None:
+        if self._held is not None:  # no reference when the round opened: bounded at its close
             self._held.append((update, weight, norm))
             self.capped += capped
-            assert self.reference is not None
-            if len(self.reference) + len(self._held) >= self.reference.min_updates:
-                self._flush()
             return
         bound = self.bound
         if bound is not None and norm > bound and s.on_excess == "reject":
@@ -283,18 +296,50 @@ class RobustStrategy:
             update = replace(update, delta=delta)
         self.inner.add(update, weight)
         self.clipped += clip
-        if self.reference is not None:
-            self.reference.add(min(norm, bound) if bound is not None else norm)
+        self._norms.append(min(norm, bound) if bound is not None else norm)
 
     def _flush(self) -> None:
         """Bound the held updates by the median of the reference and themselves, and fold them
-        (over the bound: clipped, also with ``reject``, since the core accepted them). That bound
-        holds for the rest of the round."""
+        (over the bound: clipped, also with ``reject``, since the core accepted them)."""
         assert self.reference is not None and self._held is not None
         held, self._held = self._held, None
         self.bound = self.reference.bound(tuple(n for _, _, n in held))
         for update, weight, norm in held:
             self._fold(update, weight, norm)
+
+    def partial(self) -> dict[str, Any]:
+        """The inner partial, held updates as they came (delta, samples, weight, norm), the
+        folded norms and the counters."""
+        held = [
+            [u.delta.astype("<f4").tobytes(), int(u.n_samples), float(w), float(n)]
+            for u, w, n in self._held or ()
+        ]
+        return {
+            "i": self.inner.partial(),
+            "h": held if self._held is not None else None,
+            "n": [float(n) for n in self._norms],
+            "k": [self.clipped, self.rejected, self.capped],
+        }
+
+    def merge(self, data: dict[str, Any]) -> None:
+        if not isinstance(data, dict) or set(data) != {"i", "h", "n", "k"}:
+            raise ValueError("a robust partial is a map with exactly the keys i, h, n and k")
+        if (data["h"] is None) != (self._held is None):
+            raise ValueError("a robust partial must hold updates exactly when this round does")
+        counters, norms = data["k"], data["n"]
+        if not (isinstance(counters, list) and len(counters) == 3
+                and all(type(c) is int and c >= 0 for c in counters)):  # fmt: skip
+            raise ValueError("a robust partial's 'k' must be 3 counts")
+        if not isinstance(norms, list) or not all(isinstance(n, float) for n in norms):
+            raise ValueError("a robust partial's 'n' must be a list of floats")
+        held = [_held_update(item, self.inner) for item in data["h"] or ()]
+        self.inner.merge(data["i"])
+        if self._held is not None:
+            self._held.extend(held)
+        self._norms.extend(norms)
+        self.clipped += counters[0]
+        self.rejected += counters[1]
+        self.capped += counters[2]
 
     @property
     def count(self) -> int:
@@ -307,6 +352,9 @@ class RobustStrategy:
     def finish(self, params: np.ndarray) -> tuple[np.ndarray, dict[str, Any]]:
         if self._held:
             self._flush()
+        if self.reference is not None:  # in sorted order: the same for any arrival order
+            for norm in sorted(self._norms):
+                self.reference.add(norm)
         new, info = self.inner.finish(params)
         out = dict(info)
         if self.settings.norm_bound is not None:
@@ -316,6 +364,18 @@ class RobustStrategy:
         if self.settings.max_samples is not None:
             out["max_samples_capped"] = self.capped
         return new, out
+
+
+def _held_update(item: Any, inner: Strategy) -> tuple[DenseUpdate, float, float]:
+    n_params = getattr(inner, "n_params", None)
+    ok = isinstance(item, list) and len(item) == 4 and isinstance(item[0], bytes)
+    if not ok or type(item[1]) is not int or not all(isinstance(x, float) for x in item[2:]):
+        raise ValueError("a held update is [delta bytes, samples, weight, norm]")
+    if n_params is not None and len(item[0]) != 4 * n_params:
+        raise ValueError(f"a held delta must be {n_params} float32")
+    delta = np.frombuffer(item[0], dtype="<f4").astype(np.float32)
+    update = DenseUpdate(device="", round=0, base_version=0, n_samples=item[1], delta=delta)
+    return update, item[2], item[3]
 
 
 class RobustAggregation:

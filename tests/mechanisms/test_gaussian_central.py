@@ -184,4 +184,4 @@ def test_rounding_level_excess_is_projected_onto_the_clip_ball(central):
     hair = S * (1 + 4e-4) * v / np.linalg.norm(v)
     s = mech.new_strategy(None, 1.0, seeded_generator(5))
     s.add(dense(hair), 1.0)
-    assert np.linalg.norm(s._sum) == pytest.approx(S, rel=1e-9)
+    assert np.linalg.norm(s._sum.value()) == pytest.approx(S, rel=1e-9)
