@@ -66,6 +66,23 @@ class Topics:
     def all_status(self) -> str:
         return f"{self.base}/status/+"
 
+    @property
+    def ingest_control(self) -> str:
+        """Coordinator -> ingest workers: open / freeze / commit a round (edge_fl.server.sharding)."""
+        return f"{self.base}/ingest/ctl"
+
+    def ingest(self, kind: str, worker: str) -> str:
+        """Worker -> coordinator: ``progress``, ``partial``; ``worker`` is its retained liveness."""
+        return f"{self.base}/ingest/{kind}/{worker}"
+
+    def all_ingest(self, kind: str) -> str:
+        return f"{self.base}/ingest/{kind}/+"
+
+    def shared_updates(self, group: str) -> str:
+        """The update stream dealt among a group of ingest workers (MQTT 5 shared subscription)."""
+        check_segment("shared subscription group", group)
+        return f"$share/{group}/{self.base}/up/+"
+
     def device_of(self, topic: str, kind: str) -> str | None:
         """The device id of an ``up``/``status``/``ack`` topic of this job, or None if not one."""
         head = f"{self.base}/{kind}/"

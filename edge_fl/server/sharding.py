@@ -1,0 +1,408 @@
+"""Sharded ingest: workers fold disjoint shares of a round, the coordinator merges them exactly.
+
+Sans-I/O; the runtime is ``edge_fl/server/ingest.py`` (workers) and ``AggregatorService`` with
+``workers`` (coordinator). The broker deals the update stream among the workers (MQTT 5 shared
+subscription ``$share/<group>/<prefix>/<job>/up/+``). Every worker runs the single aggregator's
+core (decode, validate, admit, fold) on what it is dealt, so a payload is judged by the same code
+wherever it lands. One round, over ``<prefix>/<job>/ingest/...`` (msgpack maps, ``v: 1``):
+
+1. ``open`` (ctl): the round's signed global message as devices see it (round, version,
+   selection, nonce, mechanism state), plus the robust norm bound of the round (``b``) or that
+   it is held (``h``: no reference yet). Each worker mirrors the round.
+2. ``progress`` (worker -> coordinator, after each socket burst): the devices it accepted and
+   refused since the last one. The coordinator admits them in arrival order: the first copy of a
+   device counts, a second copy from another worker (a device's re-publish, a redelivery after a
+   reconnect) is a ``duplicate``, one beyond the target is ``late``, exactly as the single
+   aggregator would judge them. It decides the round on these counts, as the single one does.
+3. ``freeze`` (ctl): each worker stops admitting to the round (later answers are late, still
+   charged) and sends a last ``progress`` marked final.
+4. ``commit`` (ctl): per worker, the devices to leave out (step 2's duplicates and late ones).
+   Each worker answers with its ``partial``: the strategy's partial (exact fixed-point sums,
+   :mod:`edge_fl.mechanisms.exact_sum`), every release it saw since its last partial (device,
+   round, samples) and its tally.
+5. The coordinator merges the partials into its core and closes the round as usual. The merged
+   model and ledger are bit-for-bit those of one aggregator on the same accepted updates
+   (``tests/test_sharding.py``). A worker whose partial does not come (crashed, timed out) is
+   reported; every selected device of the round that is not in the ledger is charged a release
+   (it may have sent one: the ledger over-counts rather than under-counts) and its accepted
+   devices leave the round's count.
+
+Limits: synchronous rounds with a selection (no Poisson self-selection, no async modes); a
+worker acknowledges an update once folded, so a worker killed mid-round loses its share of that
+round (the single aggregator's journal does not cover workers).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgpack
+
+from edge_fl.protocol import Reject, Update, decode_global
+
+from .aggregator import AggregatorCore, RoundTally
+from .rounds import SyncRound
+
+log = logging.getLogger("edge_fl.aggregator")
+
+VERSION = 1
+#: a partial or control message larger than this is refused (a model of 4M float64 limbs fits)
+MAX_MESSAGE = 1 << 28
+
+
+class ShardingError(ValueError):
+    """A control, progress or partial message that is not what the protocol says."""
+
+
+def pack(kind: str, **fields: Any) -> bytes:
+    return msgpack.packb({"v": VERSION, "k": kind, **fields}, use_bin_type=True)
+
+
+def unpack(payload: bytes, kinds: tuple[str, ...]) -> dict[str, Any]:
+    if len(payload) > MAX_MESSAGE:
+        raise ShardingError(f"ingest message of {len(payload)} bytes exceeds {MAX_MESSAGE}")
+    try:
+        obj = msgpack.unpackb(payload, raw=False, strict_map_key=True)
+    except Exception as exc:
+        raise ShardingError(f"ingest message is not msgpack: {exc}") from None
+    if not isinstance(obj, dict) or obj.get("v") != VERSION or obj.get("k") not in kinds:
+        raise ShardingError(f"expected an ingest message of kind {kinds} and version {VERSION}")
+    return obj
+
+
+def _int(obj: dict, key: str) -> int:
+    value = obj.get(key)
+    if type(value) is not int or value < 0:
+        raise ShardingError(f"ingest message field {key!r} must be an int >= 0, got {value!r}")
+    return value
+
+
+def _names(obj: dict, key: str) -> list[str]:
+    value = obj.get(key, [])
+    if not isinstance(value, list) or not all(isinstance(x, str) for x in value):
+        raise ShardingError(f"ingest message field {key!r} must be a list of strings")
+    return value
+
+
+def robust_round(strategy: Any) -> tuple[float | None, bool]:
+    """(the round's norm bound, whether it holds its updates) of a round's strategy."""
+    return getattr(strategy, "bound", None), getattr(strategy, "_held", None) is not None
+
+
+@dataclass
+class FixedReference:
+    """A worker's stand-in for the coordinator's norm reference: the round's bound as sent."""
+
+    value: float | None
+    hold: bool
+    min_updates: int = 1
+
+    def __len__(self) -> int:
+        return 0 if self.hold else self.min_updates
+
+    def bound(self, pending: Any = ()) -> float | None:
+        return self.value
+
+    def add(self, norm: float) -> None:  # the coordinator keeps the reference
+        pass
+
+
+@dataclass
+class Recording:
+    """A round's strategy that remembers what it folded, so a worker can fold it again without
+    the updates the coordinator leaves out (rare: duplicates across workers, over the target)."""
+
+    inner: Any
+    folded: list[tuple[Update, float]] = field(default_factory=list)
+
+    def add(self, update: Update, weight: float) -> None:
+        self.inner.add(update, weight)
+        self.folded.append((update, weight))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+# ------------------------------------------------------------------------------- worker
+
+
+class IngestWorker:
+    """One worker's share of the ingest: the single aggregator's core on the updates it is dealt,
+    with its rounds mirrored from the coordinator's ``open`` messages."""
+
+    def __init__(self, name: str, core: AggregatorCore) -> None:
+        self.name = name
+        self.core = core
+        core.privacy = None  # the coordinator keeps the ledger; a worker lists releases
+        self.frozen: int | None = None  # the round frozen and awaiting its commit
+        self._reported = 0  # releases already sent in a partial
+        self._accepted: list[str] = []  # since the last progress
+        self._refused: list[str] = []
+
+    def on_update(self, device: str, payload: bytes) -> Reject | None:
+        core = self.core
+        refused = len(core.refused)
+        reason = core.on_update(device, payload)
+        if reason is None:
+            self._accepted.append(device)
+        elif len(core.refused) > refused:  # answered, but refused (norm bound): need not wait
+            self._refused.append(device)
+        return reason
+
+    def on_status(self, device: str, payload: bytes) -> None:
+        self.core.on_status(device, payload)
+
+    def progress(self, final: bool = False) -> bytes | None:
+        """What was admitted since the last call (None if nothing, unless ``final``)."""
+        if not (self._accepted or self._refused or final):
+            return None
+        rnd = self.frozen if final else self.core.round_number
+        out = pack("progress", w=self.name, r=rnd, a=self._accepted, f=self._refused, z=final)
+        self._accepted, self._refused = [], []
+        return out
+
+    def on_control(self, payload: bytes) -> list[tuple[str, bytes]]:
+        """Apply a coordinator message; returns (kind, payload) messages to publish."""
+        msg = unpack(payload, ("open", "freeze", "commit"))
+        rnd = _int(msg, "r")
+        if msg["k"] == "open":
+            self._open(msg, rnd)
+            return []
+        if msg["k"] == "freeze":
+            return self._freeze(rnd)
+        return self._commit(rnd, msg)
+
+    def _open(self, msg: dict[str, Any], rnd: int) -> None:
+        core = self.core
+        if rnd <= core.round_number and core.current is not None:
+            return  # a re-sent open of the round already mirrored
+        g = decode_global(msg.get("g") if isinstance(msg.get("g"), bytes) else b"")
+        if g.round != rnd or g.selected is None:
+            raise ShardingError("an open message carries its round's global message with a "
+                                "selection (Poisson self-selection is not sharded)")  # fmt: skip
+        if core.current is not None:  # a round we never saw frozen: it is over
+            self._retire()
+        bound, hold = msg.get("b"), msg.get("h") is True
+        mechanism = core.mechanism
+        if getattr(mechanism, "reference", None) is not None:
+            mechanism.reference = FixedReference(bound, hold)  # type: ignore[attr-defined]
+        core.version, core.round_number = g.version, g.round
+        core.mechanism_state = core.mechanism.decode_state(g.mechanism_state)
+        selected = frozenset(g.selected)
+        core.current = SyncRound(
+            number=g.round,
+            base_version=g.version,
+            selected=selected,
+            target=len(selected),  # the coordinator enforces the real target
+            min_updates=0,
+            opened_at=0.0,
+            deadline_s=float("inf"),
+            nonce=g.nonce,
+        )
+        core.strategy = Recording(core.new_strategy())  # type: ignore[assignment]
+        core.refused = set()
+
+    def _retire(self) -> None:
+        core = self.core
+        assert core.current is not None
+        core.remember(core.current)
+        core.previous, core.current = core.current, None
+
+    def _freeze(self, rnd: int) -> list[tuple[str, bytes]]:
+        core = self.core
+        if core.current is not None and core.current.number == rnd:
+            self._retire()  # from now on its answers are late (and still charged)
+            self.frozen = rnd
+        elif self.frozen != rnd:
+            self.frozen = rnd  # nothing of it here (started later): an empty share
+            core.strategy = None
+        final = self.progress(final=True)
+        assert final is not None
+        return [("progress", final)]
+
+    def _commit(self, rnd: int, msg: dict[str, Any]) -> list[tuple[str, bytes]]:
+        core = self.core
+        if self.frozen != rnd:
+            raise ShardingError(f"commit of round {rnd}, but round {self.frozen} is frozen here")
+        left_out = set(_names(msg.get("x", {}), self.name) if isinstance(msg.get("x"), dict)
+                       else ())  # fmt: skip
+        strategy = core.strategy
+        if strategy is None:  # this worker never mirrored the round: nothing folded
+            partial = self._partial(rnd, None)
+            self.frozen = None
+            return [("partial", partial)]
+        if left_out:
+            fresh = Recording(core.new_strategy())
+            for update, weight in strategy.folded:
+                if update.device not in left_out:
+                    fresh.add(update, weight)
+            strategy = fresh
+        partial = self._partial(rnd, strategy.partial())
+        core.strategy, self.frozen = None, None
+        return [("partial", partial)]
+
+    def _partial(self, rnd: int, strategy: dict[str, Any] | None) -> bytes:
+        core = self.core
+        releases = [[d, int(r), int(n)] for d, r, n in core.releases[self._reported :]]
+        self._reported = len(core.releases)
+        t, core.tally = core.tally, RoundTally()
+        tally = {
+            "bu": t.bytes_up,
+            "mu": t.messages_up,
+            "late": t.late,
+            "rej": {str(k): v for k, v in t.rejected.items()},
+            "cap": t.capped_samples,
+            "smp": dict(t.samples),
+        }
+        return pack("partial", w=self.name, r=rnd, s=strategy, rel=releases, t=tally)
+
+
+# ------------------------------------------------------------------------------- coordinator
+
+
+@dataclass
+class ShardedRound:
+    """The coordinator's view of the open round across its workers."""
+
+    number: int
+    workers: frozenset[str]
+    owner: dict[str, str] = field(default_factory=dict)  # device -> worker whose copy counts
+    left_out: dict[str, list[tuple[str, Reject]]] = field(default_factory=dict)
+    frozen: set[str] = field(default_factory=set)
+    partials: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+    @property
+    def all_frozen(self) -> bool:
+        return self.frozen >= self.workers
+
+    @property
+    def all_partials(self) -> bool:
+        return set(self.partials) >= self.workers
+
+
+class Coordinator:
+    """The coordinator's half: admits what workers report, asks for and merges their partials."""
+
+    def __init__(self, core: AggregatorCore, workers: list[str]) -> None:
+        self.core = core
+        self.workers = frozenset(workers)
+        self.round: ShardedRound | None = None
+        self.lost: Counter = Counter()  # worker -> rounds whose partial never came
+
+    def open_message(self, global_payload: bytes) -> bytes:
+        """The ``open`` control message of the core's just-opened round."""
+        core = self.core
+        assert core.current is not None
+        bound, hold = robust_round(core.strategy)
+        self.round = ShardedRound(core.current.number, self.workers)
+        return pack("open", r=core.current.number, g=global_payload, b=bound, h=hold)
+
+    def freeze_message(self) -> bytes:
+        assert self.round is not None
+        return pack("freeze", r=self.round.number)
+
+    def commit_message(self) -> bytes:
+        assert self.round is not None
+        left_out = {w: [d for d, _ in items] for w, items in self.round.left_out.items()}
+        return pack("commit", r=self.round.number, x=left_out)
+
+    def on_progress(self, payload: bytes) -> None:
+        msg = unpack(payload, ("progress",))
+        worker, rnd = msg.get("w"), _int(msg, "r")
+        sr, core = self.round, self.core
+        if sr is None or rnd != sr.number or worker not in sr.workers:
+            return  # about a round already merged (its partial says the rest) or a stranger
+        current = core.current
+        for device in _names(msg, "a"):
+            if device in sr.owner:
+                sr.left_out.setdefault(worker, []).append((device, Reject.DUPLICATE))
+            elif current is None or current.count >= current.target:
+                sr.left_out.setdefault(worker, []).append((device, Reject.LATE))
+            else:
+                sr.owner[device] = worker
+                current.accept(device)
+        core.refused.update(_names(msg, "f"))
+        if msg.get("z") is True:
+            sr.frozen.add(worker)
+
+    def on_partial(self, payload: bytes) -> None:
+        msg = unpack(payload, ("partial",))
+        sr = self.round
+        if sr is None or _int(msg, "r") != sr.number or msg.get("w") not in sr.workers:
+            log.warning("partial of worker %r for round %r ignored (not awaited)",
+                        msg.get("w"), msg.get("r"))  # fmt: skip
+            return
+        sr.partials[msg["w"]] = msg
+
+    def merge(self) -> dict[str, Any]:
+        """Fold every partial that came into the core's round; account for the ones that did
+        not. Returns what the round's record should add (workers, lost shares)."""
+        core, sr = self.core, self.round
+        assert sr is not None and core.strategy is not None
+        for worker in sorted(sr.partials):
+            self._merge_one(sr, sr.partials[worker])
+        missing = sorted(sr.workers - set(sr.partials))
+        if missing:
+            self._account_missing(sr, missing)
+        info = {"workers": len(sr.workers), "workers_missing": missing}
+        self.round = None
+        return info
+
+    def _merge_one(self, sr: ShardedRound, msg: dict[str, Any]) -> None:
+        core = self.core
+        assert core.strategy is not None
+        try:
+            releases = msg.get("rel")
+            if not isinstance(releases, list):
+                raise ShardingError("a partial's 'rel' must be a list")
+            checked = []
+            for item in releases:
+                ok = isinstance(item, list) and len(item) == 3 and isinstance(item[0], str)
+                if not ok or type(item[1]) is not int or type(item[2]) is not int:
+                    raise ShardingError(f"a release is [device, round, samples], got {item!r}")
+                checked.append(item)
+            if msg.get("s") is not None:  # None: the worker never saw the round open
+                core.strategy.merge(msg["s"])
+        except (ShardingError, ValueError, TypeError) as exc:
+            log.error("partial of worker %r for round %d refused: %s", msg.get("w"), sr.number,
+                      exc)  # fmt: skip
+            sr.partials.pop(msg.get("w"), None)
+            self._account_missing(sr, [msg.get("w")])
+            return
+        for device, rnd, n in checked:
+            if (device, rnd) not in core._released:
+                core.record_release(device, rnd, n)
+        self._merge_tally(msg.get("t") or {})
+        for _device, reason in sr.left_out.get(msg["w"], ()):
+            core._count_rejection(reason)
+
+    def _merge_tally(self, t: dict[str, Any]) -> None:
+        tally = self.core.tally
+        tally.bytes_up += int(t.get("bu", 0))
+        tally.messages_up += int(t.get("mu", 0))
+        tally.late += int(t.get("late", 0))
+        tally.capped_samples += int(t.get("cap", 0))
+        for reason, count in (t.get("rej") or {}).items():
+            tally.rejected[str(reason)] += int(count)
+        for reason, text in (t.get("smp") or {}).items():
+            tally.samples.setdefault(str(reason), str(text))
+
+    def _account_missing(self, sr: ShardedRound, workers: list[Any]) -> None:
+        """A share that never came: its accepted devices leave the round's count, and every
+        selected device not in the ledger for the round is charged (it may have released)."""
+        core = self.core
+        rnd = core.current
+        assert rnd is not None
+        for worker in workers:
+            self.lost[worker] += 1
+            log.error("round %d: no partial from ingest worker %r: its share of the round is "
+                      "lost", sr.number, worker)  # fmt: skip
+        gone = {d for d, w in sr.owner.items() if w in workers}
+        rnd.accepted -= gone
+        for device in sorted(rnd.selected):
+            if (device, rnd.number) not in core._released:
+                declared = core.devices.get(device)
+                core.record_release(device, rnd.number, declared.n_samples if declared else 0)
