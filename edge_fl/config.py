@@ -382,6 +382,26 @@ class DeviceConfig(_Section):
     index: int | None = Field(None, ge=0, description="this device's share of the dataset")
 
 
+class IngestConfig(_Section):
+    """Sharded ingest (docs/scale.md): worker processes decode, validate and fold updates; the
+    aggregator coordinates rounds and merges their partial sums exactly."""
+
+    workers: int = Field(
+        0, ge=0, le=64, description="0: the aggregator ingests updates itself; N: workers w0..wN-1"
+    )
+    partition: Literal["shared", "hash"] = Field(
+        "shared",
+        description="shared: an MQTT 5 shared subscription deals updates (Mosquitto, EMQX); "
+        "hash: every worker reads every update and keeps its devices' (any broker)",
+    )
+    group: str = Field("edgefl-ingest", pattern=r"^[A-Za-z0-9_.\-]{1,64}$")
+    spawn: bool = Field(
+        True,
+        description="the aggregator starts its workers as local processes; false: run "
+        "`edge-fl ingest --worker I` yourself, on this or other machines",
+    )
+
+
 class JobConfig(_Section):
     job: str = Field("edgefl", pattern=r"^[A-Za-z0-9_.\-]{1,64}$")
     seed: int = 0
@@ -400,6 +420,23 @@ class JobConfig(_Section):
     fleet: FleetConfig = FleetConfig()
     population: PopulationConfig = PopulationConfig()
     device: DeviceConfig = DeviceConfig()
+    ingest: IngestConfig = IngestConfig()
+
+    @model_validator(mode="after")
+    def _shardable(self) -> JobConfig:
+        if not self.ingest.workers:
+            return self
+        if self.rounds.mode != "sync":
+            raise ValueError(
+                f"ingest.workers = {self.ingest.workers} needs rounds.mode = 'sync' (sharded "
+                f"ingest merges a round's partial sums; {self.rounds.mode} has no rounds)"
+            )
+        if self.privacy.poisson_selection:
+            raise ValueError(
+                "ingest.workers needs a selection in the global message; with "
+                "privacy.poisson_selection devices select themselves: use one aggregator"
+            )
+        return self
 
     @model_validator(mode="after")
     def _fits_the_fleet(self) -> JobConfig:

@@ -38,7 +38,7 @@ STREAM_INIT, STREAM_SELECT, STREAM_DEVICE, STREAM_NOISE, STREAM_PROFILE = 1, 2, 
 
 
 #: config sections that belong to one process, never to the job a device joins
-DEVICE_LOCAL_SECTIONS = {"broker", "security", "fleet", "device"}
+DEVICE_LOCAL_SECTIONS = {"broker", "security", "fleet", "device", "ingest"}
 
 
 def device_id(index: int) -> str:

@@ -81,6 +81,8 @@ def test_merged_partials_are_bit_for_bit_one_aggregator(name, n_workers):
     for core in (single, coord, *(w.core for w in workers.values())):
         announce(core, agents)
     coordinator = Coordinator(coord, names)
+    for w in names:
+        coordinator.worker_online(w)
     # central noise is drawn at the coordinator: the same draws on both sides compare the sums
     single.noise_rng, coord.noise_rng = np.random.default_rng(5), np.random.default_rng(5)
     deal = np.random.default_rng(len(name) * 7 + n_workers)
@@ -115,7 +117,7 @@ def test_merged_partials_are_bit_for_bit_one_aggregator(name, n_workers):
             for kind, out in w.on_control(coordinator.freeze_message()):
                 assert kind == "progress"
                 coordinator.on_progress(out)
-        assert coordinator.round.all_frozen
+        assert not coordinator.round.unfrozen()
         for w in workers.values():
             for kind, out in w.on_control(coordinator.commit_message()):
                 assert kind == "partial"
@@ -153,6 +155,8 @@ def test_a_missing_partial_charges_every_selected_device_and_drops_its_share():
     for core in (coord, *(w.core for w in workers.values())):
         announce(core, agents)
     coordinator = Coordinator(coord, list(workers))
+    for w in workers:
+        coordinator.worker_online(w)
     msg = coord.open_round(0.0)
     payload = encode_global(msg)
     for w in workers.values():
@@ -182,6 +186,7 @@ def test_hostile_worker_messages_are_refused_precisely():
     job = make_job({})
     coord = job.aggregator_core()
     coordinator = Coordinator(coord, ["w0"])
+    coordinator.worker_online("w0")
     with pytest.raises(ShardingError, match="not msgpack"):
         coordinator.on_progress(b"\xc1")
     with pytest.raises(ShardingError, match="kind"):

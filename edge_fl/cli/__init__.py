@@ -284,6 +284,7 @@ def keygen(directory: str, force: bool) -> None:
 _LAZY = {
     "aggregator": ("edge_fl.cli.runtime_cmds", "aggregator"),
     "fleet": ("edge_fl.cli.runtime_cmds", "fleet"),
+    "ingest": ("edge_fl.cli.ingest_cmd", "ingest"),
     "device": ("edge_fl.cli.device_cmd", "device"),
     "privacy": ("edge_fl.cli.privacy_cmds", "privacy_group"),
     "audit": ("edge_fl.cli.privacy_cmds", "audit_group"),

@@ -61,7 +61,17 @@ def _parse_shard(shard: str, n_devices: int) -> range:
 @click.option(
     "--resume", is_flag=True, help="continue from the checkpoint and journal in --out (if any)"
 )
-def aggregator(out, resume, verbose, config, **kw) -> None:
+@click.option(
+    "--workers",
+    type=int,
+    help="sharded ingest: N worker processes fold the updates (ingest.workers)",
+)
+@click.option(
+    "--spawn-workers/--no-spawn-workers",
+    default=None,
+    help="start the workers here (default), or run `edge-fl ingest --worker I` yourself",
+)
+def aggregator(out, resume, verbose, config, workers, spawn_workers, **kw) -> None:
     """Run the aggregator against a broker (devices run elsewhere).
 
     With --out, every round is checkpointed and everything accepted in between is journaled, so
@@ -73,19 +83,27 @@ def aggregator(out, resume, verbose, config, **kw) -> None:
     require_server("aggregator")
     signals = StopSignals().install()  # from here on, SIGTERM/SIGINT mean "stop cleanly"
     _logging(verbose or 1)
-    cfg = _load(config, _overrides(kw))
+    cfg = _load(config, _overrides(kw) | {"ingest.workers": workers, "ingest.spawn": spawn_workers})
     if not cfg.broker.url:
         _fail("the aggregator needs --broker (or broker.url in the config)")
     if resume and not out:
         _fail("--resume needs --out DIR (where the checkpoint is)")
     from edge_fl.metrics import OutputError
 
+    local = None
+    if cfg.ingest.workers and cfg.ingest.spawn:
+        from .ingest_cmd import LocalWorkers
+
+        local = LocalWorkers(cfg, verbose)
+        local.start()
     try:
         _run_aggregator(cfg, out, resume, signals)
     except OutputError as exc:  # disk full, read-only or unwritable output: one line
         _fail(str(exc))
     finally:
         signals.restore()
+        if local is not None:
+            local.stop()
 
 
 def _run_aggregator(cfg, out, resume, signals) -> None:
@@ -173,6 +191,7 @@ def _run_aggregator(cfg, out, resume, signals) -> None:
         signer=job.signer,
         acks=cfg.security.acks,
         job_document=encode_job_document(job.job_document(), job.signer),
+        sharding=_coordinator(cfg, core),
     )
     if job.signer is None:
         log.warning(
@@ -198,6 +217,16 @@ def _run_aggregator(cfg, out, resume, signals) -> None:
             + ("" if service.done_published else " (devices were not told: no broker)")
         )
     click.echo(_final_line(finished.get("summary") or {}, out))
+
+
+def _coordinator(cfg, core):
+    """With ingest.workers: the coordinator's half of sharded ingest (edge_fl.server.sharding)."""
+    if not cfg.ingest.workers:
+        return None
+    from edge_fl.server.sharding import Coordinator
+
+    names = [f"w{i}" for i in range(cfg.ingest.workers)]
+    return Coordinator(core, names, dealt=cfg.ingest.partition == "shared")
 
 
 def _final_line(summary: dict, out: str | None) -> str:

@@ -60,6 +60,9 @@ STATUS_SETTLE_S = 0.5
 #: reconnecting too and their last wills say "offline": no round ends early on statuses for this
 #: long (the deadline still applies). Measured: a NATS node kill skipped an open round without it.
 RECONNECT_SETTLE_S = 10.0
+#: sharded ingest: how long the coordinator waits for the workers' answers to freeze and commit
+#: (a worker that went offline is not waited for); a share that does not come is reported lost
+SHARD_ANSWER_S = 10.0
 
 
 class BrokerUnavailable(RuntimeError):
@@ -285,7 +288,10 @@ class AggregatorService:
         signer: Any = None,  # edge_fl.protocol.signing.Signer: signs every global message
         acks: str = "off",  # off | rejections | all: replies on ack/<device>
         job_document: bytes | None = None,  # retained on <prefix>/<job>/job while the job runs
+        sharding: Any = None,  # edge_fl.server.sharding.Coordinator: ingest by workers
     ) -> None:
+        self.sharding = sharding
+        self._open_control: bytes | None = None  # the open round's message to the workers
         self.signer = signer
         self.job_document = job_document
         self.acks = acks
@@ -396,6 +402,29 @@ class AggregatorService:
             if not retain:
                 self._live_status.add(device)  # said during this run, not left by an earlier one
             self._wake.set()
+        elif self.sharding is not None:
+            self._from_worker(topic, bytes(payload))
+
+    def _from_worker(self, topic: str, payload: bytes) -> None:
+        """Sharded ingest: a worker's progress, partial or liveness."""
+        from .sharding import ShardingError
+
+        topics = self.topics
+        try:
+            if topics.device_of(topic, "ingest/progress") is not None:
+                self.sharding.on_progress(payload)
+            elif topics.device_of(topic, "ingest/partial") is not None:
+                self.sharding.on_partial(payload)
+            elif (worker := topics.device_of(topic, "ingest/worker")) is not None:
+                if payload == b"online":
+                    self.sharding.worker_online(worker)
+                else:
+                    if worker in self.sharding.online:
+                        log.error("ingest worker %s went offline", worker)
+                    self.sharding.worker_offline(worker)
+        except ShardingError as exc:
+            log.error("message from an ingest worker on %s refused: %s", topic, exc)
+        self._wake.set()
 
     def _flush(self) -> None:
         """Journal to disk, then acknowledge the messages whose effects it holds."""
@@ -500,8 +529,51 @@ class AggregatorService:
         paho_client.on_socket_open = on_socket_open
 
     async def _publish_global(self, client: aiomqtt.Client) -> None:
-        if self._global_payload is not None:
-            await client.publish(self.topics.global_model, self._global_payload, qos=1, retain=True)
+        if self._global_payload is None:
+            return
+        if self.sharding is not None and self.core.current is not None:
+            # the workers mirror the round before any device can answer it (same connection,
+            # so the broker delivers the open before updates caused by the global message)
+            if self._open_control is None or self.sharding.round is None:
+                self._open_control = self.sharding.open_message(self._global_payload)
+            await client.publish(self.topics.ingest_control, self._open_control, 1, retain=True)
+        await client.publish(self.topics.global_model, self._global_payload, qos=1, retain=True)
+
+    async def _collect_shares(self, client: aiomqtt.Client | None) -> None:
+        """Sharded ingest: freeze the round on every worker, then commit it (with what each
+        must leave out) and wait for their partials; :meth:`_close` merges what came."""
+        sharding = self.sharding
+        sr = sharding.round if sharding is not None else None
+        if sr is None or client is None:
+            return
+        control = self.topics.ingest_control
+        with contextlib.suppress(aiomqtt.MqttError):  # a lost broker: merge what came
+            await client.publish(control, sharding.freeze_message(), qos=1)
+            await self._await_workers(sr.unfrozen)
+            await client.publish(control, sharding.commit_message(), qos=1)
+            await self._await_workers(sr.unmerged)
+
+    async def _await_workers(self, pending: Callable[[], set[str]]) -> None:
+        """Until every worker of the round answered or was lost (went offline), or a timeout."""
+        until = self._now() + SHARD_ANSWER_S
+        while pending() and self._now() < until:
+            await self._sleep_until(until)
+        if pending():
+            log.error("ingest workers %s did not answer within %.0f s", sorted(pending()),
+                      SHARD_ANSWER_S)  # fmt: skip
+
+    async def _wait_for_workers(self) -> None:
+        """Sharded ingest: start when every worker is subscribed (else its share of the first
+        round would queue in a session nobody reads yet), or after the wait for devices."""
+        if self.sharding is None:
+            return
+        want, online = set(self.sharding.workers), self.sharding.online
+        until = self._now() + self.wait_for_devices_s
+        while not want <= online and self._now() < until and self.stopped is None:
+            await self._sleep_until(until)
+        if not want <= online:
+            log.warning("ingest workers %s are not online; starting without them",
+                        sorted(want - online))  # fmt: skip
 
     async def _sleep_until(self, deadline: float | None) -> None:
         """Wait for a wake-up (update, status, stop) or until ``deadline`` on the loop clock."""
@@ -590,6 +662,7 @@ class AggregatorService:
         if msg is None:
             return False
         self._global_payload = encode_global(msg, signer=self.signer)
+        self._open_control = None  # made from this round's global message when published
         if self.journal is not None:
             from .journal import round_spec
 
@@ -601,7 +674,14 @@ class AggregatorService:
     def _close(self, skipped: bool, now: float | None = None) -> dict[str, Any]:
         core = self.core
         wall = time.perf_counter() - self._round_started
+        shards: dict[str, Any] = {}
+        if self.sharding is not None and self.sharding.round is not None:
+            shards = self.sharding.merge()
+            rnd = core.current
+            if not skipped and rnd is not None and rnd.count < max(rnd.min_updates, 1):
+                skipped = True  # a lost share took it below its minimum
         record = core.close_round(self._now() if now is None else now, wall, skipped=skipped)
+        record.update(shards)
         if self.stopped is not None:
             record["stopped"] = self.stopped
         self._commit(record)
@@ -637,6 +717,7 @@ class AggregatorService:
         core = self.core
         while not core.finished:
             if self.stopped is not None:
+                await self._collect_shares(client)
                 record = self._decide_on_stop()
                 if record is not None:
                     await self._publish_record(client, record)
@@ -669,6 +750,7 @@ class AggregatorService:
                     log.info("round %d short of updates; deadline extended", core.round_number)
                 await self._sleep_until(core.deadline)
                 continue
+            await self._collect_shares(client)
             record = self._close(skipped=decision is Decision.SKIP)
             await self._publish_record(client, record)
 
@@ -720,12 +802,18 @@ class AggregatorService:
             if self.core.round_number == 0 and self.core.current is None:
                 # forget the retained model of an earlier run of this job id
                 await client.publish(self.topics.global_model, b"", qos=1, retain=True)
+                if self.sharding is not None:  # and its last round's open, for the workers
+                    await client.publish(self.topics.ingest_control, b"", qos=1, retain=True)
             if self.job_document is not None and not self.core.finished:
                 await client.publish(
                     self.topics.job_document, self.job_document, qos=1, retain=True
                 )
             await client.subscribe(self.topics.all_status, qos=1)
-            await client.subscribe(self.topics.all_updates, qos=1)
+            if self.sharding is None:
+                await client.subscribe(self.topics.all_updates, qos=1)
+            else:  # the workers take the updates; their answers and liveness come here
+                for kind in ("progress", "partial", "worker"):
+                    await client.subscribe(self.topics.all_ingest(kind), qos=1)
             self.connected.set()
             self._ever_connected = True
             self._attempt = 0
@@ -751,6 +839,7 @@ class AggregatorService:
                             payload = self._global_payload or b""
                             self.core.tally.bytes_down += len(payload) * self.core.online_count
                 elif not self.core.finished:
+                    await self._wait_for_workers()
                     await self._wait_for_devices()
                 runner = asyncio.create_task(self._run_rounds(client))
                 done, _ = await asyncio.wait({reader, runner}, return_when=asyncio.FIRST_COMPLETED)
@@ -766,6 +855,11 @@ class AggregatorService:
                     retain=True,
                 )
                 self.done_published = True
+                if self.sharding is not None:  # the workers' job is over too
+                    from .sharding import pack
+
+                    await client.publish(self.topics.ingest_control, b"", qos=1, retain=True)
+                    await client.publish(self.topics.ingest_control, pack("end", r=0), qos=1)
                 if self.job_document is not None:  # the job ended: no device should join it
                     await client.publish(self.topics.job_document, b"", qos=1, retain=True)
             finally:

@@ -231,7 +231,7 @@ class IngestWorker:
                        else ())  # fmt: skip
         strategy = core.strategy
         if strategy is None:  # this worker never mirrored the round: nothing folded
-            partial = self._partial(rnd, None)
+            partial = self._partial(rnd, None, [])
             self.frozen = None
             return [("partial", partial)]
         if left_out:
@@ -240,11 +240,11 @@ class IngestWorker:
                 if update.device not in left_out:
                     fresh.add(update, weight)
             strategy = fresh
-        partial = self._partial(rnd, strategy.partial())
+        partial = self._partial(rnd, strategy.partial(), [u.device for u, _ in strategy.folded])
         core.strategy, self.frozen = None, None
         return [("partial", partial)]
 
-    def _partial(self, rnd: int, strategy: dict[str, Any] | None) -> bytes:
+    def _partial(self, rnd: int, strategy: dict[str, Any] | None, devices: list[str]) -> bytes:
         core = self.core
         releases = [[d, int(r), int(n)] for d, r, n in core.releases[self._reported :]]
         self._reported = len(core.releases)
@@ -257,7 +257,7 @@ class IngestWorker:
             "cap": t.capped_samples,
             "smp": dict(t.samples),
         }
-        return pack("partial", w=self.name, r=rnd, s=strategy, rel=releases, t=tally)
+        return pack("partial", w=self.name, r=rnd, s=strategy, a=devices, rel=releases, t=tally)
 
 
 # ------------------------------------------------------------------------------- coordinator
@@ -268,36 +268,53 @@ class ShardedRound:
     """The coordinator's view of the open round across its workers."""
 
     number: int
-    workers: frozenset[str]
+    workers: set[str]  # whose share the round has (and waits for)
+    lost: set[str] = field(default_factory=set)  # went offline during the round: share lost
     owner: dict[str, str] = field(default_factory=dict)  # device -> worker whose copy counts
     left_out: dict[str, list[tuple[str, Reject]]] = field(default_factory=dict)
     frozen: set[str] = field(default_factory=set)
     partials: dict[str, dict[str, Any]] = field(default_factory=dict)
 
-    @property
-    def all_frozen(self) -> bool:
-        return self.frozen >= self.workers
+    def unfrozen(self) -> set[str]:
+        return self.workers - self.frozen - self.lost
 
-    @property
-    def all_partials(self) -> bool:
-        return set(self.partials) >= self.workers
+    def unmerged(self) -> set[str]:
+        return self.workers - set(self.partials) - self.lost
 
 
 class Coordinator:
     """The coordinator's half: admits what workers report, asks for and merges their partials."""
 
-    def __init__(self, core: AggregatorCore, workers: list[str]) -> None:
+    def __init__(self, core: AggregatorCore, workers: list[str], dealt: bool = True) -> None:
+        """``dealt``: the broker deals updates among the subscribed workers (shared
+        subscription), so a worker that is offline has no share; else (hash partition) every
+        worker owns its devices and an offline one loses their updates."""
         self.core = core
         self.workers = frozenset(workers)
+        self.dealt = dealt
+        self.online: set[str] = set()
         self.round: ShardedRound | None = None
-        self.lost: Counter = Counter()  # worker -> rounds whose partial never came
+        self.lost: Counter = Counter()  # worker -> rounds whose share was lost
+
+    def worker_online(self, worker: str) -> None:
+        if worker not in self.workers:
+            return
+        self.online.add(worker)
+        if self.round is not None and self.dealt:
+            self.round.workers.add(worker)  # it mirrors the round from the retained open
+
+    def worker_offline(self, worker: str) -> None:
+        self.online.discard(worker)
+        if self.round is not None and worker in self.round.workers:
+            self.round.lost.add(worker)  # what it folded and what was dealt to it is gone
 
     def open_message(self, global_payload: bytes) -> bytes:
         """The ``open`` control message of the core's just-opened round."""
         core = self.core
         assert core.current is not None
         bound, hold = robust_round(core.strategy)
-        self.round = ShardedRound(core.current.number, self.workers)
+        workers = set(self.workers & self.online) if self.dealt else set(self.workers)
+        self.round = ShardedRound(core.current.number, workers)
         return pack("open", r=core.current.number, g=global_payload, b=bound, h=hold)
 
     def freeze_message(self) -> bytes:
@@ -342,9 +359,9 @@ class Coordinator:
         not. Returns what the round's record should add (workers, lost shares)."""
         core, sr = self.core, self.round
         assert sr is not None and core.strategy is not None
-        for worker in sorted(sr.partials):
+        for worker in sorted(set(sr.partials) - sr.lost):
             self._merge_one(sr, sr.partials[worker])
-        missing = sorted(sr.workers - set(sr.partials))
+        missing = sorted(sr.workers - set(sr.partials) | sr.lost)
         if missing:
             self._account_missing(sr, missing)
         info = {"workers": len(sr.workers), "workers_missing": missing}
@@ -358,6 +375,12 @@ class Coordinator:
             releases = msg.get("rel")
             if not isinstance(releases, list):
                 raise ShardingError("a partial's 'rel' must be a list")
+            mine = {d for d, w in sr.owner.items() if w == msg["w"]}
+            if set(_names(msg, "a")) != mine:  # e.g. its final progress came after the commit
+                raise ShardingError(
+                    f"it folded {len(_names(msg, 'a'))} devices, the coordinator admitted "
+                    f"{len(mine)} of its reports: the sums cannot be reconciled"
+                )
             checked = []
             for item in releases:
                 ok = isinstance(item, list) and len(item) == 3 and isinstance(item[0], str)

@@ -1,0 +1,128 @@
+"""``edge-fl ingest``: one ingest worker of a sharded aggregator, and the local spawner of them."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+from pathlib import Path
+
+import aiomqtt
+import click
+
+from . import _common_job_options, _fail, _load, _logging, _overrides, require_server
+
+log = logging.getLogger("edge_fl.ingest")
+
+
+@click.command()
+@_common_job_options
+@click.option("--worker", "index", type=int, required=True, help="this worker's index I (name wI)")
+@click.option("--workers", type=int, help="how many workers the job has (ingest.workers)")
+def ingest(index, workers, verbose, config, **kw) -> None:
+    """Run ingest worker wI of a job whose aggregator has ingest.workers = N (docs/scale.md).
+
+    It takes its share of the updates (a shared subscription, or with ingest.partition = hash
+    the devices whose id hashes to I), decodes, validates and folds them with the aggregator's
+    own code, and hands the aggregator an exact partial sum when a round closes. It ends when
+    the aggregator ends the job. Use the aggregator's config, so both build the same job."""
+    require_server("ingest")
+    _logging(verbose or 1)
+    overrides = _overrides(kw) | {"ingest.workers": workers}
+    cfg = _load(config, overrides)
+    n = cfg.ingest.workers
+    if not cfg.broker.url:
+        _fail("an ingest worker needs --broker (or broker.url in the config)")
+    if n < 1 or not 0 <= index < n:
+        _fail(f"--worker {index}: need ingest.workers = N >= 1 (here {n}) and 0 <= I < N")
+    from edge_fl.job import build_job
+    from edge_fl.server.ingest import IngestService
+    from edge_fl.server.service import BrokerUnavailable
+    from edge_fl.server.sharding import IngestWorker
+    from edge_fl.transport.url import parse_broker_url
+
+    job = build_job(cfg)
+    worker = IngestWorker(f"w{index}", job.aggregator_core())
+    service = IngestService(
+        worker,
+        parse_broker_url(cfg.broker.url),
+        job.topics,
+        group=cfg.ingest.group,
+        hash_partition=(index, n) if cfg.ingest.partition == "hash" else None,
+    )
+    try:
+        stats = asyncio.run(service.run())
+    except (BrokerUnavailable, aiomqtt.MqttError, OSError) as exc:
+        _fail(str(exc))
+    click.echo(f"ingest worker w{index}: {stats['updates']} updates folded", err=True)
+
+
+class LocalWorkers:
+    """The workers of ``edge-fl aggregator`` with ingest.spawn: child processes running
+    ``edge-fl ingest`` on the aggregator's validated config (a 0600 file: it may hold the
+    broker's password), restarted when one dies (the coordinator counts the share of the round
+    it died in as lost), stopped when the aggregator ends."""
+
+    #: restarts per worker at most, so a worker that cannot start does not loop forever
+    MAX_RESTARTS = 10
+
+    def __init__(self, cfg, verbose: int = 0) -> None:
+        self.cfg = cfg
+        self.verbose = verbose
+        self.procs: list[subprocess.Popen] = []
+        self.restarts = [0] * cfg.ingest.workers
+        self._dir = tempfile.TemporaryDirectory(prefix="edgefl-ingest-")
+        self._path = Path(self._dir.name) / "job.json"
+        self._stopping = threading.Event()
+        self._watch = threading.Thread(target=self._supervise, name="ingest-workers", daemon=True)
+
+    def _spawn(self, index: int) -> subprocess.Popen:
+        entry = "import sys; from edge_fl.cli import main; sys.argv[0] = 'edge-fl'; main()"
+        argv = [sys.executable, "-c", entry, "ingest", "--config", str(self._path)]
+        argv += ["--worker", str(index), *["-v"] * self.verbose]
+        return subprocess.Popen(argv)
+
+    def start(self) -> None:
+        fd = os.open(self._path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as fh:
+            json.dump(self.cfg.model_dump(mode="json"), fh)
+        self.procs = [self._spawn(i) for i in range(self.cfg.ingest.workers)]
+        log.info("started %d ingest workers (pids %s)", len(self.procs),
+                 ", ".join(str(p.pid) for p in self.procs))  # fmt: skip
+        self._watch.start()
+
+    def _supervise(self) -> None:
+        while not self._stopping.wait(0.5):
+            for i, proc in enumerate(self.procs):
+                code = proc.poll()
+                if code is None or self._stopping.is_set():
+                    continue
+                if self.restarts[i] >= self.MAX_RESTARTS:
+                    continue
+                self.restarts[i] += 1
+                log.error("ingest worker w%d (pid %d) exited with status %s; restarting it "
+                          "(%d/%d)", i, proc.pid, code, self.restarts[i],
+                          self.MAX_RESTARTS)  # fmt: skip
+                self.procs[i] = self._spawn(i)
+
+    def stop(self, wait_s: float = 10.0) -> None:
+        """The job's end message stops them; whoever is still running after ``wait_s`` is
+        terminated (and killed if that does not do it)."""
+        self._stopping.set()
+        if self._watch.is_alive():
+            self._watch.join()
+        for proc in self.procs:
+            try:
+                proc.wait(wait_s)
+            except subprocess.TimeoutExpired:
+                proc.terminate()
+                try:
+                    proc.wait(5)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+        self._dir.cleanup()

@@ -1,0 +1,208 @@
+"""An ingest worker process: the I/O edge of :class:`~edge_fl.server.sharding.IngestWorker`.
+
+It takes its share of the update stream, either from an MQTT 5 shared subscription
+(``$share/<group>/<prefix>/<job>/up/+``: the broker deals each update to one worker) or, on
+engines without shared subscriptions, from ``up/+`` keeping only the devices whose id hashes to
+its index (every worker receives every update; a device always lands on the same worker).
+Received PUBLISH packets go through the service's :class:`IngestTap` straight into the worker's
+core; after each socket burst the worker acknowledges them and reports progress. Control messages
+from the coordinator (open, freeze, commit, end) arrive on ``ingest/ctl``; answers go out on
+``ingest/progress/<name>`` and ``ingest/partial/<name>``; ``ingest/worker/<name>`` is its retained
+liveness (a last will says ``offline``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+from typing import Any
+
+import aiomqtt
+
+from edge_fl.protocol import Topics
+from edge_fl.transport.url import BrokerSpec
+
+from .service import BrokerUnavailable, IngestTap
+from .sharding import IngestWorker, ShardingError, unpack
+
+log = logging.getLogger("edge_fl.ingest")
+
+ONLINE, OFFLINE = b"online", b"offline"
+
+
+def hash_share(device: str, index: int, count: int) -> bool:
+    """Whether ``device`` is worker ``index``'s of ``count`` in hash mode (stable everywhere)."""
+    digest = hashlib.blake2b(device.encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") % count == index
+
+
+class IngestService:
+    """Runs one worker until the coordinator ends the job (or a stop is requested)."""
+
+    def __init__(
+        self,
+        worker: IngestWorker,
+        spec: BrokerSpec,
+        topics: Topics,
+        *,
+        group: str = "edgefl-ingest",
+        hash_partition: tuple[int, int] | None = None,  # (index, count): no shared subscription
+        reconnect_attempts: int = 10,
+    ) -> None:
+        self.worker = worker
+        self.spec = spec
+        self.topics = topics
+        self.group = group
+        self.hash_partition = hash_partition
+        self.reconnect_attempts = reconnect_attempts
+        self.ended = asyncio.Event()
+        self.ready = asyncio.Event()  # subscribed: the coordinator may count on this worker
+        self.tap: IngestTap | None = None
+        self._paho: Any = None
+        self._pending: list[tuple[int, int]] = []
+        self._flush_handle: asyncio.Handle | None = None
+        self.stats = {"updates": 0, "skipped_other_share": 0, "control_errors": 0}
+
+    # ------------------------------------------------------------------ per message
+
+    def _on_publish(self, topic: str, payload: bytes, mid: int, qos: int, retain: bool) -> None:
+        worker, topics = self.worker, self.topics
+        try:
+            if (device := topics.device_of(topic, "up")) is not None:
+                part = self.hash_partition
+                if part is None or hash_share(device, *part):
+                    worker.on_update(device, payload)
+                    self.stats["updates"] += 1
+                else:
+                    self.stats["skipped_other_share"] += 1
+            elif (device := topics.device_of(topic, "status")) is not None:
+                worker.on_status(device, payload)
+            elif topic == topics.ingest_control:
+                self._on_control(payload)
+        except Exception:  # never let one message stop ingest; the core already never raises
+            log.exception("message on %s: unexpected error; ignored", topic)
+        if qos:
+            self._pending.append((mid, qos))
+        if self._flush_handle is None:
+            self._flush_handle = asyncio.get_running_loop().call_soon(self._flush)
+
+    def _on_control(self, payload: bytes) -> None:
+        if not payload:
+            return  # the coordinator cleared its retained open (a new job, or the end)
+        try:
+            kind = unpack(payload, ("open", "freeze", "commit", "end"))["k"]
+        except ShardingError as exc:
+            self.stats["control_errors"] += 1
+            log.error("control message refused: %s", exc)
+            return
+        if kind == "end":
+            self.ended.set()
+            return
+        self._send_progress()  # what was accepted before a freeze goes out before its answer
+        try:
+            answers = self.worker.on_control(payload)
+        except (ShardingError, ValueError) as exc:
+            self.stats["control_errors"] += 1
+            log.error("control message %s refused: %s", kind, exc)
+            return
+        for what, data in answers:
+            self._publish(self.topics.ingest(what, self.worker.name), data)
+
+    def _publish(self, topic: str, payload: bytes) -> None:
+        if self._paho is not None:
+            self._paho.publish(topic, payload, qos=1)
+
+    def _send_progress(self) -> None:
+        progress = self.worker.progress()
+        if progress is not None:
+            self._publish(self.topics.ingest("progress", self.worker.name), progress)
+
+    def _flush(self) -> None:
+        """After a burst: acknowledge what was folded, then tell the coordinator about it."""
+        self._flush_handle = None
+        if self._paho is not None:
+            for mid, qos in self._pending:
+                self._paho.ack(mid, qos)
+        self._pending.clear()
+        self._send_progress()
+
+    # ------------------------------------------------------------------ connection
+
+    def _client(self) -> aiomqtt.Client:
+        name = self.worker.name
+        will = aiomqtt.Will(self.topics.ingest("worker", name), OFFLINE, qos=1, retain=True)
+        client = aiomqtt.Client(
+            **self.spec.aiomqtt_kwargs(),
+            identifier=f"edgefl-{self.topics.job}-ingest-{name}",
+            # clean: a lost worker's session ends with it, so the broker stops dealing it
+            # updates (a persistent one would keep taking its share into a queue nobody
+            # reads); the coordinator counts its share of the round as lost
+            clean_session=True,
+            max_inflight_messages=100,
+            will=will,
+        )
+        pc = self._paho = client._client
+        pc.manual_ack_set(True)
+        aiomqtt_open = pc.on_socket_open
+
+        def on_socket_open(c: Any, userdata: Any, sock: Any) -> None:
+            tap = IngestTap(sock, self._on_publish)
+            c._sock = tap
+            self.tap = tap
+            aiomqtt_open(c, userdata, tap)
+
+        pc.on_socket_open = on_socket_open
+        pc.on_message = lambda _c, _u, m: self._on_publish(
+            m.topic, bytes(m.payload), m.mid, m.qos, bool(m.retain)
+        )
+        return client
+
+    async def _session(self) -> None:
+        topics = self.topics
+        async with self._client() as client:
+            await client.subscribe(topics.ingest_control, qos=1)
+            await client.subscribe(topics.all_status, qos=1)
+            if self.hash_partition is None:
+                await client.subscribe(topics.shared_updates(self.group), qos=1)
+            else:
+                await client.subscribe(topics.all_updates, qos=1)
+            await client.publish(topics.ingest("worker", self.worker.name), ONLINE, 1, retain=True)
+            self.ready.set()
+            self._attempt = 0
+            drain = asyncio.ensure_future(self._drain(client))
+            try:
+                ended = asyncio.ensure_future(self.ended.wait())
+                done, _ = await asyncio.wait({drain, ended}, return_when=asyncio.FIRST_COMPLETED)
+                if drain in done:
+                    drain.result()  # a lost connection raises MqttError here
+                self._flush()
+                await client.publish(topics.ingest("worker", self.worker.name), b"", 1, retain=True)
+            finally:
+                drain.cancel()
+                self._paho = None
+
+    async def _drain(self, client: aiomqtt.Client) -> None:
+        """aiomqtt's queue stays empty (the tap dispatches); waiting on it notices a lost link."""
+        async for message in client.messages:
+            payload = message.payload if isinstance(message.payload, bytes | bytearray) else b""
+            self._on_publish(str(message.topic), bytes(payload), message.mid, message.qos,
+                             bool(message.retain))  # fmt: skip
+
+    async def run(self) -> dict[str, Any]:
+        self._attempt = 0
+        while not self.ended.is_set():
+            try:
+                await self._session()
+            except aiomqtt.MqttError as exc:
+                self.ready.clear()
+                self._attempt += 1
+                if self._attempt > self.reconnect_attempts:
+                    raise BrokerUnavailable(
+                        f"ingest worker {self.worker.name}: lost the broker at "
+                        f"{self.spec.redacted()} ({exc}) after {self.reconnect_attempts} attempts"
+                    ) from exc
+                delay = min(0.2 * 2**self._attempt, 10.0)
+                log.warning("broker unavailable (%s); reconnecting in %.1fs", exc, delay)
+                await asyncio.sleep(delay)
+        return dict(self.stats)

@@ -1,0 +1,106 @@
+"""Sharded ingest over a real Mosquitto: `edge-fl aggregator --workers N` (worker processes sharing
+the update stream) ends a job with the same model and ledger as one aggregator, and survives a
+worker's kill -9 (edge_fl/server/sharding.py, edge_fl/server/ingest.py)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import uuid
+from pathlib import Path
+
+import pytest
+from processes import EDGE_FL, run_job
+
+
+def job_args(broker_url: str, job: str, *extra: str) -> list[str]:
+    args = ["--broker", broker_url, "--job", job, "--devices", "24", "--rounds", "4"]
+    args += ["--clients-per-round", "10", "--model", "logreg", "--reproducible"]
+    args += ["--mechanism", "gaussian", "--epsilon", "40", "--deadline", "30"]
+    return [*args, *extra]
+
+
+def run(broker_url: str, out: Path, *workers: str) -> dict:
+    job = f"sh-{uuid.uuid4().hex[:6]}"
+    done = run_job(
+        [EDGE_FL, "aggregator", *job_args(broker_url, job), "--out", str(out), *workers],
+        [[EDGE_FL, "fleet", *job_args(broker_url, job)]],
+        timeout=120,
+        device_timeout=60,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.device_codes == [0], done.device_errs
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    summary = json.loads((out / "summary.json").read_text())
+    return {"records": records, "summary": summary, "model": (out / "model.onnx").read_bytes()}
+
+
+@pytest.mark.parametrize("partition", ["shared", "hash"])
+def test_workers_give_one_aggregators_model_and_ledger(mosquitto, tmp_path, partition):
+    cfg = tmp_path / "ingest.yaml"
+    cfg.write_text(f"ingest: {{partition: {partition}}}\n")
+    alone = run(mosquitto.url, tmp_path / "alone")
+    sharded = run(mosquitto.url, tmp_path / "sharded", "--workers", "2", "--config", str(cfg))
+    assert sharded["model"] == alone["model"]  # the exported ONNX model, byte for byte
+    assert [r["status"] for r in sharded["records"]] == ["closed"] * 4
+    for mine, theirs in zip(sharded["records"], alone["records"], strict=True):
+        assert mine["workers"] == 2 and mine["workers_missing"] == []
+        for key in ("received", "bytes_up", "epsilon", "device_updates", "accuracy", "loss"):
+            assert mine[key] == theirs[key], key
+    assert sharded["summary"]["privacy"]["epsilon"] == alone["summary"]["privacy"]["epsilon"]
+
+
+def test_a_killed_worker_is_restarted_its_round_is_charged_and_the_job_finishes(
+    mosquitto, tmp_path
+):
+    job = f"shk-{uuid.uuid4().hex[:6]}"
+    # modelled training time (homogeneous devices, ~0.75 s a round): a restarted worker, which
+    # takes a second or two to start, has rounds left to join
+    slow = ["--rounds", "12", "--time-scale", "0.2"]
+    out = tmp_path / "out"
+    command = [EDGE_FL, "aggregator", *job_args(mosquitto.url, job, *slow)]
+    agg = subprocess.Popen(
+        [*command, "--workers", "2", "--out", str(out)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    fleet = subprocess.Popen(
+        [EDGE_FL, "fleet", *job_args(mosquitto.url, job, *slow)],
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        seen = []
+        for line in agg.stdout:  # kill worker 1 once round 2 closed: round 3 is open then
+            seen.append(line)
+            if line.startswith("round 2 "):
+                break
+        pids = subprocess.run(
+            ["pgrep", "-f", "ingest --config .* --worker 1"], capture_output=True, text=True
+        ).stdout.split()
+        assert len(pids) == 1, (pids, seen)
+        subprocess.run(["kill", "-9", pids[0]], check=True)
+        rest, stderr = agg.communicate(timeout=120)
+        stdout = "".join(seen) + rest
+        fleet.communicate(timeout=60)
+    finally:
+        for proc in (agg, fleet):
+            if proc.poll() is None:
+                proc.kill()
+    metrics = out / "metrics.jsonl"
+    assert agg.returncode == 0, stderr[-3000:]
+    assert "ingest worker w1 went offline" in stderr
+    assert "restarting it (1/10)" in stderr
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert [r["status"] for r in records] == ["closed"] * 12, stdout
+    hit = [r for r in records if r["workers_missing"]]
+    assert hit and all(r["workers_missing"] == ["w1"] for r in hit), stdout + stderr[-5000:]
+    # the round the worker died in: every selected device is charged (the lost share may have
+    # held releases), so the ledger cannot under-count
+    for r in hit:
+        before = records[r["round"] - 2]["device_updates"] if r["round"] > 1 else 0
+        assert r["device_updates"] - before >= r["selected"], r
+    # the restarted worker took its share again
+    later = [r for r in records if r["round"] > hit[-1]["round"]]
+    assert any(r["workers"] == 2 and not r["workers_missing"] for r in later), later
