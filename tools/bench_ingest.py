@@ -216,59 +216,52 @@ def queue_shared(
     pub.loop_stop()
 
 
-def ingest_worker(host: str, port: int, cid: str, n: int, n_params: int, ready, go, out) -> None:
-    """One ingest worker process: an aiomqtt connection whose socket is read by the service's
-    IngestTap, each update folded into this worker's own core, acknowledged after each burst.
+def ingest_worker(
+    host: str, port: int, cid: str, group: str, n: int, n_params: int, ready, go, out
+) -> None:
+    """One ingest worker process: ``edge-fl ingest``'s :class:`IngestService` (the IngestTap on
+    its socket, :class:`IngestWorker` folding into its own core, acknowledgements and a progress
+    message to the coordinator after each burst) on a round opened in advance. Its session is
+    persistent here (the real worker's is clean) so the updates can be queued before it starts.
     Stops after 0.5 s without a new update; reports (count, first, last) on ``out``."""
-    from edge_fl.server.service import IngestTap
+    from edge_fl.server.ingest import IngestService
+    from edge_fl.server.sharding import IngestWorker
+    from edge_fl.transport.url import parse_broker_url
 
     async def run() -> None:
         core = make_core(n, n_params)
+        worker = IngestWorker(cid.rsplit("-", 1)[-1], core)
         stamp = Stamped(core)
-        client = aiomqtt.Client(
-            host, port, identifier=cid, clean_session=False, max_inflight_messages=100
+        spec = parse_broker_url(f"mqtt://{host}:{port}")
+        service = IngestService(
+            worker, spec, TOPICS, group=group, clean_session=False, client_id=cid
         )
-        pc = client._client
-        pc.manual_ack_set(True)
-        loop = asyncio.get_running_loop()
-        pending: list[int] = []
-        scheduled: list[asyncio.Handle] = []
-
-        def flush() -> None:
-            scheduled.clear()
-            for mid in pending:
-                pc.ack(mid, 1)
-            pending.clear()
-
-        def on_publish(topic: str, payload: bytes, mid: int, qos: int, retain: bool) -> None:
-            core.on_update(TOPICS.device_of(topic, "up"), payload)
-            if qos:
-                pending.append(mid)
-                if not scheduled:
-                    scheduled.append(loop.call_soon(flush))
-
-        aiomqtt_open = pc.on_socket_open
-
-        def on_socket_open(c, userdata, sock) -> None:
-            tap = IngestTap(sock, on_publish)
-            c._sock = tap
-            aiomqtt_open(c, userdata, tap)
-
-        pc.on_socket_open = on_socket_open
         ready.set()
         while not go.is_set():
             await asyncio.sleep(0.001)
-        async with client:
-            before = -1
-            while stamp.count == 0 or stamp.count != before:
-                before = stamp.count
-                await asyncio.sleep(0.5)
+        task = asyncio.ensure_future(service.run())
+        before = -1
+        while stamp.count == 0 or stamp.count != before:
+            before = stamp.count
+            await asyncio.sleep(0.5)
+        service.ended.set()
+        await task
         out.put((stamp.count, stamp.first, stamp.last))
 
     asyncio.run(run())
 
 
-def drain_workers(spec, tag: str, workers: int, payloads, n_params: int) -> float:
+def cpu_seconds(pid: int) -> float:
+    """utime + stime of a process (Linux /proc), in seconds."""
+    import os
+
+    with open(f"/proc/{pid}/stat") as fh:
+        fields = fh.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def drain_workers(spec, tag: str, workers: int, payloads, n_params: int, broker_pid: int = 0):
+    """(rate, the broker's busy share of one core during the drain)."""
     ctx = mp.get_context("spawn")
     cids = [f"{tag}-w{k}" for k in range(workers)]
     queue_shared(spec, cids, payloads, group=tag)
@@ -277,7 +270,7 @@ def drain_workers(spec, tag: str, workers: int, payloads, n_params: int) -> floa
     procs = [
         ctx.Process(
             target=ingest_worker,
-            args=(spec.host, spec.port, cid, len(payloads), n_params, ready, go, out),
+            args=(spec.host, spec.port, cid, tag, len(payloads), n_params, ready, go, out),
         )
         for cid, ready in zip(cids, readies, strict=True)
     ]
@@ -285,29 +278,34 @@ def drain_workers(spec, tag: str, workers: int, payloads, n_params: int) -> floa
         proc.start()
     for ready in readies:
         assert ready.wait(60), "a worker did not start"
+    cpu0 = cpu_seconds(broker_pid) if broker_pid else 0.0
     go.set()
     results = [out.get(timeout=120) for _ in procs]
+    broker_cpu = cpu_seconds(broker_pid) - cpu0 if broker_pid else 0.0
     for proc in procs:
         proc.join(10)
     total = sum(r[0] for r in results)
     assert total == len(payloads), f"{total} of {len(payloads)} updates accepted"
     first, last = min(r[1] for r in results), max(r[2] for r in results)
-    return (total - 1) / (last - first)
+    # the drain's last 0.5 s are the workers noticing the end: the broker is idle then
+    return (total - 1) / (last - first), broker_cpu / (last - first)
 
 
 def workers_main(args, payloads, n_params: int) -> None:
     size = len(payloads[0][1])
     names = ("paho raw", "1 worker", f"{args.workers} workers")
     rates: dict[str, list[float]] = {name: [] for name in names}
+    busy: dict[str, list[float]] = {name: [] for name in names[1:]}
     with EmbeddedBroker(kind="mosquitto") as broker:
-        spec = broker.spec
+        spec, pid = broker.spec, broker.pid or 0
         for rep in range(args.repeats):
             cid = f"bench-paho-{rep}"
             queue_updates(spec, cid, payloads)
             rates["paho raw"].append(drain_paho(spec, cid, len(payloads)))
-            rates["1 worker"].append(drain_workers(spec, f"one{rep}", 1, payloads, n_params))
-            many = drain_workers(spec, f"many{rep}", args.workers, payloads, n_params)
-            rates[f"{args.workers} workers"].append(many)
+            for name, tag, k in ((names[1], "one", 1), (names[2], "many", args.workers)):
+                rate, load = drain_workers(spec, f"{tag}{rep}", k, payloads, n_params, pid)
+                rates[name].append(rate)
+                busy[name].append(load)
     base = statistics.median(rates["1 worker"])
     print(
         f"{len(payloads)} updates x {size} bytes ({args.model}), QoS 1, queued for the members of "
@@ -318,6 +316,9 @@ def workers_main(args, payloads, n_params: int) -> None:
         med = statistics.median(values)
         runs = " ".join(f"{v:,.0f}" for v in values)
         print(f"{name:<18}{med:>14,.0f}{med / base:>13.2f}   {runs}")
+    for name, loads in busy.items():
+        print(f"Mosquitto busy during '{name}': " + " ".join(f"{x:.0%}" for x in loads)
+              + " of one core")  # fmt: skip
     many = rates[f"{args.workers} workers"]
     ratios = [m / o for m, o in zip(many, rates["1 worker"], strict=True)]
     print(

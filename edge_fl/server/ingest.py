@@ -49,8 +49,12 @@ class IngestService:
         group: str = "edgefl-ingest",
         hash_partition: tuple[int, int] | None = None,  # (index, count): no shared subscription
         reconnect_attempts: int = 10,
+        clean_session: bool = True,  # False only for tools/bench_ingest.py (pre-queued updates)
+        client_id: str | None = None,
     ) -> None:
         self.worker = worker
+        self.clean_session = clean_session
+        self.client_id = client_id or f"edgefl-{topics.job}-ingest-{worker.name}"
         self.spec = spec
         self.topics = topics
         self.group = group
@@ -134,11 +138,11 @@ class IngestService:
         will = aiomqtt.Will(self.topics.ingest("worker", name), OFFLINE, qos=1, retain=True)
         client = aiomqtt.Client(
             **self.spec.aiomqtt_kwargs(),
-            identifier=f"edgefl-{self.topics.job}-ingest-{name}",
+            identifier=self.client_id,
             # clean: a lost worker's session ends with it, so the broker stops dealing it
             # updates (a persistent one would keep taking its share into a queue nobody
             # reads); the coordinator counts its share of the round as lost
-            clean_session=True,
+            clean_session=self.clean_session,
             max_inflight_messages=100,
             will=will,
         )
