@@ -38,7 +38,7 @@ class ExactSum:
     """A sum of float64 vectors, exact on the 2^-50 grid and independent of the order of terms
     and of how they are grouped: ``a.merge(b)`` equals one accumulator fed both term streams."""
 
-    __slots__ = ("_top", "_hi", "_lo", "_tmp", "_adds")
+    __slots__ = ("_adds", "_hi", "_lo", "_tmp", "_top")
 
     def __init__(self, n: int) -> None:
         self._top = np.zeros(n, dtype=np.int64)  # units of 2^-5, carried out of _hi
@@ -128,7 +128,7 @@ class ExactSum:
         if len(data) != 16 * n:
             raise ValueError(f"exact sum of {n} values needs {16 * n} bytes, got {len(data)}")
         limbs = np.frombuffer(data, dtype="<i8").reshape(2, n)
-        if n and not (0 <= limbs[1].min() and limbs[1].max() < 2**_BITS):
+        if n and not (limbs[1].min() >= 0 and limbs[1].max() < 2**_BITS):
             raise ValueError("exact sum: the low limb is not canonical (each in [0, 2^45))")
         out = cls(n)
         out._top[:] = limbs[0]
