@@ -389,10 +389,11 @@ class IngestConfig(_Section):
     workers: int = Field(
         0, ge=0, le=64, description="0: the aggregator ingests updates itself; N: workers w0..wN-1"
     )
-    partition: Literal["shared", "hash"] = Field(
+    partition: Literal["shared", "hash", "site"] = Field(
         "shared",
         description="shared: an MQTT 5 shared subscription deals updates (Mosquitto, EMQX); "
-        "hash: every worker reads every update and keeps its devices' (any broker)",
+        "hash: every worker reads every update and keeps its devices' (any broker); site: each "
+        "worker is a site aggregator taking every update of its own (bridged) site broker",
     )
     group: str = Field("edgefl-ingest", pattern=r"^[A-Za-z0-9_.\-]{1,64}$")
     spawn: bool = Field(
@@ -435,6 +436,12 @@ class JobConfig(_Section):
             raise ValueError(
                 "ingest.workers needs a selection in the global message; with "
                 "privacy.poisson_selection devices select themselves: use one aggregator"
+            )
+        if self.ingest.partition == "site" and self.ingest.spawn:
+            raise ValueError(
+                "ingest.partition = 'site': each site aggregator runs beside its site broker; set "
+                "ingest.spawn = false and run `edge-fl ingest --worker I --broker <site broker>` "
+                "per site (docs/scale.md)"
             )
         return self
 

@@ -104,3 +104,48 @@ def test_a_killed_worker_is_restarted_its_round_is_charged_and_the_job_finishes(
     # the restarted worker took its share again
     later = [r for r in records if r["round"] > hit[-1]["round"]]
     assert any(r["workers"] == 2 and not r["workers_missing"] for r in later), later
+
+
+def site_bridge(root_port: int, job: str, site: int) -> list[str]:
+    """broker/site-bridge.conf (the shipped template) for one site broker."""
+    text = (Path(__file__).parents[1] / "broker" / "site-bridge.conf").read_text()
+    text = text.replace("ROOT_HOST:ROOT_PORT", f"127.0.0.1:{root_port}").replace("JOB", job)
+    lines = [line for line in text.splitlines() if line and not line.startswith("#")]
+    return [line.replace("edgefl-site", f"edgefl-site{site}") for line in lines]
+
+
+def test_site_aggregators_behind_bridged_brokers_give_one_aggregators_model(
+    make_broker, mosquitto, tmp_path
+):
+    """Hierarchical aggregation: two regional Mosquittos bridged to a root one, each with its
+    half of the fleet and its site aggregator; the coordinator on the root merges one partial
+    per site per round. Same model and ledger as one aggregator with every device on one broker."""
+    alone = run(mosquitto.url, tmp_path / "alone")
+    job = f"site-{uuid.uuid4().hex[:6]}"
+    root = make_broker()
+    sites = [make_broker(extra_config=site_bridge(root.port, job, i)) for i in range(2)]
+    cfg = tmp_path / "site.yaml"
+    cfg.write_text("ingest: {partition: site, spawn: false, workers: 2}\n")
+    out = tmp_path / "tree"
+    ingest = [
+        [EDGE_FL, "ingest", *job_args(site.url, job), "--config", str(cfg), "--worker", str(i)]
+        for i, site in enumerate(sites)
+    ]
+    fleets = [
+        [EDGE_FL, "fleet", *job_args(site.url, job), "--shard", f"{i}/2"]
+        for i, site in enumerate(sites)
+    ]
+    done = run_job(
+        [EDGE_FL, "aggregator", *job_args(root.url, job), "--config", str(cfg), "--out", str(out)],
+        [*ingest, *fleets],
+        timeout=120,
+        device_timeout=60,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.device_codes == [0, 0, 0, 0], done.device_errs
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert all(r["workers"] == 2 and r["workers_missing"] == [] for r in records)
+    assert (out / "model.onnx").read_bytes() == alone["model"]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["privacy"]["epsilon"] == alone["summary"]["privacy"]["epsilon"]
+    assert all("updates folded" in err for err in done.device_errs[:2])

@@ -54,6 +54,7 @@ def ingest(index, workers, verbose, config, **kw) -> None:
         job.topics,
         group=cfg.ingest.group,
         hash_partition=(index, n) if cfg.ingest.partition == "hash" else None,
+        whole_stream=cfg.ingest.partition == "site",
     )
     try:
         stats = asyncio.run(service.run())

@@ -1,9 +1,11 @@
 """An ingest worker process: the I/O edge of :class:`~edge_fl.server.sharding.IngestWorker`.
 
-It takes its share of the update stream, either from an MQTT 5 shared subscription
-(``$share/<group>/<prefix>/<job>/up/+``: the broker deals each update to one worker) or, on
-engines without shared subscriptions, from ``up/+`` keeping only the devices whose id hashes to
-its index (every worker receives every update; a device always lands on the same worker).
+It takes its share of the update stream in one of three ways (``ingest.partition``): from an
+MQTT 5 shared subscription (``$share/<group>/<prefix>/<job>/up/+``: the broker deals each update
+to one worker); on engines without shared subscriptions, from ``up/+`` keeping only the devices
+whose id hashes to its index (every worker receives every update; a device always lands on the
+same worker); or, as a site aggregator, every update on its own site broker, which a bridge joins
+to the root broker (docs/scale.md, hierarchical aggregation).
 Received PUBLISH packets go through the service's :class:`IngestTap` straight into the worker's
 core; after each socket burst the worker acknowledges them and reports progress. Control messages
 from the coordinator (open, freeze, commit, end) arrive on ``ingest/ctl``; answers go out on
@@ -48,6 +50,7 @@ class IngestService:
         *,
         group: str = "edgefl-ingest",
         hash_partition: tuple[int, int] | None = None,  # (index, count): no shared subscription
+        whole_stream: bool = False,  # a site aggregator: every update on its broker
         reconnect_attempts: int = 10,
         clean_session: bool = True,  # False only for tools/bench_ingest.py (pre-queued updates)
         client_id: str | None = None,
@@ -59,6 +62,7 @@ class IngestService:
         self.topics = topics
         self.group = group
         self.hash_partition = hash_partition
+        self.whole_stream = whole_stream
         self.reconnect_attempts = reconnect_attempts
         self.ended = asyncio.Event()
         self.ready = asyncio.Event()  # subscribed: the coordinator may count on this worker
@@ -167,7 +171,7 @@ class IngestService:
         async with self._client() as client:
             await client.subscribe(topics.ingest_control, qos=1)
             await client.subscribe(topics.all_status, qos=1)
-            if self.hash_partition is None:
+            if self.hash_partition is None and not self.whole_stream:
                 await client.subscribe(topics.shared_updates(self.group), qos=1)
             else:
                 await client.subscribe(topics.all_updates, qos=1)
