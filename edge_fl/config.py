@@ -294,6 +294,12 @@ class CompressionConfig(_Section):
         description="f32 | f16 | q8 | q4 | topk | rot1 (edge-fl comm-cost compares them); None = "
         "model.wire_dtype, rounded to nearest",
     )
+    downlink: Literal["f32", "f16", "q8"] | None = Field(
+        None,
+        description="the global model as broadcast: f32, f16 or q8 (8-bit levels per block of "
+        "256, nearest rounding; the aggregator keeps its model in float32 and devices train "
+        "from what they received); None = model.wire_dtype",
+    )
     topk_fraction: float = Field(0.01, gt=0, le=0.5, description="topk: fraction of coordinates")
     error_feedback: bool = Field(True, description="topk: carry what was not sent to next round")
 

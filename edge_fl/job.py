@@ -138,6 +138,14 @@ class Job:
     def agents(self, indices: range | None = None) -> list[DeviceAgent]:
         return [self.agent(i) for i in indices or range(self.cfg.data.devices)]
 
+    @property
+    def global_dtype(self) -> str:
+        """The global message's ``dt``: ``compression.downlink`` if set, else model.wire_dtype."""
+        downlink = self.cfg.compression.downlink
+        if downlink is None:
+            return self.cfg.model.wire_dtype
+        return {"f32": "f4", "f16": "f2", "q8": "q8"}[downlink]
+
     def aggregator_core(self) -> AggregatorCore:
         r = self.cfg.rounds
         target = self.target
@@ -151,7 +159,7 @@ class Job:
             extend_when_short=r.on_short_round == "extend",
             over_selection=r.over_selection,
             server_lr=r.server_lr,
-            wire_dtype=self.cfg.model.wire_dtype,
+            wire_dtype=self.global_dtype,
             config_digest=self.cfg.digest(),
             mechanism=self.cfg.privacy.mechanism,
             sample_rate=self.mechanism.selection_rate(),

@@ -44,6 +44,10 @@ TABLE: list[tuple[str, str, str, str]] = [
     ("README.md", r"systemctl restart mosquitto$", DEPLOYMENT, "the test starts mosquitto -c"),
     ("README.md", r"edge-fl device --broker 'mqtts://d00007:PASSWORD@broker\.example\.org", OPTIONS,
      "the Pi form; run for real by tests/test_job_document.py and the deployment test"),
+    ("README.md", r"edge-fl (aggregator|fleet) --broker mqtt://127\.0\.0\.1:1883 --job big ", PARSE,
+     "a 2,000-device job; tests/test_sharded_e2e.py runs the same commands on a small one"),
+    ("README.md", r"edge-fl ingest --config job\.yaml ", PARSE,
+     "needs site brokers; tests/test_sharded_e2e.py runs site aggregators behind two bridges"),
     ("README.md", r"edge-fl (keygen|aggregator|fleet|device) ", DEPLOYMENT, "the deployment"),
     ("README.md", r"sudo devices/raspberry-pi/install\.sh ", SKIP,
      "root, a wheel and systemd: the emulated-Pi tool in tools/ runs it"),
@@ -135,10 +139,13 @@ def test_device_commands_parse(doc: str, command: str) -> None:
     [c for c in commands() if action(*c) == PARSE],
     ids=lambda v: v[:60] if isinstance(v, str) else v,
 )
-def test_long_commands_parse(doc: str, command: str, tmp_path: Path) -> None:
+def test_long_commands_parse(doc: str, command: str, tmp_path: Path, monkeypatch) -> None:
     """Option names and values parse, and the job they describe builds (dataset, model,
     calibrated mechanism): what fails first when a README flag goes stale."""
     from edge_fl.cli import _load, _overrides, main
+
+    readme_job_yaml(tmp_path)  # the README's job.yaml, for commands that name it
+    monkeypatch.chdir(tmp_path)
 
     args = _args(command)
     name = args[1]

@@ -131,7 +131,7 @@ def comm_cost_report(
                 )
             )
         )
-        for dt in ("f4", "f2")
+        for dt in ("f4", "f2", "q8")
     }
     signed = _signed_global_bytes(weights, ids, magrr, job)
     nonce = _nonce_bytes()
@@ -176,6 +176,7 @@ def comm_cost_report(
         "global_model": {
             "f4": glob["f4"],
             "f2": glob["f2"],
+            "q8": glob["q8"],
             "selected_ids": selected,
             "includes_magrr_state": True,
         },
@@ -411,6 +412,7 @@ def _print_table(data: dict[str, Any]) -> None:
     )
     table.add_row("global model, float32", f"{data['global_model']['f4']:,}", "")
     table.add_row("global model, float16", f"{data['global_model']['f2']:,}", "")
+    table.add_row("global model, q8 (--downlink q8)", f"{data['global_model']['q8']:,}", "")
     Console().print(table)
     if sd["averaged"]:
         click.echo(f"SignDS size is the mean over {sd['samples']} selections (it varies).")

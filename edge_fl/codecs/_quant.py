@@ -60,6 +60,22 @@ def quantise(x: np.ndarray, bits: int, rng: np.random.Generator) -> tuple[np.nda
     return np.minimum(q, levels - 1).astype(np.uint8), params.tobytes()
 
 
+def quantise_nearest(x: np.ndarray, bits: int) -> tuple[np.ndarray, bytes]:
+    """As :func:`quantise`, but each value to its nearest level (deterministic: the downlink's
+    quantised global model, whose bytes must not change when the same model is re-encoded).
+    Every error is at most step_b / 2."""
+    levels = 1 << bits
+    lo, step = block_params(x, levels)
+    rep_lo = np.repeat(lo.astype(np.float64), BLOCK)[: x.size]
+    rep_step = np.repeat(step.astype(np.float64), BLOCK)[: x.size]
+    safe = np.where(rep_step > 0, rep_step, 1.0)
+    p = np.clip(np.where(rep_step > 0, (x - rep_lo) / safe, 0.0), 0, levels - 1)
+    q = np.minimum(np.rint(p), levels - 1).astype(np.uint8)
+    params = np.empty((lo.size, 2), dtype=F4)
+    params[:, 0], params[:, 1] = lo, step
+    return q, params.tobytes()
+
+
 def dequantise(q: np.ndarray, params: bytes, dim: int) -> np.ndarray:
     pairs = np.frombuffer(params, F4).reshape(-1, 2).astype(np.float64)
     lo, step = pairs[:, 0], pairs[:, 1]

@@ -284,7 +284,7 @@ def dense_update(device: Device, msg: GlobalModel, delta: np.ndarray, mechanism:
         base_version=msg.version,
         n_samples=device.n_samples,
         delta=np.asarray(delta, np.float64).astype(np.float32),
-        wire_dtype=msg.wire_dtype,
+        wire_dtype=msg.wire_dtype if msg.wire_dtype in ("f4", "f2") else "f4",  # q8: downlink only
         mechanism=mechanism,
         nonce=msg.nonce,
     )

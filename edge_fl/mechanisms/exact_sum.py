@@ -65,7 +65,7 @@ class ExactSum:
             raise PayloadRejected(
                 Reject.IMPLAUSIBLE,
                 "weight x samples x delta is not finite or beyond the aggregator's exact sum "
-                f"(|x| < 2^40; max |x| = {float(np.nanmax(t)):.4g})",
+                f"(|x| < 2^40; max |x| = {float(biggest):.4g})",
             )
         np.multiply(term, 1 / _HI, out=t)
         np.trunc(t, out=t)  # the high part, in units of 2^-5

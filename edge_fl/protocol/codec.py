@@ -47,6 +47,8 @@ from edge_fl.protocol.messages import (
 from edge_fl.protocol.params import SIGNDS, check_mechanism_params
 
 WIRE_DTYPES = {"f4": np.dtype("<f4"), "f2": np.dtype("<f2")}
+#: the global model's third dtype: 8-bit levels per block of 256 values (downlink compression)
+GLOBAL_Q8 = "q8"
 MAX_SAMPLES = 10_000_000
 MAX_COUNTER = 2**40  # rounds and versions
 MAX_DEADLINE_S = 1e9
@@ -137,7 +139,7 @@ def global_body(msg: GlobalModel) -> bytes:
         "rnd": msg.round,
         "mode": msg.mode,
         "dt": msg.wire_dtype,
-        "w": _vector_bytes(msg.params, msg.wire_dtype),
+        **_model_fields(msg.params, msg.wire_dtype),
         "dl": float(msg.deadline_s),
         "cfg": msg.config_digest,
         "ts": float(msg.issued_at),
@@ -160,6 +162,20 @@ def global_body(msg: GlobalModel) -> bytes:
         _check_nonce(msg.nonce)
         body["nc"] = msg.nonce
     return _pack(body)
+
+
+def _model_fields(params: np.ndarray, dt: str) -> dict[str, bytes]:
+    """The global parameters as ``w`` (f4, f2) or ``w`` + ``qp`` (q8: per-block 8-bit levels,
+    each value rounded to its nearest level; docs/protocol.md, "Quantised global model")."""
+    if dt != GLOBAL_Q8:
+        return {"w": _vector_bytes(params, dt)}
+    from edge_fl.codecs._quant import quantise_nearest
+
+    vec = np.asarray(params, dtype=np.float64)
+    if vec.ndim != 1 or not vec.size or not np.isfinite(vec).all():
+        raise ValueError("a q8 global model needs a non-empty, finite, flat parameter vector")
+    levels, block_params = quantise_nearest(vec, 8)
+    return {"w": levels.tobytes(), "qp": block_params}
 
 
 def encode_global(msg: GlobalModel, signer: Signs | None = None) -> bytes:
@@ -582,7 +598,7 @@ def _decode_signds(
 _SIGNED_KEYS = frozenset({"v", "k", "b", "sig"})
 _GLOBAL_KEYS = frozenset(
     {"v", "k", "job", "ver", "rnd", "mode", "dt", "w", "dl", "cfg", "ts", "sel", "sd", "mp", "q"}
-    | {"done", "nc"}
+    | {"done", "nc", "qp"}
 )
 
 
@@ -668,7 +684,31 @@ def _decode_global_body(obj: dict[str, Any], expected_dim: int | None) -> Global
         rate = F.number(obj["q"], "q", "Poisson sample rate", 0.0, 1.0, lo_open=True)
     done = F.boolean(obj, "done", "done marker") if "done" in obj else False
     nonce = _optional_nonce(obj)
+    if obj.get("dt") == GLOBAL_Q8:
+        params = _global_q8(obj, expected_dim)
+        mp = check_mechanism_params(obj["mp"], len(params)) if "mp" in obj else None
+        return GlobalModel(
+            job=job,
+            version=version,
+            round=rnd,
+            params=params,
+            mode=mode,
+            selected=selected,
+            deadline_s=deadline,
+            config_digest=digest,
+            wire_dtype=GLOBAL_Q8,
+            mechanism_state=state,
+            sample_rate=rate,
+            done=done,
+            issued_at=issued,
+            nonce=nonce,
+            mechanism_params=mp,
+        )
     dt = _dtype(obj)
+    if "qp" in obj:
+        raise PayloadRejected(
+            Reject.UNKNOWN_FIELD, "field 'qp' is only for dt = 'q8' global models", field="qp"
+        )
     dtype = WIRE_DTYPES[dt]
     blob = F.get(obj, "w", bytes, "parameters", "bin")
     if len(blob) % dtype.itemsize or not blob:
@@ -704,6 +744,39 @@ def _decode_global_body(obj: dict[str, Any], expected_dim: int | None) -> Global
         nonce=nonce,
         mechanism_params=mp,
     )
+
+
+def _global_q8(obj: dict[str, Any], expected_dim: int | None) -> np.ndarray:
+    """The parameters of a ``dt = "q8"`` global message: d level bytes in ``w``, per block of 256
+    values (lo, step) float32 in ``qp``; value i of block b is lo_b + w_i step_b."""
+    from edge_fl.codecs._quant import BLOCK, dequantise, n_blocks
+
+    levels = F.get(obj, "w", bytes, "parameters (8-bit levels)", "bin")
+    if not levels:
+        raise PayloadRejected(Reject.WRONG_SHAPE, "field 'w' (parameters) is empty", field="w")
+    n_params = len(levels)
+    if expected_dim is not None and n_params != expected_dim:
+        raise PayloadRejected(
+            Reject.WRONG_SHAPE,
+            f"field 'w' (parameters) has {n_params} values; this model has {expected_dim}",
+            field="w",
+        )
+    if "qp" not in obj:
+        raise F.missing("qp", "block parameters of a q8 global model")
+    block_params = F.get(obj, "qp", bytes, "block parameters", "bin")
+    if len(block_params) != 8 * n_blocks(n_params):
+        raise PayloadRejected(
+            Reject.WRONG_SHAPE,
+            f"field 'qp' (block parameters) has {len(block_params)} bytes; {n_params} values "
+            f"in blocks of {BLOCK} need {8 * n_blocks(n_params)}",
+            field="qp",
+        )
+    params = dequantise(np.frombuffer(levels, np.uint8), block_params, n_params)
+    if not np.isfinite(params).all():
+        raise PayloadRejected(
+            Reject.NON_FINITE, "field 'w' (parameters) decodes to non-finite values", field="w"
+        )
+    return params
 
 
 def _optional_selection(obj: dict[str, Any]) -> tuple[str, ...] | None:
