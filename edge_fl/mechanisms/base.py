@@ -308,7 +308,7 @@ class FedAvg:
         FedAsync with one update applies ``server_lr * f(s) * delta``."""
         if not isinstance(update, DenseUpdate):
             raise TypeError(f"FedAvg takes dense updates, got {type(update).__name__}")
-        self._sum.add(update.delta, weight * update.n_samples)
+        self._sum.add(update.delta, weight * update.n_samples, update.peak)
         self._weight += int(update.n_samples)
         self._count += 1
 

@@ -448,12 +448,14 @@ def _vector(blob: bytes, wire_dtype: str, n_params: int, key: str, what: str) ->
     return vec
 
 
-def _plausible(vec: np.ndarray, max_abs: float | None, key: str, what: str) -> None:
+def _plausible(vec: np.ndarray, max_abs: float | None, key: str, what: str) -> float | None:
+    """The largest |value| (None if not checked), after checking it against ``max_abs``."""
     if max_abs is None or not vec.size:
-        return
+        return None
     mags = np.abs(vec)
-    if float(mags.max()) <= max_abs:
-        return
+    peak = float(mags.max())
+    if peak <= max_abs:
+        return peak
     over = np.flatnonzero(mags > max_abs)
     i = int(over[0])
     raise PayloadRejected(
@@ -550,8 +552,8 @@ def _decode_update(
 
         codec = codec_for_tag(dt)
         delta = codec.decode({k: obj[k] for k in codec.keys if k in obj}, limits.n_params)
-    _plausible(delta, limits.max_abs, "x", "delta vector")
-    return DenseUpdate(device, rnd, base, n, delta, dt, mech, nonce)
+    peak = _plausible(delta, limits.max_abs, "x", "delta vector")
+    return DenseUpdate(device, rnd, base, n, delta, dt, mech, nonce, peak=peak)
 
 
 def _decode_signds(

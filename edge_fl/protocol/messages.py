@@ -161,6 +161,8 @@ class DenseUpdate:
     wire_dtype: str = "f4"
     mechanism: str = "none"
     nonce: bytes | None = None  # echo of the global message's nonce (binds the update to the round)
+    #: max |delta|, when the decoder measured it (not on the wire): saves the aggregator a pass
+    peak: float | None = field(default=None, compare=False, repr=False)
 
 
 @dataclass(frozen=True)
