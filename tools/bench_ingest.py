@@ -338,6 +338,12 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--journal-dir", default=None, help="where the journal goes (default: /tmp)")
     ap.add_argument("--workers", type=int, default=0, help="compare 1 and N ingest workers")
+    ap.add_argument(
+        "--pin",
+        action="store_true",
+        help="Mosquitto on CPU 0, every subscriber on CPU 1 (single-ingest comparison only): "
+        "each drain gets one core of its own, as on a quiet machine",
+    )
     args = ap.parse_args()
     model = make_model(args.model, 64, 10)
     payloads = make_payloads(args.updates, model.n_params)
@@ -349,6 +355,11 @@ def main() -> None:
     rates: dict[str, list[float]] = {name: [] for name in SUBSCRIBERS}
     with EmbeddedBroker(kind="mosquitto") as broker:
         spec = broker.spec
+        if args.pin:
+            import os
+
+            os.sched_setaffinity(broker.pid, {0})
+            os.sched_setaffinity(0, {1})
         for rep in range(args.repeats):
             for k, name in enumerate(SUBSCRIBERS):
                 cid = f"bench-{k}-{rep}"
