@@ -1,4 +1,4 @@
-"""Uplink codecs end to end: accuracy after R rounds against total payload bytes up, vs f32.
+"""Uplink and downlink codecs end to end: accuracy after R rounds against bytes, vs f32.
 
     .venv/bin/python tools/bench_codecs.py [--rounds 20] [--seeds 1] [--reproducible] [--only q8,q4]
         [--model lenet --dataset femnist --data-dir DIR [--make-femnist WRITERS]]
@@ -11,7 +11,8 @@ training), strictly one at a time (the machine is shared). ``--model lenet --dat
 FEMNIST-style writers there (noisy class templates, as the tests do: generated, not real FEMNIST).
 ``--runs-dir`` keeps each run's directory (metrics.jsonl, run.json) for ``edge-fl report``. Rows: dense f32 (the baseline, measured in the same
 invocation), f16 (stochastic rounding), q8, q4, top-k with error feedback (k = 0.01 and 0.1),
-rot1, and SignDS for comparison (its own wire format and training settings, from
+rot1, the quantised global model (``+dl-q8``: ``compression.downlink: q8``) with f32, q8 and top-k
+updates, and SignDS for comparison (its own wire format and training settings, from
 tools/bench_signds_e2e.py: sign_k 0.1, lr 0.05 x 1 epoch; eps = 100 is a privacy mechanism, not
 a pure codec). Payload bytes are the aggregator's ``bytes_up`` (MQTT application payloads it
 received); wire bytes are the run's ``total_wire_up`` / ``total_wire_down`` (every MQTT packet of
@@ -53,6 +54,17 @@ ROWS: list[tuple[str, dict[str, Any]]] = [
     ("topk-0.1+EF", {"compression.uplink": "topk", "compression.topk_fraction": 0.1}),
     ("topk-0.01+EF", {"compression.uplink": "topk", "compression.topk_fraction": 0.01}),
     ("rot1", {"compression.uplink": "rot1"}),
+    # the global model broadcast quantised too (compression.downlink: q8)
+    ("f32+dl-q8", {"compression.uplink": "f32", "compression.downlink": "q8"}),
+    ("q8+dl-q8", {"compression.uplink": "q8", "compression.downlink": "q8"}),
+    (
+        "topk-0.1+EF+dl-q8",
+        {
+            "compression.uplink": "topk",
+            "compression.topk_fraction": 0.1,
+            "compression.downlink": "q8",
+        },
+    ),
     (
         "signds",
         {
@@ -174,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{args.rounds} rounds, {args.seeds} seed(s), {rng}"
     )
     print(
-        "| uplink | accuracy | vs f32 | payload up (total) | payload / update | f32 / this "
+        "| codecs | accuracy | vs f32 | payload up (total) | payload / update | f32 / this "
         "(payload per update) | wire up | wire down | f32 / this (wire up+down) | rejected |"
     )
     print("|---|---|---|---|---|---|---|---|---|---|")
