@@ -166,6 +166,25 @@ def test_job_wire_bytes_match_sys_counters_and_comm_cost() -> None:
 
 
 @pytest.mark.broker
+def test_a_q8_downlink_jobs_wire_bytes_match_comm_cost() -> None:
+    """The quantised global model (compression.downlink: q8): a real job's per-device per-round
+    downlink is what comm-cost's wire model says for it, and about a quarter of f32's."""
+    devices = 3
+    out = bench_wire.measure(
+        devices, 3, capture=False, device_downlink=True, **{"compression.downlink": "q8"}
+    )
+    ratios = bench_wire.ratios(out)
+    assert ratios["mqtt_down_vs_sys_sent"] == pytest.approx(1, abs=TOLERANCE)
+    up, down = _per_device_round(out["records"], devices)
+    n_params = out["summary"]["n_params"]
+    q8 = wire_round_cost(n_params, selected=devices, job=out["job"], downlink="q8")
+    f32 = wire_round_cost(n_params, selected=devices, job=out["job"])
+    assert up == pytest.approx(q8["up"], rel=TOLERANCE)
+    assert down == pytest.approx(q8["down"], rel=TOLERANCE)
+    assert q8["down"] < f32["down"] / 3.5
+
+
+@pytest.mark.broker
 def test_charged_downlink_matches_measured_per_device_downlink() -> None:
     """The fleet's default (one shared downlink, each device charged its own subscription's
     packets) gives the same per-device figures as devices that really subscribe."""

@@ -62,9 +62,11 @@ def comm_cost_report(
     rng: Any = None,
     topk_fraction: float = 0.01,
     job: str = WIRE_JOB,
+    downlink: str = "f32",
 ) -> dict[str, Any]:
     """Payload bytes of one update of a ``dim``-parameter model under each mechanism, and of the
-    global-model broadcast. ``rng``: a numpy Generator (default: the production CSPRNG)."""
+    global-model broadcast; the wire figures with the global model as ``downlink`` (f32, f16,
+    q8). ``rng``: a numpy Generator (default: the production CSPRNG)."""
     import numpy as np
 
     from edge_fl.job import device_id
@@ -133,7 +135,10 @@ def comm_cost_report(
         )
         for dt in ("f4", "f2", "q8")
     }
-    signed = _signed_global_bytes(weights, ids, magrr, job)
+    dt = {"f32": "f4", "f16": "f2", "q8": "q8"}.get(downlink)
+    if dt is None:
+        raise ValueError(f"downlink {downlink!r} is not one of f32, f16, q8")
+    signed = _signed_global_bytes(weights, ids, magrr, job, dt)
     nonce = _nonce_bytes()
     codecs = codec_costs(dim, delta, hdr, rng, topk_fraction)
     for entry in codecs["codecs"].values():
@@ -154,6 +159,7 @@ def comm_cost_report(
         "wire_up_by_mechanism": wire_by_mechanism,
         "wire_session": session_wire(job=job),
         "wire_global_payload": signed,
+        "wire_downlink": downlink,
         "signds": {
             **{key: p.describe()[key] for key in ("topk", "h", "nu_th", "capped", "h_uncapped")},
             "sign_k": params.k,
@@ -184,9 +190,11 @@ def comm_cost_report(
     }
 
 
-def _signed_global_bytes(weights: Any, ids: Any, magrr: Any, job: str = WIRE_JOB) -> int:
-    """The f4 global message as a job sends it: with the round's nonce, in the signed envelope
-    (simulations always sign)."""
+def _signed_global_bytes(
+    weights: Any, ids: Any, magrr: Any, job: str = WIRE_JOB, dt: str = "f4"
+) -> int:
+    """The global message (``dt``: f4, f2 or q8) as a job sends it: with the round's nonce, in
+    the signed envelope (simulations always sign)."""
     from edge_fl.protocol import GlobalModel, encode_global
     from edge_fl.protocol.messages import NONCE_BYTES
     from edge_fl.protocol.signing import Signer
@@ -200,7 +208,7 @@ def _signed_global_bytes(weights: Any, ids: Any, magrr: Any, job: str = WIRE_JOB
         selected=ids,
         deadline_s=GLOBAL_HEADER["deadline_s"],
         config_digest=GLOBAL_HEADER["config_digest"],
-        wire_dtype="f4",
+        wire_dtype=dt,
         mechanism_state=magrr,
     )
     return len(encode_global(msg, signer=Signer.generate()))
@@ -298,8 +306,10 @@ def wire_round_cost(
     topk_fraction: float = 0.01,
     job: str = WIRE_JOB,
     rng: Any = None,
+    downlink: str = "f32",
 ) -> dict[str, int]:
-    """One device's MQTT bytes of one round with uplink ``codec`` (and the IP estimates)."""
+    """One device's MQTT bytes of one round with uplink ``codec`` and the global model as
+    ``downlink`` (f32, f16, q8: ``compression.downlink``), and the IP estimates."""
     import numpy as np
 
     from edge_fl.codecs import build_codec
@@ -316,7 +326,10 @@ def wire_round_cost(
     payload = len(encode_update(update, coded=(c.dt, fields))) + _nonce_bytes()
     ids = tuple(device_id(i) for i in range(selected)) or None
     magrr = MagRRState.initial().to_dict()
-    glob = _signed_global_bytes(delta, ids, magrr, job)
+    dt = {"f32": "f4", "f16": "f2", "q8": "q8"}.get(downlink)
+    if dt is None:
+        raise ValueError(f"downlink {downlink!r} is not one of f32, f16, q8")
+    glob = _signed_global_bytes(delta, ids, magrr, job, dt)
     return {
         **round_wire(payload, glob, job=job),
         "update_payload": payload,
@@ -388,7 +401,10 @@ def _print_codecs(data: dict[str, Any]) -> None:
     click.echo(
         "--json has every mechanism); wire: one device's MQTT bytes of one round (the update"
     )
-    click.echo("and the signed f4 global model with topics, packet ids, PUBACKs; --json adds the")
+    click.echo(
+        f"and the signed {data['wire_downlink']} global model with topics, packet ids, PUBACKs; "
+        "--json adds the"
+    )
     click.echo("TLS and TCP/IP estimates and the once-per-session packets).")
 
 
@@ -429,6 +445,13 @@ def _print_table(data: dict[str, Any]) -> None:
 @click.option("--samples", type=int, default=20, show_default=True, help="SignDS selections.")
 @click.option("--selected", type=int, default=0, show_default=True, help="Ids in the broadcast.")
 @click.option(
+    "--downlink",
+    type=click.Choice(["f32", "f16", "q8"]),
+    default="f32",
+    show_default=True,
+    help="The global model's encoding in the wire figures (compression.downlink).",
+)
+@click.option(
     "--topk-fraction", type=float, default=0.01, show_default=True, help="topk codec: fraction k."
 )
 @click.option(
@@ -447,6 +470,7 @@ def comm_cost(
     selected: int,
     topk_fraction: float,
     job: str,
+    downlink: str,
     seed: int | None,
     as_json: bool,
 ) -> None:
@@ -484,6 +508,7 @@ def comm_cost(
             rng=None if seed is None else seeded_generator(seed),
             topk_fraction=topk_fraction,
             job=job,
+            downlink=downlink,
         )
     except ValueError as err:
         msg = str(err)
