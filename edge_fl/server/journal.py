@@ -103,7 +103,8 @@ class Journal:
         self.appended = 0
         self.syncs = 0
         self._fd: int | None = fd
-        self._size = size
+        self._size = size  # bytes on disk (what a failed write is cut back to)
+        self._pending: list[bytes] = []  # appended, not yet written: one write per sync
         self._dirty = False
 
     @classmethod
@@ -143,26 +144,38 @@ class Journal:
         return cls(path, fd, seq, len(data), job, digest, durable)
 
     def append(self, kind: str, **fields: Any) -> int:
-        """Write one record (not yet fsynced: see :meth:`sync`); returns its sequence number."""
+        """Add one record; it reaches the file at the next :meth:`sync` (nothing may rely on it
+        before: the service acknowledges a message only after the sync that holds its effects).
+        Returns its sequence number."""
         if self._fd is None:
             raise ValueError("the journal is closed")
-        data = _frame({"s": self.seq + 1, "k": kind, **fields})
-        try:
-            _write_all(self._fd, data)
-        except OSError as exc:
-            # no torn record left behind for a later append to follow
-            with contextlib.suppress(OSError):
-                os.ftruncate(self._fd, self._size)
-            raise OutputError(self.path, exc) from None
+        self._pending.append(_frame({"s": self.seq + 1, "k": kind, **fields}))
         self.seq += 1
-        self._size += len(data)
         self.appended += 1
         self._dirty = True
         return self.seq
 
+    def _write_pending(self) -> None:
+        """Every pending record in one write (one system call per burst, not per record: the
+        per-record writes cost more than the fsync, BENCHMARKS.md section 2)."""
+        if not self._pending or self._fd is None:
+            return
+        data = b"".join(self._pending)
+        self._pending.clear()
+        try:
+            _write_all(self._fd, data)
+        except OSError as exc:
+            # no torn record left behind for a later write to follow
+            with contextlib.suppress(OSError):
+                os.ftruncate(self._fd, self._size)
+            raise OutputError(self.path, exc) from None
+        self._size += len(data)
+
     def sync(self) -> None:
-        """Make every appended record durable (one fsync for however many were appended)."""
+        """Write and make durable every appended record (one write and one fsync for however
+        many were appended). On a failed write nothing of them is on disk."""
         if self._dirty and self._fd is not None:
+            self._write_pending()
             if self.durable:
                 try:
                     os.fsync(self._fd)
@@ -173,6 +186,7 @@ class Journal:
 
     def rotate(self) -> None:
         """Start an empty journal after a checkpoint that covers every record so far."""
+        self._pending.clear()  # the checkpoint holds their effects
         self.close()
         fresh = Journal.start(
             self.path.parent, job=self.job, digest=self.digest, after=self.seq, durable=self.durable
@@ -181,7 +195,10 @@ class Journal:
         fresh._fd = None
 
     def close(self) -> None:
+        """Write what is pending (not fsynced: a clean stop syncs first) and close."""
         if self._fd is not None:
+            with contextlib.suppress(OutputError):  # unacknowledged: the broker has them
+                self._write_pending()
             os.close(self._fd)
             self._fd = None
 
