@@ -20,6 +20,7 @@ Usage::
     .venv/bin/python tools/chaos_kill9.py                     # 30 rounds, 20 kills
     .venv/bin/python tools/chaos_kill9.py --rounds 6 --kills 3 --json out.json
     .venv/bin/python tools/chaos_kill9.py --variant auto-ack  # paho acks on receipt (old)
+    .venv/bin/python tools/chaos_kill9.py --rounds 8 --kills 5 --workers 2  # sharded ingest
 
 ``--variant auto-ack`` keeps the journal but lets paho acknowledge each update on receipt, as
 before the journal existed: it measures the window between the broker's ack and the journal.
@@ -118,6 +119,8 @@ class Proc:
 def aggregator(a, url, job, out: Path, log: Path, resume: bool) -> Proc:
     argv = [sys.executable, "-c", BOOT[a.variant], "aggregator", *job_args(url, job, a)]
     argv += ["--out", str(out)] + (["--resume"] if resume else [])
+    if a.workers:
+        argv += ["--workers", str(a.workers)]
     if a.aggregator_src:  # python -c puts the working directory first on sys.path
         return Proc(argv, log, {"PYTHONPATH": a.aggregator_src}, cwd=a.aggregator_src)
     return Proc(argv, log)
@@ -407,6 +410,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--timeout", type=float, default=300.0, help="per aggregator run (s)")
     p.add_argument("--variant", choices=sorted(BOOT), default="journal")
     p.add_argument("--aggregator-src", help="PYTHONPATH for the aggregator (another checkout)")
+    p.add_argument(
+        "--workers", type=int, default=0, help="sharded ingest: the aggregator's --workers N"
+    )
     p.add_argument("--broker", help="use this Mosquitto (default: start a private one)")
     p.add_argument("--work", type=Path, help="keep logs and outputs here (default: a temp dir)")
     p.add_argument("--json", type=Path, help="write the results as JSON")

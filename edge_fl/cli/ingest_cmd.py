@@ -15,6 +15,8 @@ from pathlib import Path
 import aiomqtt
 import click
 
+from edge_fl.transport.broker import make_preexec
+
 from . import _common_job_options, _fail, _load, _logging, _overrides, require_server
 
 log = logging.getLogger("edge_fl.ingest")
@@ -86,7 +88,9 @@ class LocalWorkers:
         entry = "import sys; from edge_fl.cli import main; sys.argv[0] = 'edge-fl'; main()"
         argv = [sys.executable, "-c", entry, "ingest", "--config", str(self._path)]
         argv += ["--worker", str(index), *["-v"] * self.verbose]
-        return subprocess.Popen(argv)
+        # a worker dies with the thread that started it (SIGTERM): an aggregator killed with
+        # kill -9 must not leave workers that fight its resumed successor's for their client ids
+        return subprocess.Popen(argv, preexec_fn=make_preexec(parent_death_signal=True))
 
     def start(self) -> None:
         fd = os.open(self._path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)

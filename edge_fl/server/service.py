@@ -824,6 +824,10 @@ class AggregatorService:
                     resumed = self._resumed_round
                     if resumed:
                         self._resumed_round = False
+                        if self.sharding is not None:
+                            # the workers of the process that died held this round's shares
+                            self.sharding.lost_before_resume = True
+                            await self._wait_for_workers()  # devices re-send when it reappears
                         await self._await_statuses()
                         self.core.current.opened_at = self._now()  # a fresh deadline
                         self._round_started = time.perf_counter()

@@ -138,6 +138,7 @@ class IngestWorker:
         self.core = core
         core.privacy = None  # the coordinator keeps the ledger; a worker lists releases
         self.frozen: int | None = None  # the round frozen and awaiting its commit
+        self._opened: tuple[Any, Any, Any] | None = None  # (g, b, h) of the round mirrored
         self._reported = 0  # releases already sent in a partial
         self._accepted: list[str] = []  # since the last progress
         self._refused: list[str] = []
@@ -177,8 +178,10 @@ class IngestWorker:
 
     def _open(self, msg: dict[str, Any], rnd: int) -> None:
         core = self.core
-        if rnd <= core.round_number and core.current is not None:
-            return  # a re-sent open of the round already mirrored
+        same = (msg.get("g"), msg.get("b"), msg.get("h")) == self._opened
+        if core.current is not None and (rnd < core.round_number or same):
+            return  # a re-sent open of the round already mirrored (a coordinator reconnect)
+        refold = self._mirrored_updates(rnd)  # the same round, opened again by a restarted one
         g = decode_global(msg.get("g") if isinstance(msg.get("g"), bytes) else b"")
         if g.round != rnd or g.selected is None:
             raise ShardingError("an open message carries its round's global message with a "
@@ -204,6 +207,23 @@ class IngestWorker:
         )
         core.strategy = Recording(core.new_strategy())  # type: ignore[assignment]
         core.refused = set()
+        self._opened = (msg.get("g"), msg.get("b"), msg.get("h"))
+        for update, weight in refold:
+            try:
+                core.strategy.add(update, weight)
+                core.current.accept(update.device)
+            except ValueError as exc:  # e.g. over the new round's norm bound
+                log.warning("update of %s dropped on the round's re-open: %s", update.device, exc)
+
+    def _mirrored_updates(self, rnd: int) -> list[tuple[Update, float]]:
+        """What this worker folded of round ``rnd`` if it is the one mirrored now, else []."""
+        core = self.core
+        if core.current is None or core.current.number != rnd:
+            return []
+        folded = getattr(core.strategy, "folded", [])
+        log.warning("round %d opened again with other settings (a restarted coordinator): "
+                    "re-folding the %d updates taken so far", rnd, len(folded))  # fmt: skip
+        return list(folded)
 
     def _retire(self) -> None:
         core = self.core
@@ -295,6 +315,10 @@ class Coordinator:
         self.online: set[str] = set()
         self.round: ShardedRound | None = None
         self.lost: Counter = Counter()  # worker -> rounds whose share was lost
+        #: the open round was rebuilt by a resumed coordinator: whatever its earlier workers
+        #: held of it is gone (they die with the process that started them), so its merge
+        #: charges every selected device as for a lost share
+        self.lost_before_resume = False
 
     def worker_online(self, worker: str) -> None:
         if worker not in self.workers:
@@ -364,6 +388,12 @@ class Coordinator:
         missing = sorted(sr.workers - set(sr.partials) | sr.lost)
         if missing:
             self._account_missing(sr, missing)
+        if self.lost_before_resume:
+            self.lost_before_resume = False
+            log.error("round %d was reopened after a restart: the shares its earlier workers "
+                      "held are lost; charging its selection", sr.number)  # fmt: skip
+            self._account_missing(sr, [])
+            missing = [*missing, "before-restart"]
         info = {"workers": len(sr.workers), "workers_missing": missing}
         self.round = None
         return info

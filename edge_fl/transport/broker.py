@@ -136,7 +136,7 @@ def _prctl() -> Callable[..., int] | None:
         return None
 
 
-def _make_preexec(parent_death_signal: bool) -> Callable[[], None]:
+def make_preexec(parent_death_signal: bool) -> Callable[[], None]:
     """Runs in the child between fork and exec: raise the fd limit, die with the parent."""
     target = _nofile_target()
     prctl = _prctl() if parent_death_signal else None  # resolved before the fork
@@ -414,7 +414,7 @@ class EmbeddedBroker:
                 stderr=subprocess.STDOUT,
                 cwd=self._dir,
                 env=env,
-                preexec_fn=_make_preexec(use_pdeathsig),
+                preexec_fn=make_preexec(use_pdeathsig),
                 # Own session: a terminal Ctrl-C reaches only us; we then stop the broker
                 # after the clients, instead of it dying under them mid-shutdown.
                 start_new_session=True,
