@@ -249,3 +249,48 @@ def test_exact_sum_is_independent_of_order_and_grouping_and_equals_fsum():
     assert not cancel.value().any()  # nothing added by a refused term
     with pytest.raises(ValueError, match="bytes"):
         ExactSum.from_bytes(b"\0" * 7, 40)
+
+
+def test_a_left_out_update_no_longer_kept_makes_the_share_lost_but_keeps_its_releases(
+    monkeypatch,
+):
+    """A worker keeps only its last RECENT updates to take back; asked to leave out an older one
+    (here: a device another worker reported first), it reports its share lost. The coordinator
+    still records every release the worker saw, drops the worker's devices from the round and
+    charges the selection."""
+    import edge_fl.server.sharding as sharding
+
+    monkeypatch.setattr(sharding, "RECENT", 2)
+    job = make_job({"privacy.mechanism": "gaussian", "privacy.epsilon": 30.0})
+    agents = job.agents()
+    coord = job.aggregator_core()
+    workers = {w: IngestWorker(w, job.aggregator_core()) for w in ("w0", "w1")}
+    for core in (coord, *(w.core for w in workers.values())):
+        announce(core, agents)
+    coordinator = Coordinator(coord, list(workers))
+    for w in workers:
+        coordinator.worker_online(w)
+    payload = encode_global(coord.open_round(0.0))
+    for w in workers.values():
+        w.on_control(coordinator.open_message(payload))
+    seen = decode_global(payload)
+    answers = [(a.device_id, a.on_global(seen)) for a in agents if a.wants(seen)][:4]
+    first, data = answers[0]
+    workers["w1"].on_update(first, data)  # w1 reports it first ...
+    coordinator.on_progress(workers["w1"].progress())
+    for device, update in answers:  # ... then w0 takes it and three more, reported later
+        workers["w0"].on_update(device, update)
+    coordinator.on_progress(workers["w0"].progress())
+    for w in workers.values():
+        for _, out in w.on_control(coordinator.freeze_message()):
+            coordinator.on_progress(out)
+    assert coordinator.round.left_out == {"w0": [(first, Reject.DUPLICATE)]}
+    for w in workers.values():
+        for _, out in w.on_control(coordinator.commit_message()):
+            coordinator.on_partial(out)
+    info = coordinator.merge()
+    assert info["workers_missing"] == ["w0"]
+    assert coord.current.accepted == {first} and coord.strategy.count == 1  # w1's share only
+    released = {(e.device, e.round) for e in coord.privacy.ledger.entries}
+    assert {(d, 1) for d, _ in answers} <= released  # w0's releases were kept
+    assert {(d, 1) for d in seen.selected} <= released  # and the whole selection charged

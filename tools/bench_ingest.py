@@ -334,7 +334,9 @@ SUBSCRIBERS = ("paho raw", "aiomqtt raw", "edge-fl service", "edge-fl service+jo
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--updates", type=int, default=2000)
-    ap.add_argument("--model", default="mlp", help="mlp (4810 params) or logreg (650)")
+    ap.add_argument(
+        "--model", default="mlp", help="mlp (4,810 params), logreg (650), lenet (61,706; torch)"
+    )
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--journal-dir", default=None, help="where the journal goes (default: /tmp)")
     ap.add_argument("--workers", type=int, default=0, help="compare 1 and N ingest workers")
@@ -345,7 +347,8 @@ def main() -> None:
         "each drain gets one core of its own, as on a quiet machine",
     )
     args = ap.parse_args()
-    model = make_model(args.model, 64, 10)
+    # digits' 64 features for logreg/MLP; 28x28 images for LeNet (FEMNIST's size)
+    model = make_model(args.model, 784 if args.model in ("lenet", "cnn") else 64, 10)
     payloads = make_payloads(args.updates, model.n_params)
     if args.workers:
         workers_main(args, payloads, model.n_params)

@@ -102,6 +102,11 @@ class Strategy(Protocol):
         """New global parameters and extra metrics for the round record."""
         ...
 
+    def remove(self, update: Update, weight: float) -> None:
+        """Take back an update folded with ``add`` with the same ``weight``, exactly (an ingest
+        worker leaves out what the coordinator judged a duplicate or late)."""
+        ...
+
     def partial(self) -> dict[str, Any]:
         """What was folded so far, msgpack-safe (an ingest worker's share of the round)."""
         ...
@@ -311,6 +316,13 @@ class FedAvg:
         self._sum.add(update.delta, weight * update.n_samples, update.peak)
         self._weight += int(update.n_samples)
         self._count += 1
+
+    def remove(self, update: Update, weight: float) -> None:
+        """Take back an update folded with ``add`` (exact: the sum is fixed-point)."""
+        assert isinstance(update, DenseUpdate)
+        self._sum.add(update.delta, -(weight * update.n_samples), update.peak)
+        self._weight -= int(update.n_samples)
+        self._count -= 1
 
     def partial(self) -> dict[str, Any]:
         return {"s": self._sum.to_bytes(), "w": self._weight, "c": self._count}

@@ -125,6 +125,14 @@ class CentralGaussianSum:
         self._sum = ExactSum(self.n_params)
 
     def add(self, update: Update, weight: float) -> None:
+        self._sum.add(self._clipped(update))
+        self._count += 1
+
+    def remove(self, update: Update, weight: float) -> None:
+        self._sum.add(-self._clipped(update))  # the same projection, subtracted: exact
+        self._count -= 1
+
+    def _clipped(self, update: Update) -> np.ndarray:
         if not isinstance(update, DenseUpdate):
             raise TypeError(f"central Gaussian takes dense updates, got {type(update).__name__}")
         delta = update.delta.astype(np.float64)
@@ -136,8 +144,7 @@ class CentralGaussianSum:
             )
         if norm > bound:  # float16/float32 rounding of a clipped delta: project onto the S-ball
             delta *= bound / norm
-        self._sum.add(delta)
-        self._count += 1
+        return delta
 
     def partial(self) -> dict[str, Any]:
         return {"s": self._sum.to_bytes(), "w": 0, "c": self._count}

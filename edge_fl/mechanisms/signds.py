@@ -177,6 +177,14 @@ class SignDSAggregate:
         self._weight += int(update.n_samples)
         self._bits.append(update.magrr_bit)
 
+    def remove(self, update: Update, weight: float) -> None:
+        assert isinstance(update, SignDSUpdate)
+        idx, value = vote_parts(self.n_params, update.sign, update.indices,
+                                weight * update.n_samples)  # fmt: skip
+        self._votes.add_at(idx, -value)
+        self._weight -= int(update.n_samples)
+        self._bits.remove(update.magrr_bit)
+
     def partial(self) -> dict[str, Any]:
         """Vote sums, weight and the MagRR bits (their order does not matter: MagRR counts)."""
         return {"s": self._votes.to_bytes(), "w": self._weight, "b": bytes(self._bits)}

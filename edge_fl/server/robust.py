@@ -199,6 +199,15 @@ class CoordinateTrimmedMean:
             raise ValueError(f"delta has shape {update.delta.shape}, expected ({self.n_params},)")
         self._rows.append((weight * update.delta.astype(np.float64)).astype(np.float32))
 
+    def remove(self, update: Update, weight: float) -> None:
+        assert isinstance(update, DenseUpdate)
+        row = (weight * update.delta.astype(np.float64)).astype(np.float32)
+        for i in range(len(self._rows) - 1, -1, -1):
+            if np.array_equal(self._rows[i], row):
+                del self._rows[i]
+                return
+        raise ValueError("no such row to remove")
+
     def partial(self) -> dict[str, Any]:
         """Every row (a trimmed mean of partial means is another estimator): sorting per
         coordinate makes the merged result independent of the rows' order."""
@@ -297,6 +306,34 @@ class RobustStrategy:
         self.inner.add(update, weight)
         self.clipped += clip
         self._norms.append(min(norm, bound) if bound is not None else norm)
+
+    def remove(self, update: Update, weight: float) -> None:
+        """Take back an update ``add`` took (the same cap and bound decide the same way)."""
+        s = self.settings
+        capped = s.max_samples is not None and update.n_samples > s.max_samples
+        if capped:
+            update = replace(update, n_samples=s.max_samples)
+        self.capped -= capped
+        if s.norm_bound is None:
+            self.inner.remove(update, weight)
+            return
+        assert isinstance(update, DenseUpdate)
+        norm = l2_norm(update.delta)
+        if self._held is not None:
+            for i in range(len(self._held) - 1, -1, -1):
+                held, w, n = self._held[i]
+                if n == norm and w == weight and np.array_equal(held.delta, update.delta):
+                    del self._held[i]
+                    return
+            raise ValueError("no such held update to remove")
+        bound = self.bound
+        clip = bound is not None and norm > bound
+        if clip:
+            delta = (update.delta.astype(np.float64) * (bound / norm)).astype(np.float32)  # type: ignore[operator]
+            update = replace(update, delta=delta)
+        self.inner.remove(update, weight)
+        self.clipped -= clip
+        self._norms.remove(min(norm, bound) if bound is not None else norm)
 
     def _flush(self) -> None:
         """Bound the held updates by the median of the reference and themselves, and fold them

@@ -35,7 +35,7 @@ round (the single aggregator's journal does not cover workers).
 from __future__ import annotations
 
 import logging
-from collections import Counter
+from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -87,6 +87,17 @@ def _names(obj: dict, key: str) -> list[str]:
     return value
 
 
+def _releases(msg: dict[str, Any]) -> list[list[Any]]:
+    releases = msg.get("rel")
+    if not isinstance(releases, list):
+        raise ShardingError("a partial's 'rel' must be a list")
+    for item in releases:
+        ok = isinstance(item, list) and len(item) == 3 and isinstance(item[0], str)
+        if not ok or type(item[1]) is not int or type(item[2]) is not int:
+            raise ShardingError(f"a release is [device, round, samples], got {item!r}")
+    return releases
+
+
 def robust_round(strategy: Any) -> tuple[float | None, bool]:
     """(the round's norm bound, whether it holds its updates) of a round's strategy."""
     return getattr(strategy, "bound", None), getattr(strategy, "_held", None) is not None
@@ -110,17 +121,40 @@ class FixedReference:
         pass
 
 
+#: updates a worker keeps per round to take back (their memory: this many updates' deltas)
+RECENT = 256
+
+
 @dataclass
 class Recording:
-    """A round's strategy that remembers what it folded, so a worker can fold it again without
-    the updates the coordinator leaves out (rare: duplicates across workers, over the target)."""
+    """A round's strategy that lists the devices it folded and keeps the most recent updates, so
+    a worker can take back what the coordinator leaves out: a duplicate another worker reported
+    first, or an answer past the target; both are among the last ones a worker took. An
+    exclusion older than the last :data:`RECENT` updates makes the worker's share unreliable
+    (reported, and charged as a lost share)."""
 
     inner: Any
-    folded: list[tuple[Update, float]] = field(default_factory=list)
+    devices: list[str] = field(default_factory=list)
+    recent: deque[tuple[Update, float]] = field(default_factory=lambda: deque(maxlen=RECENT))
+    complete: bool = True  # every folded update is still in ``recent``
 
     def add(self, update: Update, weight: float) -> None:
         self.inner.add(update, weight)
-        self.folded.append((update, weight))
+        self.devices.append(update.device)
+        if len(self.recent) == self.recent.maxlen:
+            self.complete = False
+        self.recent.append((update, weight))
+
+    def take_back(self, device: str) -> bool:
+        """Remove ``device``'s update from the sums; False if it is no longer kept."""
+        for i in range(len(self.recent) - 1, -1, -1):
+            update, weight = self.recent[i]
+            if update.device == device:
+                self.inner.remove(update, weight)
+                del self.recent[i]
+                self.devices.remove(device)
+                return True
+        return False
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
@@ -139,6 +173,7 @@ class IngestWorker:
         core.privacy = None  # the coordinator keeps the ledger; a worker lists releases
         self.frozen: int | None = None  # the round frozen and awaiting its commit
         self._opened: tuple[Any, Any, Any] | None = None  # (g, b, h) of the round mirrored
+        self._reopened = False  # the mirrored round was opened again (re-folded)
         self._reported = 0  # releases already sent in a partial
         self._accepted: list[str] = []  # since the last progress
         self._refused: list[str] = []
@@ -181,7 +216,7 @@ class IngestWorker:
         same = (msg.get("g"), msg.get("b"), msg.get("h")) == self._opened
         if core.current is not None and (rnd < core.round_number or same):
             return  # a re-sent open of the round already mirrored (a coordinator reconnect)
-        refold = self._mirrored_updates(rnd)  # the same round, opened again by a restarted one
+        refold, lost = self._mirrored_updates(rnd)  # the same round, opened again
         g = decode_global(msg.get("g") if isinstance(msg.get("g"), bytes) else b"")
         if g.round != rnd or g.selected is None:
             raise ShardingError("an open message carries its round's global message with a "
@@ -208,6 +243,9 @@ class IngestWorker:
         core.strategy = Recording(core.new_strategy())  # type: ignore[assignment]
         core.refused = set()
         self._opened = (msg.get("g"), msg.get("b"), msg.get("h"))
+        self._reopened = bool(refold) or lost
+        if lost:
+            core.strategy.complete = False
         for update, weight in refold:
             try:
                 core.strategy.add(update, weight)
@@ -215,15 +253,17 @@ class IngestWorker:
             except ValueError as exc:  # e.g. over the new round's norm bound
                 log.warning("update of %s dropped on the round's re-open: %s", update.device, exc)
 
-    def _mirrored_updates(self, rnd: int) -> list[tuple[Update, float]]:
-        """What this worker folded of round ``rnd`` if it is the one mirrored now, else []."""
+    def _mirrored_updates(self, rnd: int) -> tuple[list[tuple[Update, float]], bool]:
+        """What this worker folded of round ``rnd`` if it is the one mirrored now, and whether
+        some of it is no longer kept (its share of the round is then unreliable)."""
         core = self.core
-        if core.current is None or core.current.number != rnd:
-            return []
-        folded = getattr(core.strategy, "folded", [])
+        strategy = core.strategy
+        if core.current is None or core.current.number != rnd or strategy is None:
+            return [], False
         log.warning("round %d opened again with other settings (a restarted coordinator): "
-                    "re-folding the %d updates taken so far", rnd, len(folded))  # fmt: skip
-        return list(folded)
+                    "re-folding the %d updates taken so far", rnd,
+                    len(strategy.devices))  # fmt: skip
+        return list(strategy.recent), not strategy.complete
 
     def _retire(self) -> None:
         core = self.core
@@ -251,20 +291,25 @@ class IngestWorker:
                        else ())  # fmt: skip
         strategy = core.strategy
         if strategy is None:  # this worker never mirrored the round: nothing folded
-            partial = self._partial(rnd, None, [])
+            partial = self._partial(rnd, None, [], None)
             self.frozen = None
             return [("partial", partial)]
-        if left_out:
-            fresh = Recording(core.new_strategy())
-            for update, weight in strategy.folded:
-                if update.device not in left_out:
-                    fresh.add(update, weight)
-            strategy = fresh
-        partial = self._partial(rnd, strategy.partial(), [u.device for u, _ in strategy.folded])
-        core.strategy, self.frozen = None, None
+        unkept = [d for d in sorted(left_out) if not strategy.take_back(d)]
+        lost = None
+        if unkept or (not strategy.complete and self._reopened):
+            lost = (
+                f"cannot take back {unkept} (not among the last {RECENT} updates kept)"
+                if unkept
+                else "the round was re-opened after more updates than were kept"
+            )
+            log.error("round %d: this worker's share is unreliable: %s", rnd, lost)
+        partial = self._partial(rnd, None if lost else strategy.partial(), strategy.devices, lost)
+        core.strategy, self.frozen, self._reopened = None, None, False
         return [("partial", partial)]
 
-    def _partial(self, rnd: int, strategy: dict[str, Any] | None, devices: list[str]) -> bytes:
+    def _partial(
+        self, rnd: int, strategy: dict[str, Any] | None, devices: list[str], lost: str | None
+    ) -> bytes:
         core = self.core
         releases = [[d, int(r), int(n)] for d, r, n in core.releases[self._reported :]]
         self._reported = len(core.releases)
@@ -277,7 +322,10 @@ class IngestWorker:
             "cap": t.capped_samples,
             "smp": dict(t.samples),
         }
-        return pack("partial", w=self.name, r=rnd, s=strategy, a=devices, rel=releases, t=tally)
+        fields = {"s": strategy, "a": devices, "rel": releases, "t": tally}
+        if lost is not None:
+            fields["lost"] = lost  # the coordinator treats the share as lost (and charges)
+        return pack("partial", w=self.name, r=rnd, **fields)
 
 
 # ------------------------------------------------------------------------------- coordinator
@@ -399,37 +447,39 @@ class Coordinator:
         return info
 
     def _merge_one(self, sr: ShardedRound, msg: dict[str, Any]) -> None:
+        """Its releases always count (they happened, whatever became of the sums); its sums only
+        if they are what the coordinator admitted, else its share is lost."""
         core = self.core
         assert core.strategy is not None
+        worker = msg.get("w")
         try:
-            releases = msg.get("rel")
-            if not isinstance(releases, list):
-                raise ShardingError("a partial's 'rel' must be a list")
-            mine = {d for d, w in sr.owner.items() if w == msg["w"]}
+            releases = _releases(msg)
+        except ShardingError as exc:
+            log.error("partial of worker %r for round %d refused: %s", worker, sr.number, exc)
+            sr.partials.pop(worker, None)
+            self._account_missing(sr, [worker])
+            return
+        for device, rnd, n in releases:
+            if (device, rnd) not in core._released:
+                core.record_release(device, rnd, n)
+        self._merge_tally(msg.get("t") or {})
+        try:
+            if msg.get("lost"):
+                raise ShardingError(f"the worker reports its share lost: {msg['lost']}")
+            mine = {d for d, w in sr.owner.items() if w == worker}
             if set(_names(msg, "a")) != mine:  # e.g. its final progress came after the commit
                 raise ShardingError(
                     f"it folded {len(_names(msg, 'a'))} devices, the coordinator admitted "
                     f"{len(mine)} of its reports: the sums cannot be reconciled"
                 )
-            checked = []
-            for item in releases:
-                ok = isinstance(item, list) and len(item) == 3 and isinstance(item[0], str)
-                if not ok or type(item[1]) is not int or type(item[2]) is not int:
-                    raise ShardingError(f"a release is [device, round, samples], got {item!r}")
-                checked.append(item)
             if msg.get("s") is not None:  # None: the worker never saw the round open
                 core.strategy.merge(msg["s"])
         except (ShardingError, ValueError, TypeError) as exc:
-            log.error("partial of worker %r for round %d refused: %s", msg.get("w"), sr.number,
-                      exc)  # fmt: skip
-            sr.partials.pop(msg.get("w"), None)
-            self._account_missing(sr, [msg.get("w")])
+            log.error("partial of worker %r for round %d refused: %s", worker, sr.number, exc)
+            sr.partials.pop(worker, None)
+            self._account_missing(sr, [worker])
             return
-        for device, rnd, n in checked:
-            if (device, rnd) not in core._released:
-                core.record_release(device, rnd, n)
-        self._merge_tally(msg.get("t") or {})
-        for _device, reason in sr.left_out.get(msg["w"], ()):
+        for _device, reason in sr.left_out.get(worker, ()):
             core._count_rejection(reason)
 
     def _merge_tally(self, t: dict[str, Any]) -> None:
