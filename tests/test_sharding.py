@@ -147,7 +147,9 @@ def test_merged_partials_are_bit_for_bit_one_aggregator(name, n_workers):
         assert list(ref_c.norms) == list(single.mechanism.reference.norms)
 
 
-def test_a_missing_partial_charges_every_selected_device_and_drops_its_share():
+def gaussian_round_with_two_workers():
+    """A gaussian job's coordinator and workers w0, w1 with round 1 open, and the first four
+    selected devices' updates: (coord core, workers, coordinator, global seen, answers)."""
     job = make_job({"privacy.mechanism": "gaussian", "privacy.epsilon": 30.0})
     agents = job.agents()
     coord = job.aggregator_core()
@@ -157,12 +159,17 @@ def test_a_missing_partial_charges_every_selected_device_and_drops_its_share():
     coordinator = Coordinator(coord, list(workers))
     for w in workers:
         coordinator.worker_online(w)
-    msg = coord.open_round(0.0)
-    payload = encode_global(msg)
+    payload = encode_global(coord.open_round(0.0))
     for w in workers.values():
         w.on_control(coordinator.open_message(payload))
     seen = decode_global(payload)
     answers = [(a.device_id, a.on_global(seen)) for a in agents if a.wants(seen)][:4]
+    return coord, workers, coordinator, seen, answers
+
+
+def test_a_missing_partial_charges_every_selected_device_and_drops_its_share():
+    coord, workers, coordinator, seen, answers = gaussian_round_with_two_workers()
+    msg = seen
     for i, (device, data) in enumerate(answers):
         w = workers["w0" if i < 2 else "w1"]
         w.on_update(device, data)
@@ -261,20 +268,7 @@ def test_a_left_out_update_no_longer_kept_makes_the_share_lost_but_keeps_its_rel
     import edge_fl.server.sharding as sharding
 
     monkeypatch.setattr(sharding, "RECENT", 2)
-    job = make_job({"privacy.mechanism": "gaussian", "privacy.epsilon": 30.0})
-    agents = job.agents()
-    coord = job.aggregator_core()
-    workers = {w: IngestWorker(w, job.aggregator_core()) for w in ("w0", "w1")}
-    for core in (coord, *(w.core for w in workers.values())):
-        announce(core, agents)
-    coordinator = Coordinator(coord, list(workers))
-    for w in workers:
-        coordinator.worker_online(w)
-    payload = encode_global(coord.open_round(0.0))
-    for w in workers.values():
-        w.on_control(coordinator.open_message(payload))
-    seen = decode_global(payload)
-    answers = [(a.device_id, a.on_global(seen)) for a in agents if a.wants(seen)][:4]
+    coord, workers, coordinator, seen, answers = gaussian_round_with_two_workers()
     first, data = answers[0]
     workers["w1"].on_update(first, data)  # w1 reports it first ...
     coordinator.on_progress(workers["w1"].progress())

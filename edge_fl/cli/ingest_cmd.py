@@ -44,7 +44,6 @@ def ingest(index, workers, verbose, config, **kw) -> None:
         _fail(f"--worker {index}: need ingest.workers = N >= 1 (here {n}) and 0 <= I < N")
     from edge_fl.job import build_job
     from edge_fl.server.ingest import IngestService
-    from edge_fl.server.service import BrokerUnavailable
     from edge_fl.server.sharding import IngestWorker
     from edge_fl.transport.url import parse_broker_url
 
@@ -60,7 +59,7 @@ def ingest(index, workers, verbose, config, **kw) -> None:
     )
     try:
         stats = asyncio.run(service.run())
-    except (BrokerUnavailable, aiomqtt.MqttError, OSError) as exc:
+    except (RuntimeError, aiomqtt.MqttError, OSError) as exc:
         _fail(str(exc))
     click.echo(f"ingest worker w{index}: {stats['updates']} updates folded", err=True)
 

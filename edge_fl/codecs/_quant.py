@@ -45,35 +45,33 @@ def block_params(x: np.ndarray, levels: int) -> tuple[np.ndarray, np.ndarray]:
     return lo, step
 
 
-def quantise(x: np.ndarray, bits: int, rng: np.random.Generator) -> tuple[np.ndarray, bytes]:
-    """(levels as uint8, block parameters as bytes: (lo, step) float32 pairs, little-endian)."""
+def _positions(x: np.ndarray, bits: int) -> tuple[np.ndarray, bytes]:
+    """(p, block parameters): each value's position p = (x - lo_b) / step_b in [0, L-1]."""
     levels = 1 << bits
     lo, step = block_params(x, levels)
     rep_lo = np.repeat(lo.astype(np.float64), BLOCK)[: x.size]
     rep_step = np.repeat(step.astype(np.float64), BLOCK)[: x.size]
     safe = np.where(rep_step > 0, rep_step, 1.0)
     p = np.clip(np.where(rep_step > 0, (x - rep_lo) / safe, 0.0), 0, levels - 1)
-    base = np.floor(p)
-    q = base + (rng.random(x.size) < (p - base))
     params = np.empty((lo.size, 2), dtype=F4)
     params[:, 0], params[:, 1] = lo, step
-    return np.minimum(q, levels - 1).astype(np.uint8), params.tobytes()
+    return p, params.tobytes()
+
+
+def quantise(x: np.ndarray, bits: int, rng: np.random.Generator) -> tuple[np.ndarray, bytes]:
+    """(levels as uint8, block parameters as bytes: (lo, step) float32 pairs, little-endian)."""
+    p, params = _positions(x, bits)
+    base = np.floor(p)
+    q = base + (rng.random(x.size) < (p - base))
+    return np.minimum(q, (1 << bits) - 1).astype(np.uint8), params
 
 
 def quantise_nearest(x: np.ndarray, bits: int) -> tuple[np.ndarray, bytes]:
     """As :func:`quantise`, but each value to its nearest level (deterministic: the downlink's
     quantised global model, whose bytes must not change when the same model is re-encoded).
     Every error is at most step_b / 2."""
-    levels = 1 << bits
-    lo, step = block_params(x, levels)
-    rep_lo = np.repeat(lo.astype(np.float64), BLOCK)[: x.size]
-    rep_step = np.repeat(step.astype(np.float64), BLOCK)[: x.size]
-    safe = np.where(rep_step > 0, rep_step, 1.0)
-    p = np.clip(np.where(rep_step > 0, (x - rep_lo) / safe, 0.0), 0, levels - 1)
-    q = np.minimum(np.rint(p), levels - 1).astype(np.uint8)
-    params = np.empty((lo.size, 2), dtype=F4)
-    params[:, 0], params[:, 1] = lo, step
-    return q, params.tobytes()
+    p, params = _positions(x, bits)
+    return np.minimum(np.rint(p), (1 << bits) - 1).astype(np.uint8), params
 
 
 def dequantise(q: np.ndarray, params: bytes, dim: int) -> np.ndarray:

@@ -687,25 +687,31 @@ def _decode_global_body(obj: dict[str, Any], expected_dim: int | None) -> Global
     done = F.boolean(obj, "done", "done marker") if "done" in obj else False
     nonce = _optional_nonce(obj)
     if obj.get("dt") == GLOBAL_Q8:
-        params = _global_q8(obj, expected_dim)
-        mp = check_mechanism_params(obj["mp"], len(params)) if "mp" in obj else None
-        return GlobalModel(
-            job=job,
-            version=version,
-            round=rnd,
-            params=params,
-            mode=mode,
-            selected=selected,
-            deadline_s=deadline,
-            config_digest=digest,
-            wire_dtype=GLOBAL_Q8,
-            mechanism_state=state,
-            sample_rate=rate,
-            done=done,
-            issued_at=issued,
-            nonce=nonce,
-            mechanism_params=mp,
-        )
+        dt, params = GLOBAL_Q8, _global_q8(obj, expected_dim)
+    else:
+        dt, params = _global_float(obj, expected_dim)
+    mp = check_mechanism_params(obj["mp"], len(params)) if "mp" in obj else None
+    return GlobalModel(
+        job=job,
+        version=version,
+        round=rnd,
+        params=params,
+        mode=mode,
+        selected=selected,
+        deadline_s=deadline,
+        config_digest=digest,
+        wire_dtype=dt,
+        mechanism_state=state,
+        sample_rate=rate,
+        done=done,
+        issued_at=issued,
+        nonce=nonce,
+        mechanism_params=mp,
+    )
+
+
+def _global_float(obj: dict[str, Any], expected_dim: int | None) -> tuple[str, np.ndarray]:
+    """(dt, parameters) of an ``f4``/``f2`` global message."""
     dt = _dtype(obj)
     if "qp" in obj:
         raise PayloadRejected(
@@ -727,25 +733,7 @@ def _decode_global_body(obj: dict[str, Any], expected_dim: int | None) -> Global
             f"field 'w' (parameters) has {n_params} values; this model has {expected_dim}",
             field="w",
         )
-    mp = check_mechanism_params(obj["mp"], n_params) if "mp" in obj else None
-    params = _vector(blob, dt, n_params, "w", "parameters")
-    return GlobalModel(
-        job=job,
-        version=version,
-        round=rnd,
-        params=params,
-        mode=mode,
-        selected=selected,
-        deadline_s=deadline,
-        config_digest=digest,
-        wire_dtype=dt,
-        mechanism_state=state,
-        sample_rate=rate,
-        done=done,
-        issued_at=issued,
-        nonce=nonce,
-        mechanism_params=mp,
-    )
+    return dt, _vector(blob, dt, n_params, "w", "parameters")
 
 
 def _global_q8(obj: dict[str, Any], expected_dim: int | None) -> np.ndarray:

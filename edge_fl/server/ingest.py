@@ -22,10 +22,11 @@ from typing import Any
 
 import aiomqtt
 
+from edge_fl.device.runtime import retry_broker
 from edge_fl.protocol import Topics
 from edge_fl.transport.url import BrokerSpec
 
-from .service import BrokerUnavailable, IngestTap
+from .service import IngestTap
 from .sharding import IngestWorker, ShardingError, unpack
 
 log = logging.getLogger("edge_fl.ingest")
@@ -51,7 +52,6 @@ class IngestService:
         group: str = "edgefl-ingest",
         hash_partition: tuple[int, int] | None = None,  # (index, count): no shared subscription
         whole_stream: bool = False,  # a site aggregator: every update on its broker
-        reconnect_attempts: int = 10,
         clean_session: bool = True,  # False only for tools/bench_ingest.py (pre-queued updates)
         client_id: str | None = None,
     ) -> None:
@@ -63,7 +63,6 @@ class IngestService:
         self.group = group
         self.hash_partition = hash_partition
         self.whole_stream = whole_stream
-        self.reconnect_attempts = reconnect_attempts
         self.ended = asyncio.Event()
         self.ready = asyncio.Event()  # subscribed: the coordinator may count on this worker
         self.tap: IngestTap | None = None
@@ -177,7 +176,6 @@ class IngestService:
                 await client.subscribe(topics.all_updates, qos=1)
             await client.publish(topics.ingest("worker", self.worker.name), ONLINE, 1, retain=True)
             self.ready.set()
-            self._attempt = 0
             drain = asyncio.ensure_future(self._drain(client))
             try:
                 ended = asyncio.ensure_future(self.ended.wait())
@@ -198,19 +196,13 @@ class IngestService:
                              bool(message.retain))  # fmt: skip
 
     async def run(self) -> dict[str, Any]:
-        self._attempt = 0
-        while not self.ended.is_set():
-            try:
-                await self._session()
-            except aiomqtt.MqttError as exc:
-                self.ready.clear()
-                self._attempt += 1
-                if self._attempt > self.reconnect_attempts:
-                    raise BrokerUnavailable(
-                        f"ingest worker {self.worker.name}: lost the broker at "
-                        f"{self.spec.redacted()} ({exc}) after {self.reconnect_attempts} attempts"
-                    ) from exc
-                delay = min(0.2 * 2**self._attempt, 10.0)
-                log.warning("broker unavailable (%s); reconnecting in %.1fs", exc, delay)
-                await asyncio.sleep(delay)
+        """Until the coordinator ends the job. A lost broker is retried with backoff for as long
+        as it takes (the coordinator counts a worker's absence); a refusal retrying cannot fix
+        (a wrong password, a certificate) ends it with a RuntimeError naming it."""
+
+        async def once() -> bool | None:
+            await self._session()
+            return True if self.ended.is_set() else None
+
+        await retry_broker(self.spec, once)
         return dict(self.stats)
