@@ -24,6 +24,10 @@ each socket burst, no journal. The rate is all updates over the span from the fi
 to the last worker's last. (Merging the partial sums at round close is not part of it.)
 
     .venv/bin/python tools/bench_ingest.py --updates 4000 --model mlp --workers 2
+
+``--workers N --no-broker`` measures the workers' processing alone: 1 and N processes, each
+running ``IngestWorker.on_update`` over its own payloads in memory (what the broker and the
+sockets cost is then out of the picture).
 """
 
 from __future__ import annotations
@@ -291,6 +295,55 @@ def drain_workers(spec, tag: str, workers: int, payloads, n_params: int, broker_
     return (total - 1) / (last - first), broker_cpu / (last - first)
 
 
+def offline_worker(n: int, n_params: int, model: str, go, out) -> None:
+    """The worker's processing alone, no MQTT: ``IngestWorker.on_update`` over ``n`` payloads
+    made in this process (progress after every 50, as after a socket burst)."""
+    from edge_fl.server.sharding import IngestWorker, Recording
+
+    payloads = make_payloads(n, n_params)
+    core = make_core(n, n_params)
+    worker = IngestWorker("w", core)
+    core.strategy = Recording(core.strategy)  # as a mirrored round's
+    go.wait()
+    t0 = time.perf_counter()
+    for i, (device, data) in enumerate(payloads):
+        assert worker.on_update(device, data) is None
+        if i % 50 == 49:
+            worker.progress()
+    out.put((n, t0, time.perf_counter()))
+
+
+def offline_rate(k: int, n: int, n_params: int, model: str) -> float:
+    """Updates per second of ``k`` worker processes, each with its own ``n`` payloads."""
+    ctx = mp.get_context("spawn")
+    go, out = ctx.Event(), ctx.Queue()
+    procs = [
+        ctx.Process(target=offline_worker, args=(n, n_params, model, go, out)) for _ in range(k)
+    ]
+    for proc in procs:
+        proc.start()
+    time.sleep(3.0)  # imports and payloads made before the clock starts
+    go.set()
+    results = [out.get(timeout=300) for _ in procs]
+    for proc in procs:
+        proc.join(10)
+    first, last = min(r[1] for r in results), max(r[2] for r in results)
+    return sum(r[0] for r in results) / (last - first)
+
+
+def offline_main(args, n_params: int) -> None:
+    rates: dict[int, list[float]] = {1: [], args.workers: []}
+    for _ in range(args.repeats):
+        for k in rates:
+            rates[k].append(offline_rate(k, args.updates, n_params, args.model))
+    one = statistics.median(rates[1])
+    print(f"worker processing without MQTT ({args.model}, {args.updates} updates per process)")
+    for k, values in rates.items():
+        med = statistics.median(values)
+        runs = " ".join(f"{v:,.0f}" for v in values)
+        print(f"{k} process(es): {med:,.0f} updates/s ({med / one:.2f}x one)   {runs}")
+
+
 def workers_main(args, payloads, n_params: int) -> None:
     size = len(payloads[0][1])
     names = ("paho raw", "1 worker", f"{args.workers} workers")
@@ -341,6 +394,11 @@ def main() -> None:
     ap.add_argument("--journal-dir", default=None, help="where the journal goes (default: /tmp)")
     ap.add_argument("--workers", type=int, default=0, help="compare 1 and N ingest workers")
     ap.add_argument(
+        "--no-broker",
+        action="store_true",
+        help="with --workers: the workers' processing alone (no MQTT), 1 vs N processes",
+    )
+    ap.add_argument(
         "--pin",
         action="store_true",
         help="Mosquitto on CPU 0, every subscriber on CPU 1 (single-ingest comparison only): "
@@ -350,6 +408,9 @@ def main() -> None:
     # digits' 64 features for logreg/MLP; 28x28 images for LeNet (FEMNIST's size)
     model = make_model(args.model, 784 if args.model in ("lenet", "cnn") else 64, 10)
     payloads = make_payloads(args.updates, model.n_params)
+    if args.workers and args.no_broker:
+        offline_main(args, model.n_params)
+        return
     if args.workers:
         workers_main(args, payloads, model.n_params)
         return
