@@ -2,7 +2,8 @@
 
 Sans-I/O; the runtime is ``edge_fl/server/ingest.py`` (workers) and ``AggregatorService`` with
 ``workers`` (coordinator). The broker deals the update stream among the workers (MQTT 5 shared
-subscription ``$share/<group>/<prefix>/<job>/up/+``). Every worker runs the single aggregator's
+subscription ``$share/<group>/<prefix>/<job>/up/+``; or a device-id hash partition, or one site
+broker per worker: ``ingest.partition``). Every worker runs the single aggregator's
 core (decode, validate, admit, fold) on what it is dealt, so a payload is judged by the same code
 wherever it lands. One round, over ``<prefix>/<job>/ingest/...`` (msgpack maps, ``v: 1``):
 
@@ -17,7 +18,8 @@ wherever it lands. One round, over ``<prefix>/<job>/ingest/...`` (msgpack maps, 
 3. ``freeze`` (ctl): each worker stops admitting to the round (later answers are late, still
    charged) and sends a last ``progress`` marked final.
 4. ``commit`` (ctl): per worker, the devices to leave out (step 2's duplicates and late ones).
-   Each worker answers with its ``partial``: the strategy's partial (exact fixed-point sums,
+   Each worker takes them back (exactly: ``Strategy.remove``) and answers with its ``partial``:
+   the strategy's partial (exact fixed-point sums,
    :mod:`edge_fl.mechanisms.exact_sum`), every release it saw since its last partial (device,
    round, samples) and its tally.
 5. The coordinator merges the partials into its core and closes the round as usual. The merged
@@ -29,7 +31,8 @@ wherever it lands. One round, over ``<prefix>/<job>/ingest/...`` (msgpack maps, 
 
 Limits: synchronous rounds with a selection (no Poisson self-selection, no async modes); a
 worker acknowledges an update once folded, so a worker killed mid-round loses its share of that
-round (the single aggregator's journal does not cover workers).
+round (the single aggregator's journal does not cover workers), and so does a restarted
+coordinator (:attr:`Coordinator.lost_before_resume`); docs/scale.md section 4.
 """
 
 from __future__ import annotations
