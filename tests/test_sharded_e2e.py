@@ -175,3 +175,22 @@ def test_the_coordinator_killed_three_times_with_workers_resumes_with_the_same_l
     assert rc == 0, results["compare"]["checks"]
     assert results["compare"]["missing"] == [] and results["compare"]["doubled"] == []
     assert len(results["run"]["kills"]) == 3
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["ingest", "--worker", "0"], "an ingest worker needs --broker"),
+        (["ingest", "--broker", "mqtt://127.0.0.1:1", "--workers", "2", "--worker", "5"],
+         "--worker 5: need ingest.workers = N >= 1 (here 2) and 0 <= I < N"),
+        (["aggregator", "--broker", "mqtt://127.0.0.1:1", "--workers", "2", "--mode", "fedbuff"],
+         "ingest.workers = 2 needs rounds.mode = 'sync'"),
+        (["aggregator", "--broker", "mqtt://127.0.0.1:1", "--workers", "2", "--poisson-selection",
+          "--mechanism", "gaussian-central", "--noise-multiplier", "1"],
+         "with privacy.poisson_selection devices select themselves"),
+    ],
+)  # fmt: skip
+def test_sharding_misuse_is_one_precise_line(argv, message, tmp_path):
+    done = subprocess.run([EDGE_FL, *argv], capture_output=True, text=True, cwd=tmp_path)
+    assert done.returncode == 2 and message in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr
