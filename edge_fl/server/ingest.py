@@ -64,7 +64,6 @@ class IngestService:
         self.hash_partition = hash_partition
         self.whole_stream = whole_stream
         self.ended = asyncio.Event()
-        self.ready = asyncio.Event()  # subscribed: the coordinator may count on this worker
         self.tap: IngestTap | None = None
         self._paho: Any = None
         self._pending: list[tuple[int, int]] = []
@@ -175,7 +174,6 @@ class IngestService:
             else:
                 await client.subscribe(topics.all_updates, qos=1)
             await client.publish(topics.ingest("worker", self.worker.name), ONLINE, 1, retain=True)
-            self.ready.set()
             drain = asyncio.ensure_future(self._drain(client))
             try:
                 ended = asyncio.ensure_future(self.ended.wait())

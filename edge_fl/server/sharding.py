@@ -38,7 +38,7 @@ coordinator (:attr:`Coordinator.lost_before_resume`); docs/scale.md section 4.
 from __future__ import annotations
 
 import logging
-from collections import Counter, deque
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -365,7 +365,6 @@ class Coordinator:
         self.dealt = dealt
         self.online: set[str] = set()
         self.round: ShardedRound | None = None
-        self.lost: Counter = Counter()  # worker -> rounds whose share was lost
         #: the open round was rebuilt by a resumed coordinator: whatever its earlier workers
         #: held of it is gone (they die with the process that started them), so its merge
         #: charges every selected device as for a lost share
@@ -503,7 +502,6 @@ class Coordinator:
         rnd = core.current
         assert rnd is not None
         for worker in workers:
-            self.lost[worker] += 1
             log.error("round %d: no partial from ingest worker %r: its share of the round is "
                       "lost", sr.number, worker)  # fmt: skip
         gone = {d for d, w in sr.owner.items() if w in workers}
