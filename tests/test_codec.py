@@ -117,12 +117,27 @@ def test_wrong_shape_names_the_sizes():
     assert f"{D} x 4" in err.detail
 
 
+@pytest.mark.parametrize("dt", ["f4", "f2"])
+@pytest.mark.parametrize("where", [(0,), (7,), (D - 1,), (3, 40)])
 @pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
-def test_non_finite_values(bad):
+def test_non_finite_values(bad, where, dt):
+    """Anywhere in the vector, alone or beside others (the decoder finds them through min/max)."""
     delta = np.zeros(D, np.float32)
-    delta[7] = bad
-    err = rejected(encode_update(dense(delta=delta)))
+    delta[list(where)] = bad
+    err = rejected(encode_update(dense(delta=delta, wire_dtype=dt)))
     assert err.reason is Reject.NON_FINITE
+    assert f"{len(where)} non-finite values (first at index {where[0]}:" in err.detail
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.floats(-1e4, 1e4, width=32), min_size=D, max_size=D))
+def test_the_decoders_peak_is_max_abs(values):
+    """The exact sum paces its carry by this bound: it must be max |x| of what was decoded."""
+    delta = np.array(values, np.float32)
+    got = decode_update(encode_update(dense(delta=delta)), LIMITS)
+    assert isinstance(got, DenseUpdate)
+    assert got.peak == float(np.abs(got.delta).max())
+    assert not got.delta.flags.writeable  # a view of the payload: nobody edits an accepted update
 
 
 OOR, TYPE = Reject.OUT_OF_RANGE, Reject.BAD_TYPE

@@ -426,7 +426,11 @@ def _dtype(obj: dict[str, Any]) -> str:
     return dt
 
 
-def _vector(blob: bytes, wire_dtype: str, n_params: int, key: str, what: str) -> np.ndarray:
+def _vector(
+    blob: bytes, wire_dtype: str, n_params: int, key: str, what: str
+) -> tuple[np.ndarray, float]:
+    """The float32 values of a ``dt`` blob (a read-only view for f4), checked to be finite, and
+    their largest |value|."""
     dtype = WIRE_DTYPES[wire_dtype]
     if len(blob) != n_params * dtype.itemsize:
         raise PayloadRejected(
@@ -435,27 +439,34 @@ def _vector(blob: bytes, wire_dtype: str, n_params: int, key: str, what: str) ->
             f"{dtype.itemsize} = {n_params * dtype.itemsize} ({n_params} {wire_dtype} values)",
             field=key,
         )
-    vec = np.frombuffer(blob, dtype=dtype).astype(np.float32)
-    finite = np.isfinite(vec)
-    if not finite.all():
-        bad = np.flatnonzero(~finite)
-        raise PayloadRejected(
-            Reject.NON_FINITE,
-            f"field {key!r} ({what}) has {bad.size} non-finite values (first at index "
-            f"{int(bad[0])}: {vec[bad[0]]!r}); {_LITTLE_ENDIAN_HINT} too",
-            field=key,
-        )
-    return vec
+    vec = np.frombuffer(blob, dtype=dtype)
+    if vec.dtype != np.float32:
+        vec = vec.astype(np.float32)
+    return vec, _peak(vec, key, what)
 
 
-def _plausible(vec: np.ndarray, max_abs: float | None, key: str, what: str) -> float | None:
-    """The largest |value| (None if not checked), after checking it against ``max_abs``."""
-    if max_abs is None or not vec.size:
-        return None
+def _peak(vec: np.ndarray, key: str, what: str) -> float:
+    """max |value|, after checking every value is finite: two reductions on the ingest hot path
+    (NaN and inf propagate through min and max); only a bad vector pays for a full scan."""
+    if not vec.size:
+        return 0.0
+    hi, lo = float(vec.max()), float(vec.min())
+    if math.isfinite(hi) and math.isfinite(lo):
+        return max(hi, -lo)
+    bad = np.flatnonzero(~np.isfinite(vec))
+    raise PayloadRejected(
+        Reject.NON_FINITE,
+        f"field {key!r} ({what}) has {bad.size} non-finite values (first at index "
+        f"{int(bad[0])}: {vec[bad[0]]!r}); {_LITTLE_ENDIAN_HINT} too",
+        field=key,
+    )
+
+
+def _plausible(vec: np.ndarray, peak: float, max_abs: float | None, key: str, what: str) -> None:
+    """Check the largest |value| (``peak``) against ``max_abs``."""
+    if max_abs is None or peak <= max_abs:
+        return
     mags = np.abs(vec)
-    peak = float(mags.max())
-    if peak <= max_abs:
-        return peak
     over = np.flatnonzero(mags > max_abs)
     i = int(over[0])
     raise PayloadRejected(
@@ -546,13 +557,14 @@ def _decode_update(
     dt = _dense_dtype(obj, limits.dense_tags())
     if dt in WIRE_DTYPES:
         blob = F.get(obj, "x", bytes, "delta vector", "bin")
-        delta = _vector(blob, dt, limits.n_params, "x", "delta vector")
+        delta, peak = _vector(blob, dt, limits.n_params, "x", "delta vector")
     else:
         from edge_fl.codecs import codec_for_tag
 
         codec = codec_for_tag(dt)
         delta = codec.decode({k: obj[k] for k in codec.keys if k in obj}, limits.n_params)
-    peak = _plausible(delta, limits.max_abs, "x", "delta vector")
+        peak = _peak(delta, "x", "delta vector")
+    _plausible(delta, peak, limits.max_abs, "x", "delta vector")
     return DenseUpdate(device, rnd, base, n, delta, dt, mech, nonce, peak=peak)
 
 
@@ -733,7 +745,8 @@ def _global_float(obj: dict[str, Any], expected_dim: int | None) -> tuple[str, n
             f"field 'w' (parameters) has {n_params} values; this model has {expected_dim}",
             field="w",
         )
-    return dt, _vector(blob, dt, n_params, "w", "parameters")
+    params = _vector(blob, dt, n_params, "w", "parameters")[0]
+    return dt, params if params.flags.writeable else params.copy()  # devices train from it
 
 
 def _global_q8(obj: dict[str, Any], expected_dim: int | None) -> np.ndarray:
