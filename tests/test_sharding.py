@@ -288,3 +288,196 @@ def test_a_left_out_update_no_longer_kept_makes_the_share_lost_but_keeps_its_rel
     released = {(e.device, e.round) for e in coord.privacy.ledger.entries}
     assert {(d, 1) for d, _ in answers} <= released  # w0's releases were kept
     assert {(d, 1) for d in seen.selected} <= released  # and the whole selection charged
+
+
+def two_workers_and_one_aggregator(**overrides):
+    """A gaussian job: (agents, single aggregator core, coordinator core, workers, coordinator);
+    nothing open yet. The single aggregator is the reference the coordinator must match."""
+    job = make_job({"privacy.mechanism": "gaussian", "privacy.epsilon": 30.0, **overrides})
+    agents = job.agents()
+    single, coord = job.aggregator_core(), job.aggregator_core()
+    workers = {w: IngestWorker(w, job.aggregator_core()) for w in ("w0", "w1")}
+    for core in (single, coord, *(w.core for w in workers.values())):
+        announce(core, agents)
+    coordinator = Coordinator(coord, list(workers))
+    for w in workers:
+        coordinator.worker_online(w)
+    return job, agents, single, coord, workers, coordinator
+
+
+def open_both(single, coord, coordinator, workers):
+    """Open the next round on the coordinator (mirrored by the workers) and on the single one."""
+    payload = encode_global(coord.open_round(0.0))
+    reopen_round(single, round_spec(coord, payload))
+    ctl = coordinator.open_message(payload)
+    for w in workers.values():
+        w.on_control(ctl)
+    return decode_global(payload), ctl
+
+
+def answers_to(agents, seen):
+    out = [(a.device_id, a.on_global(seen)) for a in agents if a.wants(seen)]
+    return [(d, p) for d, p in out if p is not None]
+
+
+def feed(worker, coordinator, device, payload, single=None):
+    """One update through a worker, then its progress (the service sends one after each burst,
+    before it acknowledges the burst)."""
+    if single is not None:
+        single.on_update(device, payload)
+    worker.on_update(device, payload)
+    progress = worker.progress()
+    if progress is not None:
+        coordinator.on_progress(progress)
+
+
+def collect(coordinator, workers, skip=()):
+    for name, w in workers.items():
+        if name not in skip:
+            for _, out in w.on_control(coordinator.freeze_message()):
+                coordinator.on_progress(out)
+    for name, w in workers.items():
+        if name not in skip:
+            for _, out in w.on_control(coordinator.commit_message()):
+                coordinator.on_partial(out)
+    return coordinator.merge()
+
+
+def test_a_worker_started_later_leaves_a_straggler_of_an_earlier_round_to_the_coordinator():
+    """w1 was not running in round 1. In round 2 a straggler's round-1 answer is dealt to it: it
+    knows nothing of round 1 (no nonce, no selection), so it defers the judgment; the coordinator
+    charges the release and counts it late, as one aggregator does."""
+    job, agents, single, coord, workers, coordinator = two_workers_and_one_aggregator()
+    late_worker = workers.pop("w1")
+    coordinator.worker_offline("w1")
+    seen1, _ = open_both(single, coord, coordinator, workers)
+    sent1 = answers_to(agents, seen1)
+    for device, payload in sent1[:2]:
+        feed(workers["w0"], coordinator, device, payload, single)
+    collect(coordinator, workers)
+    alone1, merged1 = single.close_round(1.0, 0.1), coord.close_round(1.0, 0.1)
+    assert alone1["received"] == merged1["received"] == 2
+    workers["w1"] = IngestWorker("w1", job.aggregator_core())  # a fresh process
+    announce(workers["w1"].core, agents)
+    del late_worker
+    coordinator.worker_online("w1")
+    seen2, _ = open_both(single, coord, coordinator, workers)
+    straggler, late = next((d, p) for d, p in sent1[2:] if d not in seen2.selected)
+    feed(workers["w1"], coordinator, straggler, late, single)
+    assert workers["w1"].core.releases == []  # it could not judge it ...
+    assert (straggler, 1) in coord._released  # ... the coordinator did, at once
+    for device, payload in answers_to(agents, seen2)[:2]:
+        feed(workers["w0"], coordinator, device, payload, single)
+    assert collect(coordinator, workers)["workers_missing"] == []
+    alone, merged = single.close_round(1.0, 0.1), coord.close_round(1.0, 0.1)
+    for key in ("received", "late", "rejected_by_reason", "epsilon"):
+        assert merged.get(key) == alone.get(key), key
+    assert ledger_view(coord) == ledger_view(single)
+
+
+def test_a_late_release_reaches_the_ledger_even_if_its_workers_partial_never_comes():
+    """A straggler's round-1 answer lands on w1 during round 2; w1 dies before its round-2
+    partial. The release went out with w1's progress (before w1 acknowledged the update), so
+    the ledger has it, beside round 2's selection charged for the lost share."""
+    _job, agents, single, coord, workers, coordinator = two_workers_and_one_aggregator()
+    seen1, _ = open_both(single, coord, coordinator, workers)
+    sent1 = answers_to(agents, seen1)
+    for device, payload in sent1[:2]:
+        feed(workers["w0"], coordinator, device, payload, single)
+    collect(coordinator, workers)
+    single.close_round(1.0, 0.1), coord.close_round(1.0, 0.1)
+    seen2, _ = open_both(single, coord, coordinator, workers)
+    straggler, late = next((d, p) for d, p in sent1[2:] if d not in seen2.selected)
+    feed(workers["w1"], coordinator, straggler, late, single)
+    for device, payload in answers_to(agents, seen2)[:2]:
+        feed(workers["w0"], coordinator, device, payload, single)
+    info = collect(coordinator, workers, skip=("w1",))
+    assert info["workers_missing"] == ["w1"]
+    assert (straggler, 1) in coord._released and (straggler, 1) in single._released
+    assert {(d, 2) for d in seen2.selected} <= coord._released
+
+
+def test_re_sent_open_freeze_and_commit_change_nothing():
+    """After a coordinator's broker link drops mid-collection it re-publishes the round's
+    retained open and runs freeze and commit again: the workers' shares and the merge are what
+    one collection gives."""
+    results = []
+    for again in (False, True):
+        _job, agents, single, coord, workers, coordinator = two_workers_and_one_aggregator()
+        seen, ctl = open_both(single, coord, coordinator, workers)
+        for i, (device, payload) in enumerate(answers_to(agents, seen)[:4]):
+            feed(workers[f"w{i % 2}"], coordinator, device, payload, single)
+        for w in workers.values():
+            for _, out in w.on_control(coordinator.freeze_message()):
+                coordinator.on_progress(out)
+        if again:
+            for w in workers.values():
+                assert w.on_control(ctl) == []  # the retained open, re-delivered
+        for w in workers.values():
+            for _, out in w.on_control(coordinator.commit_message()):
+                coordinator.on_partial(out)
+        if again:  # the whole collection once more
+            for w in workers.values():
+                for _, out in w.on_control(coordinator.freeze_message()):
+                    coordinator.on_progress(out)
+                assert w.on_control(ctl) == []
+            for w in workers.values():
+                for _, out in w.on_control(coordinator.commit_message()):
+                    coordinator.on_partial(out)
+        info = coordinator.merge()
+        assert info["workers_missing"] == [] and coord.strategy.count == 4
+        assert folded(coord.strategy) == folded(single.strategy)
+        results.append(coord.close_round(1.0, 0.1)["received"])
+    assert results == [4, 4]
+
+
+def test_a_lost_worker_that_returns_takes_no_place_in_the_round():
+    """w1 went offline (its share is lost) and came back in the same round: what it reports
+    is not admitted, so a healthy worker's answers are not pushed out as late."""
+    _job, agents, single, coord, workers, coordinator = two_workers_and_one_aggregator()
+    seen, _ = open_both(single, coord, coordinator, workers)
+    sent = answers_to(agents, seen)
+    target = coord.current.target
+    coordinator.worker_offline("w1")
+    coordinator.worker_online("w1")
+    for device, payload in sent[:target]:
+        feed(workers["w1"], coordinator, device, payload)
+    for device, payload in sent[target : target + 2]:
+        feed(workers["w0"], coordinator, device, payload)
+    assert coordinator.round.left_out.get("w0") is None
+    info = collect(coordinator, workers)
+    assert info["workers_missing"] == ["w1"] and coord.strategy.count == 2
+    released = {(d, 1) for d, _ in sent[: target + 2]}
+    assert released <= coord._released  # w1's releases still count
+
+
+def test_malformed_worker_messages_are_sharding_errors_and_leave_the_round_intact():
+    _job, agents, single, coord, workers, coordinator = two_workers_and_one_aggregator()
+    seen, _ = open_both(single, coord, coordinator, workers)
+    with pytest.raises(ShardingError, match="'w' must be a string"):
+        coordinator.on_progress(pack("progress", w=[1], r=1, a=[]))
+    with pytest.raises(ShardingError, match="'w' must be a string"):
+        coordinator.on_partial(pack("partial", w={"a": 1}, r=1))
+    with pytest.raises(ShardingError, match="not a worker of this job"):
+        coordinator.on_progress(pack("progress", w="w9", r=1, a=[]))
+    with pytest.raises(ShardingError, match="release is"):
+        coordinator.on_progress(pack("progress", w="w0", r=1, rel=[["d00001", "1", 3]]))
+    with pytest.raises(ShardingError, match="deferred update is"):
+        coordinator.on_progress(pack("progress", w="w0", r=1, d=[["d00001", 1, 0, 3]]))
+    # a device that was never selected is left out (the worker takes it back), not counted
+    ghost = pack("progress", w="w0", r=1, a=["ghost0", "ghost1"], f=[], z=False)
+    coordinator.on_progress(ghost)
+    assert coord.current.count == 0
+    assert [d for d, _ in coordinator.round.left_out["w0"]] == ["ghost0", "ghost1"]
+    del coordinator.round.left_out["w0"]
+    # a partial with a malformed tally is refused at merge: a lost share, and the round closes
+    device, payload = answers_to(agents, seen)[0]
+    feed(workers["w0"], coordinator, device, payload)
+    for w in workers.values():
+        for _, out in w.on_control(coordinator.freeze_message()):
+            coordinator.on_progress(out)
+    coordinator.on_partial(pack("partial", w="w1", r=1, s=None, a=[], t={"rej": [1]}))
+    coordinator.on_partial(workers["w0"].on_control(coordinator.commit_message())[0][1])
+    info = coordinator.merge()
+    assert info["workers_missing"] == ["w1"] and coordinator.round is None
+    assert coord.strategy.count == 1

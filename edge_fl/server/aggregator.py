@@ -34,6 +34,9 @@ from .rounds import Decision, SyncRound
 log = logging.getLogger("edge_fl.aggregator")
 
 INTERNAL_ERROR = "internal_error"  # a payload hit a bug of ours: counted, logged, never fatal
+#: a sharded worker's answer for an update naming a round it never mirrored (it joined or
+#: restarted later): not judged nor counted here, the coordinator judges it (``judge_deferred``)
+DEFERRED = "deferred"
 
 Evaluator = Callable[[np.ndarray], tuple[float, float]]  # params -> (accuracy, loss)
 
@@ -186,6 +189,10 @@ class AggregatorCore:
         self.tally = RoundTally()
         self.records: list[dict[str, Any]] = []
         self.privacy = privacy
+        #: a sharded worker sets this: updates naming a round it knows nothing of are left to the
+        #: coordinator, (device, round, base version, samples, nonce) in ``last_deferred``
+        self.defer_unknown_rounds = False
+        self.last_deferred: tuple[str, int, int, int, bytes | None] | None = None
         self.mechanism_state: Any = self.mechanism.initial_state()  # e.g. SignDS's MagRR state
         self.ended_early: str | None = None
         self._released: set[tuple[str, int]] = set()  # (device, round) already in the ledger
@@ -312,6 +319,8 @@ class AggregatorCore:
             self.tally.messages_up += 1
         try:
             reason = self._on_update(device, payload)
+            if reason == DEFERRED:
+                return reason  # type: ignore[return-value]
             if reason is not None and str(reason) not in self.tally.samples:
                 self._sample(device, reason)
             return reason
@@ -331,6 +340,15 @@ class AggregatorCore:
             self.tally.rejected[exc.reason] += 1
             self.last_rejection = exc
             return exc.reason
+        if self.defer_unknown_rounds and self._round_facts(update.round) is None:
+            self.last_deferred = (
+                device,
+                update.round,
+                update.base_version,
+                update.n_samples,
+                update.nonce,
+            )
+            return DEFERRED  # type: ignore[return-value]
         expected = self.nonce_of(update.round)
         if expected is not None and update.nonce != expected:
             # an old update re-stamped with another round, or a forgery: no release of this round
@@ -368,6 +386,34 @@ class AggregatorCore:
             return Reject.WRONG_MECHANISM
         rnd.accept(device, update.base_version)
         return None
+
+    def judge_deferred(
+        self, device: str, round_number: int, base_version: int, n_samples: int,
+        nonce: bytes | None,
+    ) -> Reject:  # fmt: skip
+        """An update a sharded worker decoded for a round it never mirrored, judged and charged
+        as :meth:`on_update` would (its delta stays on the worker: it is never folded)."""
+        facts = self._round_facts(round_number)
+        if facts is not None and nonce != facts[0]:
+            self.tally.rejected[Reject.WRONG_NONCE] += 1
+            return Reject.WRONG_NONCE
+        declared = self.devices.get(device, DeviceRecord()).n_samples
+        if 0 < declared < n_samples:
+            n_samples = declared
+            self.tally.capped_samples += 1
+        chargeable = facts is not None and device in facts[1]
+        if chargeable and (device, round_number) not in self._released:
+            self.record_release(device, round_number, n_samples)
+        rnd = self.current
+        if rnd is None:
+            reason = Reject.LATE if chargeable else Reject.NOT_SELECTED
+        else:
+            reason = rnd.admit(device, round_number, base_version) or Reject.LATE
+            if round_number == rnd.number:
+                log.warning("round %d: %s's update reached a worker that had not yet mirrored "
+                            "the round: charged, not folded", round_number, device)  # fmt: skip
+        self._count_rejection(reason)
+        return reason
 
     def _sample(self, device: str, reason: Reject | str) -> None:
         """The first rejection of each reason in a round: its detail goes to the log and to the

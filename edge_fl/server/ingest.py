@@ -125,13 +125,15 @@ class IngestService:
             self._publish(self.topics.ingest("progress", self.worker.name), progress)
 
     def _flush(self) -> None:
-        """After a burst: acknowledge what was folded, then tell the coordinator about it."""
+        """After a burst: tell the coordinator what was folded and released, then acknowledge it
+        (in that order on the socket: an update is never acknowledged before its release is on
+        its way to the ledger)."""
         self._flush_handle = None
+        self._send_progress()
         if self._paho is not None:
             for mid, qos in self._pending:
                 self._paho.ack(mid, qos)
         self._pending.clear()
-        self._send_progress()
 
     # ------------------------------------------------------------------ connection
 

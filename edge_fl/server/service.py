@@ -410,6 +410,8 @@ class AggregatorService:
         from .sharding import ShardingError
 
         topics = self.topics
+        core = self.core
+        before = len(core.releases)
         try:
             if topics.device_of(topic, "ingest/progress") is not None:
                 self.sharding.on_progress(payload)
@@ -424,6 +426,12 @@ class AggregatorService:
                     self.sharding.worker_offline(worker)
         except ShardingError as exc:
             log.error("message from an ingest worker on %s refused: %s", topic, exc)
+        except Exception:  # a bug of ours must not stop the coordinator either
+            log.exception("message from an ingest worker on %s: unexpected error; ignored", topic)
+        if self.journal is not None:  # releases reported by workers, as for our own ingest
+            for d, r, n in core.releases[before:]:
+                self.journal.append("release", d=d, r=int(r), n=int(n))
+                self.stats["journaled"] += 1
         self._wake.set()
 
     def _flush(self) -> None:

@@ -10,8 +10,10 @@ wherever it lands. One round, over ``<prefix>/<job>/ingest/...`` (msgpack maps, 
 1. ``open`` (ctl): the round's signed global message as devices see it (round, version,
    selection, nonce, mechanism state), plus the robust norm bound of the round (``b``) or that
    it is held (``h``: no reference yet). Each worker mirrors the round.
-2. ``progress`` (worker -> coordinator, after each socket burst): the devices it accepted and
-   refused since the last one. The coordinator admits them in arrival order: the first copy of a
+2. ``progress`` (worker -> coordinator, after each socket burst, before it is acknowledged):
+   the devices it accepted and refused since the last one, the releases it recorded (charged at
+   once: a worker lost later cannot take them along) and the updates naming a round it never
+   mirrored (it started later), which the coordinator judges with its history. The coordinator admits them in arrival order: the first copy of a
    device counts, a second copy from another worker (a device's re-publish, a redelivery after a
    reconnect) is a ``duplicate``, one beyond the target is ``late``, exactly as the single
    aggregator would judge them. It decides the round on these counts, as the single one does.
@@ -19,9 +21,9 @@ wherever it lands. One round, over ``<prefix>/<job>/ingest/...`` (msgpack maps, 
    charged) and sends a last ``progress`` marked final.
 4. ``commit`` (ctl): per worker, the devices to leave out (step 2's duplicates and late ones).
    Each worker takes them back (exactly: ``Strategy.remove``) and answers with its ``partial``:
-   the strategy's partial (exact fixed-point sums,
-   :mod:`edge_fl.mechanisms.exact_sum`), every release it saw since its last partial (device,
-   round, samples) and its tally.
+   the strategy's partial (exact fixed-point sums, :mod:`edge_fl.mechanisms.exact_sum`) and its
+   tally. Every step is idempotent: a re-sent open, freeze or commit (a coordinator that
+   reconnected) gets the same answer and changes nothing.
 5. The coordinator merges the partials into its core and closes the round as usual. The merged
    model and ledger are bit-for-bit those of one aggregator on the same accepted updates
    (``tests/test_sharding.py``). A worker whose partial does not come (crashed, timed out) is
@@ -46,7 +48,7 @@ import msgpack
 
 from edge_fl.protocol import Reject, Update, decode_global
 
-from .aggregator import AggregatorCore, RoundTally
+from .aggregator import DEFERRED, AggregatorCore, RoundTally
 from .rounds import SyncRound
 
 log = logging.getLogger("edge_fl.aggregator")
@@ -83,6 +85,13 @@ def _int(obj: dict, key: str) -> int:
     return value
 
 
+def _name(obj: dict, key: str) -> str:
+    value = obj.get(key)
+    if not isinstance(value, str):
+        raise ShardingError(f"ingest message field {key!r} must be a string, got {value!r}")
+    return value
+
+
 def _names(obj: dict, key: str) -> list[str]:
     value = obj.get(key, [])
     if not isinstance(value, list) or not all(isinstance(x, str) for x in value):
@@ -91,14 +100,42 @@ def _names(obj: dict, key: str) -> list[str]:
 
 
 def _releases(msg: dict[str, Any]) -> list[list[Any]]:
-    releases = msg.get("rel")
+    releases = msg.get("rel", [])
     if not isinstance(releases, list):
-        raise ShardingError("a partial's 'rel' must be a list")
+        raise ShardingError("a progress message's 'rel' must be a list")
     for item in releases:
         ok = isinstance(item, list) and len(item) == 3 and isinstance(item[0], str)
         if not ok or type(item[1]) is not int or type(item[2]) is not int:
             raise ShardingError(f"a release is [device, round, samples], got {item!r}")
     return releases
+
+
+def _deferred(msg: dict[str, Any]) -> list[list[Any]]:
+    items = msg.get("d", [])
+    if not isinstance(items, list):
+        raise ShardingError("a progress message's 'd' must be a list")
+    for item in items:
+        ok = isinstance(item, list) and len(item) == 5 and isinstance(item[0], str)
+        ints = ok and all(type(x) is int and x >= 0 for x in item[1:4])
+        if not ints or not (item[4] is None or isinstance(item[4], bytes)):
+            raise ShardingError(
+                f"a deferred update is [device, round, base version, samples, nonce], got {item!r}"
+            )
+    return items
+
+
+def _tally(msg: dict[str, Any]) -> dict[str, Any]:
+    """A partial's tally, checked before anything of the partial is merged."""
+    t = msg.get("t", {})
+    counts = ("bu", "mu", "late", "cap")
+    ok = isinstance(t, dict) and all(type(t.get(k, 0)) is int and t.get(k, 0) >= 0
+                                     for k in counts)  # fmt: skip
+    rej, smp = (t.get("rej", {}), t.get("smp", {})) if ok else (None, None)
+    ok = ok and isinstance(rej, dict) and all(type(v) is int and v >= 0 for v in rej.values())
+    ok = ok and isinstance(smp, dict) and all(isinstance(v, str) for v in smp.values())
+    if not ok:
+        raise ShardingError(f"a partial's tally 't' is malformed: {t!r}"[:300])
+    return t
 
 
 def robust_round(strategy: Any) -> tuple[float | None, bool]:
@@ -174,12 +211,15 @@ class IngestWorker:
         self.name = name
         self.core = core
         core.privacy = None  # the coordinator keeps the ledger; a worker lists releases
+        core.defer_unknown_rounds = True  # rounds before it started: the coordinator judges
         self.frozen: int | None = None  # the round frozen and awaiting its commit
+        self._last_partial: tuple[int, bytes] | None = None  # re-sent if asked again
         self._opened: tuple[Any, Any, Any] | None = None  # (g, b, h) of the round mirrored
         self._reopened = False  # the mirrored round was opened again (re-folded)
-        self._reported = 0  # releases already sent in a partial
+        self._reported = 0  # releases already sent in a progress message
         self._accepted: list[str] = []  # since the last progress
         self._refused: list[str] = []
+        self._deferred: list[list[Any]] = []
 
     def on_update(self, device: str, payload: bytes) -> Reject | None:
         core = self.core
@@ -187,6 +227,8 @@ class IngestWorker:
         reason = core.on_update(device, payload)
         if reason is None:
             self._accepted.append(device)
+        elif reason == DEFERRED and core.last_deferred is not None:
+            self._deferred.append(list(core.last_deferred))
         elif len(core.refused) > refused:  # answered, but refused (norm bound): need not wait
             self._refused.append(device)
         return reason
@@ -194,13 +236,20 @@ class IngestWorker:
     def on_status(self, device: str, payload: bytes) -> None:
         self.core.on_status(device, payload)
 
-    def progress(self, final: bool = False) -> bytes | None:
-        """What was admitted since the last call (None if nothing, unless ``final``)."""
-        if not (self._accepted or self._refused or final):
+    def progress(self, final: bool = False, rnd: int | None = None) -> bytes | None:
+        """What was admitted since the last call, every release seen since (late answers to
+        earlier rounds too: they reach the ledger at once, whatever becomes of this worker), and
+        the updates left to the coordinator to judge. None if nothing, unless ``final``."""
+        core = self.core
+        releases = [[d, int(r), int(n)] for d, r, n in core.releases[self._reported :]]
+        if not (self._accepted or self._refused or releases or self._deferred or final):
             return None
-        rnd = self.frozen if final else self.core.round_number
-        out = pack("progress", w=self.name, r=rnd, a=self._accepted, f=self._refused, z=final)
-        self._accepted, self._refused = [], []
+        if rnd is None:
+            rnd = self.frozen if final and self.frozen is not None else core.round_number
+        out = pack("progress", w=self.name, r=rnd, a=self._accepted, f=self._refused, z=final,
+                   rel=releases, d=self._deferred)  # fmt: skip
+        self._reported = len(core.releases)
+        self._accepted, self._refused, self._deferred = [], [], []
         return out
 
     def on_control(self, payload: bytes) -> list[tuple[str, bytes]]:
@@ -216,9 +265,8 @@ class IngestWorker:
 
     def _open(self, msg: dict[str, Any], rnd: int) -> None:
         core = self.core
-        same = (msg.get("g"), msg.get("b"), msg.get("h")) == self._opened
-        if core.current is not None and (rnd < core.round_number or same):
-            return  # a re-sent open of the round already mirrored (a coordinator reconnect)
+        if (msg.get("g"), msg.get("b"), msg.get("h")) == self._opened or rnd < core.round_number:
+            return  # a re-sent open (a coordinator reconnect), mirrored, frozen or committed
         refold, lost = self._mirrored_updates(rnd)  # the same round, opened again
         g = decode_global(msg.get("g") if isinstance(msg.get("g"), bytes) else b"")
         if g.round != rnd or g.selected is None:
@@ -247,6 +295,7 @@ class IngestWorker:
         core.refused = set()
         self._opened = (msg.get("g"), msg.get("b"), msg.get("h"))
         self._reopened = bool(refold) or lost
+        self._last_partial = None  # a new round (or the same one opened anew by a restart)
         if lost:
             core.strategy.complete = False
         for update, weight in refold:
@@ -276,6 +325,10 @@ class IngestWorker:
 
     def _freeze(self, rnd: int) -> list[tuple[str, bytes]]:
         core = self.core
+        if self._last_partial is not None and self._last_partial[0] == rnd:
+            final = self.progress(final=True, rnd=rnd)  # asked again: committed already
+            assert final is not None
+            return [("progress", final)]
         if core.current is not None and core.current.number == rnd:
             self._retire()  # from now on its answers are late (and still charged)
             self.frozen = rnd
@@ -288,6 +341,8 @@ class IngestWorker:
 
     def _commit(self, rnd: int, msg: dict[str, Any]) -> list[tuple[str, bytes]]:
         core = self.core
+        if self.frozen != rnd and self._last_partial is not None and self._last_partial[0] == rnd:
+            return [("partial", self._last_partial[1])]  # asked again (a re-run collection)
         if self.frozen != rnd:
             raise ShardingError(f"commit of round {rnd}, but round {self.frozen} is frozen here")
         left_out = set(_names(msg.get("x", {}), self.name) if isinstance(msg.get("x"), dict)
@@ -296,6 +351,7 @@ class IngestWorker:
         if strategy is None:  # this worker never mirrored the round: nothing folded
             partial = self._partial(rnd, None, [], None)
             self.frozen = None
+            self._last_partial = (rnd, partial)
             return [("partial", partial)]
         unkept = [d for d in sorted(left_out) if not strategy.take_back(d)]
         lost = None
@@ -308,14 +364,13 @@ class IngestWorker:
             log.error("round %d: this worker's share is unreliable: %s", rnd, lost)
         partial = self._partial(rnd, None if lost else strategy.partial(), strategy.devices, lost)
         core.strategy, self.frozen, self._reopened = None, None, False
+        self._last_partial = (rnd, partial)
         return [("partial", partial)]
 
     def _partial(
         self, rnd: int, strategy: dict[str, Any] | None, devices: list[str], lost: str | None
     ) -> bytes:
         core = self.core
-        releases = [[d, int(r), int(n)] for d, r, n in core.releases[self._reported :]]
-        self._reported = len(core.releases)
         t, core.tally = core.tally, RoundTally()
         tally = {
             "bu": t.bytes_up,
@@ -325,7 +380,7 @@ class IngestWorker:
             "cap": t.capped_samples,
             "smp": dict(t.samples),
         }
-        fields = {"s": strategy, "a": devices, "rel": releases, "t": tally}
+        fields = {"s": strategy, "a": devices, "t": tally}
         if lost is not None:
             fields["lost"] = lost  # the coordinator treats the share as lost (and charges)
         return pack("partial", w=self.name, r=rnd, **fields)
@@ -401,32 +456,49 @@ class Coordinator:
         return pack("commit", r=self.round.number, x=left_out)
 
     def on_progress(self, payload: bytes) -> None:
+        """A worker's burst: its releases go to the ledger at once (any round, also when its
+        share is later lost), the updates it could not judge are judged here, and the devices
+        it accepted are admitted to the open round in the order the coordinator learns of them."""
         msg = unpack(payload, ("progress",))
-        worker, rnd = msg.get("w"), _int(msg, "r")
-        sr, core = self.round, self.core
-        if sr is None or rnd != sr.number or worker not in sr.workers:
-            return  # about a round already merged (its partial says the rest) or a stranger
+        worker, rnd = _name(msg, "w"), _int(msg, "r")
+        accepted, refused = _names(msg, "a"), _names(msg, "f")
+        releases, deferred = _releases(msg), _deferred(msg)
+        if worker not in self.workers:
+            raise ShardingError(f"progress from {worker!r}, not a worker of this job")
+        core = self.core
+        for device, r, n in releases:
+            if (device, r) not in core._released:
+                core.record_release(device, r, n)
+        for device, r, base, n, nonce in deferred:
+            core.judge_deferred(device, r, base, n, nonce)
+        sr = self.round
+        if sr is None or rnd != sr.number or worker not in sr.workers or worker in sr.lost:
+            return  # a round already merged, or a share already counted as lost
         current = core.current
-        for device in _names(msg, "a"):
-            if device in sr.owner:
+        for device in accepted:
+            if current is not None and device not in current.selected:
+                log.error("round %d: worker %r reports an update of %r, who was not selected",
+                          sr.number, worker, device)  # fmt: skip
+                sr.left_out.setdefault(worker, []).append((device, Reject.NOT_SELECTED))
+            elif device in sr.owner:
                 sr.left_out.setdefault(worker, []).append((device, Reject.DUPLICATE))
             elif current is None or current.count >= current.target:
                 sr.left_out.setdefault(worker, []).append((device, Reject.LATE))
             else:
                 sr.owner[device] = worker
                 current.accept(device)
-        core.refused.update(_names(msg, "f"))
+        core.refused.update(refused)
         if msg.get("z") is True:
             sr.frozen.add(worker)
 
     def on_partial(self, payload: bytes) -> None:
         msg = unpack(payload, ("partial",))
+        worker, rnd = _name(msg, "w"), _int(msg, "r")
         sr = self.round
-        if sr is None or _int(msg, "r") != sr.number or msg.get("w") not in sr.workers:
-            log.warning("partial of worker %r for round %r ignored (not awaited)",
-                        msg.get("w"), msg.get("r"))  # fmt: skip
+        if sr is None or rnd != sr.number or worker not in sr.workers:
+            log.warning("partial of worker %r for round %r ignored (not awaited)", worker, rnd)
             return
-        sr.partials[msg["w"]] = msg
+        sr.partials.setdefault(worker, msg)  # a re-sent copy (a re-run collection) changes nothing
 
     def merge(self) -> dict[str, Any]:
         """Fold every partial that came into the core's round; account for the ones that did
@@ -449,23 +521,13 @@ class Coordinator:
         return info
 
     def _merge_one(self, sr: ShardedRound, msg: dict[str, Any]) -> None:
-        """Its releases always count (they happened, whatever became of the sums); its sums only
-        if they are what the coordinator admitted, else its share is lost."""
+        """Its tally always counts; its sums only if they are what the coordinator admitted, else
+        its share is lost. (Its releases came with its progress messages.)"""
         core = self.core
         assert core.strategy is not None
         worker = msg.get("w")
         try:
-            releases = _releases(msg)
-        except ShardingError as exc:
-            log.error("partial of worker %r for round %d refused: %s", worker, sr.number, exc)
-            sr.partials.pop(worker, None)
-            self._account_missing(sr, [worker])
-            return
-        for device, rnd, n in releases:
-            if (device, rnd) not in core._released:
-                core.record_release(device, rnd, n)
-        self._merge_tally(msg.get("t") or {})
-        try:
+            self._merge_tally(_tally(msg))
             if msg.get("lost"):
                 raise ShardingError(f"the worker reports its share lost: {msg['lost']}")
             mine = {d for d, w in sr.owner.items() if w == worker}
