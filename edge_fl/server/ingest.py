@@ -64,6 +64,7 @@ class IngestService:
         self.hash_partition = hash_partition
         self.whole_stream = whole_stream
         self.ended = asyncio.Event()
+        self._joined = False  # has seen a round open (logged once)
         self.tap: IngestTap | None = None
         self._paho: Any = None
         self._pending: list[tuple[int, int]] = []
@@ -97,14 +98,20 @@ class IngestService:
         if not payload:
             return  # the coordinator cleared its retained open (a new job, or the end)
         try:
-            kind = unpack(payload, ("open", "freeze", "commit", "end"))["k"]
+            msg = unpack(payload, ("open", "freeze", "commit", "end"))
+            kind = msg["k"]
         except ShardingError as exc:
             self.stats["control_errors"] += 1
             log.error("control message refused: %s", exc)
             return
         if kind == "end":
+            log.info("ingest worker %s: the aggregator ended the job", self.worker.name)
             self.ended.set()
             return
+        if kind == "open" and not self._joined:
+            self._joined = True
+            log.info("ingest worker %s: taking part from round %s on", self.worker.name,
+                     msg.get("r"))  # fmt: skip
         self._send_progress()  # what was accepted before a freeze goes out before its answer
         try:
             answers = self.worker.on_control(payload)
@@ -176,6 +183,11 @@ class IngestService:
             else:
                 await client.subscribe(topics.all_updates, qos=1)
             await client.publish(topics.ingest("worker", self.worker.name), ONLINE, 1, retain=True)
+            share = ("its device-id hash share" if self.hash_partition is not None
+                     else "every update" if self.whole_stream
+                     else f"shared group {self.group!r}")  # fmt: skip
+            log.info("ingest worker %s subscribed (%s); waiting for the aggregator's rounds",
+                     self.worker.name, share)  # fmt: skip
             drain = asyncio.ensure_future(self._drain(client))
             try:
                 ended = asyncio.ensure_future(self.ended.wait())
