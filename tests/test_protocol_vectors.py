@@ -21,6 +21,7 @@ import json
 import math
 import re
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -106,7 +107,9 @@ def wire_map(payload: bytes) -> Any:
 
 
 def _vec(values: list[float], dtype: str) -> np.ndarray:
-    return np.asarray(values, dtype=np.float32).astype(np.dtype("<" + dtype)).astype(np.float32)
+    """The values as the wire carries them (q8: the float32 model, quantised by the encoder)."""
+    wire = np.dtype("<f4" if dtype == "q8" else "<" + dtype)
+    return np.asarray(values, dtype=np.float32).astype(wire).astype(np.float32)
 
 
 # semantic message <-> dataclass
@@ -221,6 +224,9 @@ W8 = [0.5, -0.25, 0.125, 1.0, -1.5, 0.0, 2.0, -0.0625]
 DELTA8 = [0.015625, -0.0078125, 0.001953125, 0.0, -0.03125, 0.0625, -0.00390625, 0.0009765625]
 D_SIGNDS = 40
 W40 = [round(i / 32 - 0.5, 6) for i in range(D_SIGNDS)]
+#: a quantised global model spanning two blocks of 256 (the second one 4 long)
+D_Q8 = 260
+W260 = [round((i % 17) / 8 - 1 + i / 1000, 6) for i in range(D_Q8)]
 SIGNDS_CFG = {"k": 0.25, "eps": 10.0, "rho": 0.6, "hout": 0, "hmax": 100}
 MAGRR = {"r_est": 1e-05, "reached": False, "reached_count": 0}
 
@@ -317,6 +323,22 @@ def _globals() -> list[tuple[str, GlobalModel, bool, str]]:
             ),
             True,
             "the done marker (signed, retained, no nonce): the job is over",
+        ),
+        (
+            "global_sync_q8",
+            GlobalModel(
+                version=5,
+                round=6,
+                params=np.asarray(W260, np.float32),
+                wire_dtype="q8",
+                selected=("d00001",),
+                issued_at=1700000500.0,
+                mechanism_params=none_mp,
+                **common,
+            ),
+            False,
+            "quantised global model (compression.downlink: q8), d = 260: two blocks of 256 and 4; "
+            "params are the aggregator's float32 model, decoded_params what a device decodes",
         ),
     ]
 
@@ -462,6 +484,9 @@ def message_vectors() -> dict[str, Any]:
             entry["body"] = wire_map(body)
         entry["wire"] = wire_map(payload)
         entry["hex"] = payload.hex()
+        if msg.wire_dtype == "q8":
+            decoded = decode_global(payload, expected_dim=len(msg.params)).params
+            entry["decoded_params"] = [float(x) for x in decoded]
         out.append(entry)
     for name, upd, dim, limits, note in _updates():
         payload = encode_update(upd, dim=dim)
@@ -798,6 +823,18 @@ def rejection_vectors() -> dict[str, Any]:
             note + " (correctly signed)",
             40,
         )
+    q8 = msgpack.unpackb(encode_global(msgs["global_sync_q8"][0]), raw=False)
+    negative_step = np.frombuffer(q8["qp"], "<f4").copy()
+    negative_step[1] = -negative_step[1]
+    global_case(
+        "q8_negative_step",
+        _mutate(encode_global(msgs["global_sync_q8"][0]), qp=negative_step.tobytes()),
+        "out_of_range",
+        "qp",
+        "block 0's step is negative (a q8 global's steps are finite and >= 0)",
+        D_Q8,
+        verify=False,
+    )
     global_case(
         "global_wrong_shape",
         unsigned_sync,
@@ -1154,6 +1191,12 @@ def test_global_vectors(vector):
     assert wire_map(payload) == vector["wire"]
     verifier = Verifier.from_hex(key["public_key"]) if vector["signed"] else None
     back = decode_global(payload, verifier=verifier, expected_dim=len(msg.params))
+    if msg.wire_dtype == "q8":  # lossy: the device gets the levels' values, not the model
+        assert [float(x) for x in back.params] == vector["decoded_params"]
+        step = np.frombuffer(bytes.fromhex(vector["wire"]["qp"]["bin"]), "<f4")[1::2]
+        error = np.abs(back.params.astype(np.float64) - np.asarray(vector["message"]["params"]))
+        assert (error <= np.repeat(step, 256)[: error.size] / 2 * (1 + 1e-6)).all()
+        back = replace(back, params=msg.params)
     assert global_to(back) == vector["message"]
     if vector["signed"]:
         body = bytes.fromhex(vector["body_hex"])
