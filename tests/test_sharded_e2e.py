@@ -5,7 +5,10 @@ worker's kill -9 (edge_fl/server/sharding.py, edge_fl/server/ingest.py)."""
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
+import time
 import uuid
 from pathlib import Path
 
@@ -106,6 +109,103 @@ def test_a_killed_worker_is_restarted_its_round_is_charged_and_the_job_finishes(
     # the restarted worker took its share again
     later = [r for r in records if r["round"] > hit[-1]["round"]]
     assert any(r["workers"] == 2 and not r["workers_missing"] for r in later), later
+
+
+def test_ctrl_c_closes_the_open_round_with_every_workers_share(mosquitto, tmp_path):
+    """SIGINT to the aggregator's whole process group (Ctrl-C at a terminal) while round 3 is
+    open: the workers (in a session of their own) answer the freeze and commit, so the round
+    closes with their shares, at once."""
+    job = f"shc-{uuid.uuid4().hex[:6]}"
+    slow = ["--rounds", "12", "--time-scale", "0.2"]
+    out = tmp_path / "out"
+    agg = subprocess.Popen(
+        [EDGE_FL, "aggregator", *job_args(mosquitto.url, job, *slow), "--workers", "2",
+         "--out", str(out)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+    )  # fmt: skip
+    fleet = subprocess.Popen(
+        [EDGE_FL, "fleet", *job_args(mosquitto.url, job, *slow)], stderr=subprocess.DEVNULL
+    )
+    try:
+        for line in agg.stdout:
+            if line.startswith("round 2 "):
+                break
+        time.sleep(0.5)  # round 3 open, some of its updates in
+        started = time.monotonic()
+        os.killpg(agg.pid, signal.SIGINT)
+        _, stderr = agg.communicate(timeout=60)
+        took = time.monotonic() - started
+    finally:
+        for proc in (agg, fleet):
+            if proc.poll() is None:
+                proc.kill()
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    last = records[-1]
+    assert agg.returncode == 0 and "Traceback" not in stderr, stderr[-3000:]
+    assert last["round"] == 3 and last["workers_missing"] == [], last
+    assert "restarting it" not in stderr and took < 15, (took, stderr[-3000:])
+
+
+def test_spawned_workers_take_the_aggregators_config_as_given(mosquitto, tmp_path):
+    """A fleet of 8 with the default clients_per_round (20, clamped to the fleet): valid for the
+    aggregator, so valid for the workers it starts (they once got every default written out,
+    and refused a clamp they had not asked for)."""
+    job = f"shd-{uuid.uuid4().hex[:6]}"
+    common = ["--broker", mosquitto.url, "--job", job, "--devices", "8", "--rounds", "2"]
+    common += ["--model", "logreg", "--reproducible"]
+    out = tmp_path / "out"
+    done = run_job(
+        [EDGE_FL, "aggregator", *common, "--workers", "2", "--out", str(out)],
+        [[EDGE_FL, "fleet", *common]],
+        timeout=100,
+        device_timeout=40,
+    )
+    assert done.returncode == 0 and "invalid config" not in done.stderr, done.stderr[-3000:]
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["status"], r["workers"], r["received"]) for r in records] == [("closed", 2, 8)] * 2
+
+
+def test_a_remote_worker_stopped_with_ctrl_c_is_offline_at_once(mosquitto, tmp_path):
+    """`edge-fl ingest` on SIGINT says it is offline before it leaves (a clean disconnect sends
+    no last will): the coordinator stops waiting for it instead of 20 s every round."""
+    job = f"shs-{uuid.uuid4().hex[:6]}"
+    cfg = tmp_path / "remote.yaml"
+    cfg.write_text("ingest: {spawn: false, workers: 2}\n")
+    slow = ["--rounds", "6", "--time-scale", "0.2", "--config", str(cfg)]
+    out = tmp_path / "out"
+    workers = [
+        subprocess.Popen(
+            [EDGE_FL, "ingest", *job_args(mosquitto.url, job, *slow), "--worker", str(i)],
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for i in range(2)
+    ]
+    agg = subprocess.Popen(
+        [EDGE_FL, "aggregator", *job_args(mosquitto.url, job, *slow), "--out", str(out)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    fleet = subprocess.Popen(
+        [EDGE_FL, "fleet", *job_args(mosquitto.url, job, *slow)], stderr=subprocess.DEVNULL
+    )
+    try:
+        for line in agg.stdout:
+            if line.startswith("round 1 "):
+                break
+        workers[1].send_signal(signal.SIGINT)
+        assert workers[1].wait(10) == 0
+        _, stderr = agg.communicate(timeout=120)
+        workers[0].communicate(timeout=30)
+    finally:
+        for proc in (agg, fleet, *workers):
+            if proc.poll() is None:
+                proc.kill()
+    assert agg.returncode == 0, stderr[-3000:]
+    assert "ingest worker w1 went offline" in stderr
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["status"] for r in records] == ["closed"] * 6
+    assert all(r["wall_time_s"] < 10 for r in records[2:]), [r["wall_time_s"] for r in records]
+    assert all(r["workers"] == 1 and r["workers_missing"] == [] for r in records[2:])
 
 
 def site_bridge(root_port: int, job: str, site: int) -> list[str]:

@@ -481,3 +481,105 @@ def test_malformed_worker_messages_are_sharding_errors_and_leave_the_round_intac
     info = coordinator.merge()
     assert info["workers_missing"] == ["w1"] and coordinator.round is None
     assert coord.strategy.count == 1
+
+
+def test_a_cleared_control_topic_makes_a_worker_forget_an_earlier_run():
+    """A worker that mirrored round 3 of an earlier run of the job (its retained open, left by a
+    coordinator that was killed) takes part in the new run's round 1 once the new coordinator
+    clears the retained control topic, and judges its updates with the new run's nonces."""
+    job, agents, single, coord, workers, coordinator = two_workers_and_one_aggregator()
+    for _ in range(3):  # the earlier run: three rounds
+        open_both(single, coord, coordinator, workers)
+        collect(coordinator, workers)
+        coord.close_round(1.0, 0.1)
+    assert workers["w0"].core.round_number == 3
+    fresh, coord2 = job.aggregator_core(), job.aggregator_core()  # the new run, same job id
+    announce(fresh, agents)
+    announce(coord2, agents)
+    coordinator2 = Coordinator(coord2, ["w0", "w1"])
+    for w in workers:
+        coordinator2.worker_online(w)
+    for w in workers.values():
+        w.reset()  # what the ingest service does on the cleared (empty, retained) control topic
+        announce(w.core, agents)
+    seen, _ = open_both(fresh, coord2, coordinator2, workers)
+    assert seen.round == 1 and workers["w0"].core.current.number == 1
+    sent = answers_to(agents, seen)[:4]
+    for i, (device, payload) in enumerate(sent):
+        assert workers[f"w{i % 2}"].on_update(device, payload) is None
+        coordinator2.on_progress(workers[f"w{i % 2}"].progress())
+    assert collect(coordinator2, workers)["workers_missing"] == []
+    assert coord2.strategy.count == 4
+
+
+def test_a_re_delivered_progress_changes_nothing():
+    _job, agents, single, coord, workers, coordinator = two_workers_and_one_aggregator()
+    seen, _ = open_both(single, coord, coordinator, workers)
+    sent = answers_to(agents, seen)[:2]
+    for device, payload in sent:
+        workers["w0"].on_update(device, payload)
+    progress = workers["w0"].progress()
+    coordinator.on_progress(progress)
+    coordinator.on_progress(progress)  # QoS 1: at least once
+    assert coordinator.round.left_out == {}
+    info = collect(coordinator, workers)
+    assert info["workers_missing"] == [] and coord.strategy.count == 2
+
+
+def test_a_worker_that_outlives_its_coordinator_reports_its_updates_to_the_resumed_one():
+    """kill -9 of the coordinator, --resume: the new one re-opens the round with the same global
+    message. The worker holding updates of it sees a new coordinator (another epoch), re-folds
+    them and reports them again, so they count; the resumed round is still charged in full."""
+    job, agents, _single, coord, workers, coordinator = two_workers_and_one_aggregator()
+    payload = encode_global(coord.open_round(0.0))
+    for w in workers.values():
+        w.on_control(coordinator.open_message(payload))
+    sent = answers_to(agents, decode_global(payload))
+    for device, data in sent[:3]:
+        feed(workers["w0"], coordinator, device, data)
+    resumed = job.aggregator_core()
+    announce(resumed, agents)
+    reopen_round(resumed, round_spec(coord, payload))
+    successor = Coordinator(resumed, ["w0", "w1"])
+    successor.lost_before_resume = True
+    for w in ("w0", "w1"):
+        successor.worker_online(w)
+    for w in workers.values():
+        w.on_control(successor.open_message(payload))  # the same global message, re-broadcast
+    for device, data in sent[:3]:  # devices re-send: the worker holds them already
+        feed(workers["w0"], successor, device, data)
+    for device, data in sent[3:5]:
+        feed(workers["w1"], successor, device, data)
+    info = collect(successor, workers)
+    assert info["workers_missing"] == ["before-restart"]
+    assert resumed.current.count == 5 and resumed.strategy.count == 5
+    assert {(d, 1) for d in decode_global(payload).selected} <= resumed._released
+
+
+def test_who_the_round_waits_for():
+    """A worker that comes online after the freeze has no share to wait for; with a hash
+    partition a worker offline at the open is lost from the start (its devices go unseen)."""
+    job, agents, single, coord, workers, coordinator = two_workers_and_one_aggregator()
+    coordinator.worker_offline("w1")
+    open_both(single, coord, coordinator, {"w0": workers["w0"]})
+    coordinator.freeze_message()
+    coordinator.worker_online("w1")
+    assert coordinator.round.workers == {"w0"}
+    hashed = Coordinator(job.aggregator_core(), ["w0", "w1"], dealt=False)
+    announce(hashed.core, agents)
+    hashed.worker_online("w0")
+    hashed.core.open_round(0.0)
+    hashed.open_message(b"")
+    assert hashed.round.lost == {"w1"} and hashed.round.unfrozen() == {"w0"}
+
+
+def test_a_resumed_round_stopped_before_its_workers_took_it_up_is_charged():
+    _job, _agents, _single, coord, _workers, coordinator = two_workers_and_one_aggregator()
+    selected = coord.open_round(0.0).selected
+    coordinator.lost_before_resume = True  # and no open was published (stopped while waiting)
+    assert coordinator.charge_lost_before_resume() == {
+        "workers": 0,
+        "workers_missing": ["before-restart"],
+    }
+    assert {(d, 1) for d in selected} <= coord._released
+    assert coordinator.charge_lost_before_resume() == {}  # once

@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import os
+import signal
 import subprocess
 import sys
 import tempfile
 import threading
+import time
 from pathlib import Path
 
 import aiomqtt
@@ -57,8 +60,15 @@ def ingest(index, workers, verbose, config, **kw) -> None:
         hash_partition=(index, n) if cfg.ingest.partition == "hash" else None,
         whole_stream=cfg.ingest.partition == "site",
     )
+
+    async def run() -> dict:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):  # say offline, then leave
+            loop.add_signal_handler(sig, service.request_stop)
+        return await service.run()
+
     try:
-        stats = asyncio.run(service.run())
+        stats = asyncio.run(run())
     except (RuntimeError, aiomqtt.MqttError, OSError) as exc:
         _fail(str(exc))
     click.echo(f"ingest worker w{index}: {stats['updates']} updates folded", err=True)
@@ -88,13 +98,17 @@ class LocalWorkers:
         argv = [sys.executable, "-c", entry, "ingest", "--config", str(self._path)]
         argv += ["--worker", str(index), *["-v"] * self.verbose]
         # a worker dies with the thread that started it (SIGTERM): an aggregator killed with
-        # kill -9 must not leave workers that fight its resumed successor's for their client ids
-        return subprocess.Popen(argv, preexec_fn=make_preexec(parent_death_signal=True))
+        # kill -9 must not leave workers that fight its resumed successor's for their client ids.
+        # Its own session: a Ctrl-C at the terminal stops the aggregator, which closes the open
+        # round with the workers' shares, instead of stopping the workers under it
+        return subprocess.Popen(
+            argv, preexec_fn=make_preexec(parent_death_signal=True), start_new_session=True
+        )
 
     def start(self) -> None:
         fd = os.open(self._path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(fd, "w") as fh:
-            json.dump(self.cfg.model_dump(mode="json"), fh)
+        with os.fdopen(fd, "w") as fh:  # what was set: defaults that clamp stay defaults
+            json.dump(self.cfg.model_dump(mode="json", exclude_unset=True), fh)
         self.procs = [self._spawn(i) for i in range(self.cfg.ingest.workers)]
         log.info("started %d ingest workers (pids %s)", len(self.procs),
                  ", ".join(str(p.pid) for p in self.procs))  # fmt: skip
@@ -115,18 +129,19 @@ class LocalWorkers:
                 self.procs[i] = self._spawn(i)
 
     def stop(self, wait_s: float = 10.0) -> None:
-        """The job's end message stops them; whoever is still running after ``wait_s`` is
-        terminated (and killed if that does not do it)."""
+        """The job's end message stops them; whoever is still running after ``wait_s`` (all
+        together) is terminated, and killed if that does not do it within 5 s."""
         self._stopping.set()
         if self._watch.is_alive():
             self._watch.join()
-        for proc in self.procs:
-            try:
-                proc.wait(wait_s)
-            except subprocess.TimeoutExpired:
-                proc.terminate()
-                try:
-                    proc.wait(5)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
+        for deadline, signal_them in ((wait_s, None), (5.0, "terminate"), (5.0, "kill")):
+            running = [p for p in self.procs if p.poll() is None]
+            if not running:
+                break
+            for proc in running if signal_them else ():
+                getattr(proc, signal_them)()
+            until = time.monotonic() + deadline
+            for proc in running:
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    proc.wait(max(0.0, until - time.monotonic()))
         self._dir.cleanup()

@@ -96,14 +96,16 @@ def aggregator(out, resume, verbose, config, workers, spawn_workers, **kw) -> No
 
         local = LocalWorkers(cfg, verbose)
         local.start()
+    finished = False
     try:
         _run_aggregator(cfg, out, resume, signals)
+        finished = True
     except OutputError as exc:  # disk full, read-only or unwritable output: one line
         _fail(str(exc))
     finally:
         signals.restore()
-        if local is not None:
-            local.stop()
+        if local is not None:  # after the job's end they leave by themselves; else at once
+            local.stop(wait_s=10.0 if finished else 0.0)
 
 
 def _run_aggregator(cfg, out, resume, signals) -> None:

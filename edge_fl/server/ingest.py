@@ -16,6 +16,7 @@ liveness (a last will says ``offline``).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import logging
 from typing import Any
@@ -64,7 +65,9 @@ class IngestService:
         self.hash_partition = hash_partition
         self.whole_stream = whole_stream
         self.ended = asyncio.Event()
-        self._joined = False  # has seen a round open (logged once)
+        self.stopping = asyncio.Event()  # SIGINT/SIGTERM: say offline, leave
+        self._joined = False  # has taken part in a round of this run of the job
+        self._connected = False  # inside a session (a stop can say goodbye on it)
         self.tap: IngestTap | None = None
         self._paho: Any = None
         self._pending: list[tuple[int, int]] = []
@@ -86,7 +89,7 @@ class IngestService:
             elif (device := topics.device_of(topic, "status")) is not None:
                 worker.on_status(device, payload)
             elif topic == topics.ingest_control:
-                self._on_control(payload)
+                self._on_control(payload, retain)
         except Exception:  # never let one message stop ingest; the core already never raises
             log.exception("message on %s: unexpected error; ignored", topic)
         if qos:
@@ -94,9 +97,12 @@ class IngestService:
         if self._flush_handle is None:
             self._flush_handle = asyncio.get_running_loop().call_soon(self._flush)
 
-    def _on_control(self, payload: bytes) -> None:
-        if not payload:
-            return  # the coordinator cleared its retained open (a new job, or the end)
+    def _on_control(self, payload: bytes, retain: bool = False) -> None:
+        if not payload:  # the coordinator cleared its retained control: a new run starts
+            self._send_progress()
+            self.worker.reset()
+            self._joined = False
+            return
         try:
             msg = unpack(payload, ("open", "freeze", "commit", "end"))
             kind = msg["k"]
@@ -105,6 +111,10 @@ class IngestService:
             log.error("control message refused: %s", exc)
             return
         if kind == "end":
+            if retain and not self._joined:  # the end of an earlier run, kept by the broker
+                log.info("ingest worker %s: the last run of job %r has ended; waiting for a "
+                         "new one", self.worker.name, self.topics.job)  # fmt: skip
+                return
             log.info("ingest worker %s: the aggregator ended the job", self.worker.name)
             self.ended.set()
             return
@@ -174,8 +184,21 @@ class IngestService:
         return client
 
     async def _session(self) -> None:
+        try:
+            await self._connected_session()
+        finally:
+            self._paho = None
+            self._connected = False
+
+    async def _connected_session(self) -> None:
         topics = self.topics
         async with self._client() as client:
+            self._connected = True
+            share = ("its device-id hash share" if self.hash_partition is not None
+                     else "every update" if self.whole_stream
+                     else f"shared group {self.group!r}")  # fmt: skip
+            log.info("ingest worker %s connected (%s); waiting for the aggregator's rounds",
+                     self.worker.name, share)  # fmt: skip
             await client.subscribe(topics.ingest_control, qos=1)
             await client.subscribe(topics.all_status, qos=1)
             if self.hash_partition is None and not self.whole_stream:
@@ -183,22 +206,24 @@ class IngestService:
             else:
                 await client.subscribe(topics.all_updates, qos=1)
             await client.publish(topics.ingest("worker", self.worker.name), ONLINE, 1, retain=True)
-            share = ("its device-id hash share" if self.hash_partition is not None
-                     else "every update" if self.whole_stream
-                     else f"shared group {self.group!r}")  # fmt: skip
-            log.info("ingest worker %s subscribed (%s); waiting for the aggregator's rounds",
-                     self.worker.name, share)  # fmt: skip
             drain = asyncio.ensure_future(self._drain(client))
+            ended = asyncio.ensure_future(self.ended.wait())
+            stopping = asyncio.ensure_future(self.stopping.wait())
             try:
-                ended = asyncio.ensure_future(self.ended.wait())
-                done, _ = await asyncio.wait({drain, ended}, return_when=asyncio.FIRST_COMPLETED)
+                done, _ = await asyncio.wait(
+                    {drain, ended, stopping}, return_when=asyncio.FIRST_COMPLETED
+                )
                 if drain in done:
                     drain.result()  # a lost connection raises MqttError here
                 self._flush()
-                await client.publish(topics.ingest("worker", self.worker.name), b"", 1, retain=True)
+                # stopped: offline at once (a clean disconnect sends no last will), so the
+                # coordinator counts this worker's share lost now instead of waiting for it
+                status = OFFLINE if self.stopping.is_set() and not self.ended.is_set() else b""
+                topic = topics.ingest("worker", self.worker.name)
+                await client.publish(topic, status, 1, retain=True)
             finally:
-                drain.cancel()
-                self._paho = None
+                for task in (drain, ended, stopping):
+                    task.cancel()
 
     async def _drain(self, client: aiomqtt.Client) -> None:
         """aiomqtt's queue stays empty (the tap dispatches); waiting on it notices a lost link."""
@@ -214,7 +239,26 @@ class IngestService:
 
         async def once() -> bool | None:
             await self._session()
-            return True if self.ended.is_set() else None
+            return True if self.ended.is_set() or self.stopping.is_set() else None
 
-        await retry_broker(self.spec, once)
+        retrying = asyncio.ensure_future(retry_broker(self.spec, once))
+        stopping = asyncio.ensure_future(self.stopping.wait())
+        try:
+            await asyncio.wait({retrying, stopping}, return_when=asyncio.FIRST_COMPLETED)
+            if not retrying.done() and self._connected:  # connected: say offline
+                with contextlib.suppress(TimeoutError, aiomqtt.MqttError, RuntimeError):
+                    await asyncio.wait_for(asyncio.shield(retrying), 5.0)
+            if retrying.done():
+                retrying.result()  # a refusal retrying cannot fix: RuntimeError
+        finally:
+            stopping.cancel()
+            if not retrying.done():  # stopped while (re)connecting: nothing to say goodbye on
+                retrying.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await retrying
         return dict(self.stats)
+
+    def request_stop(self) -> None:
+        """SIGINT/SIGTERM: publish this worker offline and leave (its share of the open round
+        is lost; the coordinator charges it)."""
+        self.stopping.set()

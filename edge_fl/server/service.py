@@ -683,7 +683,9 @@ class AggregatorService:
         core = self.core
         wall = time.perf_counter() - self._round_started
         shards: dict[str, Any] = {}
-        if self.sharding is not None and self.sharding.round is not None:
+        if self.sharding is not None and self.sharding.round is None:
+            shards = self.sharding.charge_lost_before_resume()
+        elif self.sharding is not None:
             shards = self.sharding.merge()
             rnd = core.current
             if not skipped and rnd is not None and rnd.count < max(rnd.min_updates, 1):
@@ -870,8 +872,10 @@ class AggregatorService:
                 if self.sharding is not None:  # the workers' job is over too
                     from .sharding import pack
 
-                    await client.publish(self.topics.ingest_control, b"", qos=1, retain=True)
-                    await client.publish(self.topics.ingest_control, pack("end", r=0), qos=1)
+                    # retained (it replaces the last open): a worker that reconnects or
+                    # starts after this learns the end too; a new run clears it first
+                    end = pack("end", r=0)
+                    await client.publish(self.topics.ingest_control, end, qos=1, retain=True)
                 if self.job_document is not None:  # the job ended: no device should join it
                     await client.publish(self.topics.job_document, b"", qos=1, retain=True)
             finally:

@@ -40,6 +40,7 @@ coordinator (:attr:`Coordinator.lost_before_resume`); docs/scale.md section 4.
 from __future__ import annotations
 
 import logging
+import os
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
@@ -214,8 +215,10 @@ class IngestWorker:
         core.defer_unknown_rounds = True  # rounds before it started: the coordinator judges
         self.frozen: int | None = None  # the round frozen and awaiting its commit
         self._last_partial: tuple[int, bytes] | None = None  # re-sent if asked again
-        self._opened: tuple[Any, Any, Any] | None = None  # (g, b, h) of the round mirrored
+        self._opened: tuple[Any, ...] | None = None  # (g, b, h, e) of the round mirrored
         self._reopened = False  # the mirrored round was opened again (re-folded)
+        #: progress messages carry (instance, sequence): a re-delivered copy changes nothing
+        self._instance, self._seq = os.urandom(8), 0
         self._reported = 0  # releases already sent in a progress message
         self._accepted: list[str] = []  # since the last progress
         self._refused: list[str] = []
@@ -246,8 +249,9 @@ class IngestWorker:
             return None
         if rnd is None:
             rnd = self.frozen if final and self.frozen is not None else core.round_number
+        self._seq += 1
         out = pack("progress", w=self.name, r=rnd, a=self._accepted, f=self._refused, z=final,
-                   rel=releases, d=self._deferred)  # fmt: skip
+                   rel=releases, d=self._deferred, i=self._instance, s=self._seq)  # fmt: skip
         self._reported = len(core.releases)
         self._accepted, self._refused, self._deferred = [], [], []
         return out
@@ -263,9 +267,26 @@ class IngestWorker:
             return self._freeze(rnd)
         return self._commit(rnd, msg)
 
+    def reset(self) -> None:
+        """The coordinator cleared its retained ``open``: a new run of the job starts (or the
+        job ended). Rounds of the earlier run mean nothing now (their numbers come again)."""
+        core = self.core
+        core.current = core.previous = core.strategy = None
+        core.history.clear()
+        core.ever_selected.clear()
+        core._released.clear()
+        core.releases.clear()
+        core.refused = set()
+        core.tally = RoundTally()
+        core.version = core.round_number = 0
+        self.frozen, self._opened, self._last_partial, self._reopened = None, None, None, False
+        self._reported = 0
+        self._accepted, self._refused, self._deferred = [], [], []
+
     def _open(self, msg: dict[str, Any], rnd: int) -> None:
         core = self.core
-        if (msg.get("g"), msg.get("b"), msg.get("h")) == self._opened or rnd < core.round_number:
+        identity = (msg.get("g"), msg.get("b"), msg.get("h"), msg.get("e"))
+        if identity == self._opened:
             return  # a re-sent open (a coordinator reconnect), mirrored, frozen or committed
         refold, lost = self._mirrored_updates(rnd)  # the same round, opened again
         g = decode_global(msg.get("g") if isinstance(msg.get("g"), bytes) else b"")
@@ -293,15 +314,19 @@ class IngestWorker:
         )
         core.strategy = Recording(core.new_strategy())  # type: ignore[assignment]
         core.refused = set()
-        self._opened = (msg.get("g"), msg.get("b"), msg.get("h"))
+        self._opened = identity
         self._reopened = bool(refold) or lost
         self._last_partial = None  # a new round (or the same one opened anew by a restart)
+        self.frozen = None
         if lost:
             core.strategy.complete = False
+        # a restarted coordinator knows nothing of them: they are reported again
+        self._accepted = []
         for update, weight in refold:
             try:
                 core.strategy.add(update, weight)
                 core.current.accept(update.device)
+                self._accepted.append(update.device)
             except ValueError as exc:  # e.g. over the new round's norm bound
                 log.warning("update of %s dropped on the round's re-open: %s", update.device, exc)
 
@@ -310,10 +335,10 @@ class IngestWorker:
         some of it is no longer kept (its share of the round is then unreliable)."""
         core = self.core
         strategy = core.strategy
-        if core.current is None or core.current.number != rnd or strategy is None:
-            return [], False
-        log.warning("round %d opened again with other settings (a restarted coordinator): "
-                    "re-folding the %d updates taken so far", rnd,
+        if strategy is None or core.round_number != rnd or self._opened is None:
+            return [], False  # nothing of it here (committed already, or never mirrored)
+        log.warning("round %d opened again (a restarted coordinator): re-folding the %d "
+                    "updates taken so far and reporting them again", rnd,
                     len(strategy.devices))  # fmt: skip
         return list(strategy.recent), not strategy.complete
 
@@ -400,6 +425,7 @@ class ShardedRound:
     left_out: dict[str, list[tuple[str, Reject]]] = field(default_factory=dict)
     frozen: set[str] = field(default_factory=set)
     partials: dict[str, dict[str, Any]] = field(default_factory=dict)
+    collecting: bool = False  # freeze sent: a worker coming online now has no share of it
 
     def unfrozen(self) -> set[str]:
         return self.workers - self.frozen - self.lost
@@ -420,6 +446,10 @@ class Coordinator:
         self.dealt = dealt
         self.online: set[str] = set()
         self.round: ShardedRound | None = None
+        #: in every open: a worker that outlived an earlier coordinator process tells a round it
+        #: mirrored from the same round re-opened by this one (same global message, resumed)
+        self.epoch = os.urandom(8)
+        self._progress_seen: dict[str, tuple[bytes, int]] = {}  # worker -> (instance, seq)
         #: the open round was rebuilt by a resumed coordinator: whatever its earlier workers
         #: held of it is gone (they die with the process that started them), so its merge
         #: charges every selected device as for a lost share
@@ -429,8 +459,9 @@ class Coordinator:
         if worker not in self.workers:
             return
         self.online.add(worker)
-        if self.round is not None and self.dealt:
-            self.round.workers.add(worker)  # it mirrors the round from the retained open
+        sr = self.round
+        if sr is not None and self.dealt and not sr.collecting:
+            sr.workers.add(worker)  # it mirrors the round from the retained open
 
     def worker_offline(self, worker: str) -> None:
         self.online.discard(worker)
@@ -444,10 +475,14 @@ class Coordinator:
         bound, hold = robust_round(core.strategy)
         workers = set(self.workers & self.online) if self.dealt else set(self.workers)
         self.round = ShardedRound(core.current.number, workers)
-        return pack("open", r=core.current.number, g=global_payload, b=bound, h=hold)
+        if not self.dealt:  # an offline worker's devices go unseen: its share is lost already
+            self.round.lost = workers - self.online
+        return pack("open", r=core.current.number, g=global_payload, b=bound, h=hold,
+                    e=self.epoch)  # fmt: skip
 
     def freeze_message(self) -> bytes:
         assert self.round is not None
+        self.round.collecting = True
         return pack("freeze", r=self.round.number)
 
     def commit_message(self) -> bytes:
@@ -465,6 +500,12 @@ class Coordinator:
         releases, deferred = _releases(msg), _deferred(msg)
         if worker not in self.workers:
             raise ShardingError(f"progress from {worker!r}, not a worker of this job")
+        instance, seq = msg.get("i"), msg.get("s")
+        if isinstance(instance, bytes) and type(seq) is int:
+            seen = self._progress_seen.get(worker)
+            if seen is not None and seen[0] == instance and seq <= seen[1]:
+                return  # a re-delivered copy (QoS 1 is at least once)
+            self._progress_seen[worker] = (instance, seq)
         core = self.core
         for device, r, n in releases:
             if (device, r) not in core._released:
@@ -519,6 +560,19 @@ class Coordinator:
         info = {"workers": len(sr.workers), "workers_missing": missing}
         self.round = None
         return info
+
+    def charge_lost_before_resume(self) -> dict[str, Any]:
+        """The open round of a resumed coordinator closes before it was re-opened to workers
+        (stopped while it waited for them): what its earlier workers held is lost all the same,
+        so the selection is charged as :meth:`merge` would."""
+        if not self.lost_before_resume or self.core.current is None:
+            return {}
+        self.lost_before_resume = False
+        sr = ShardedRound(self.core.current.number, set())
+        log.error("round %d was reopened after a restart and closes before its workers took it "
+                  "up: charging its selection", sr.number)  # fmt: skip
+        self._account_missing(sr, [])
+        return {"workers": 0, "workers_missing": ["before-restart"]}
 
     def _merge_one(self, sr: ShardedRound, msg: dict[str, Any]) -> None:
         """Its tally always counts; its sums only if they are what the coordinator admitted, else
