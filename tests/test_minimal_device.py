@@ -49,7 +49,7 @@ def unhex(obj):
 
 def test_device_file_is_small_and_standalone():
     text = DEVICE.read_text()
-    assert len(text.splitlines()) < 300
+    assert len(text.splitlines()) < 320  # 300 before the quantised global model (q8)
     assert "edge_fl" not in text.replace("edge-fl", "")
 
 
@@ -69,7 +69,8 @@ def test_message_vectors_decode_and_encode_byte_for_byte():
         raw, msg = bytes.fromhex(v["hex"]), v["message"]
         if v["type"] == "global":
             g = dev.decode_global(raw, public_key() if v["signed"] else None)
-            assert g["w"].tolist() == msg["params"] and (g["rnd"], g["ver"]) == (
+            params = v.get("decoded_params", msg["params"])  # q8: what a device decodes
+            assert g["w"].tolist() == params and (g["rnd"], g["ver"]) == (
                 msg["round"],
                 msg["version"],
             )
@@ -298,13 +299,17 @@ def stop(*procs: subprocess.Popen) -> None:
 
 
 @pytest.mark.broker
-@pytest.mark.parametrize("mechanism", ["none", "signds"])
-def test_mixed_fleet_with_the_real_aggregator(mosquitto, tmp_path, mechanism):
+@pytest.mark.parametrize(
+    ("mechanism", "downlink"), [("none", "f32"), ("signds", "f32"), ("none", "q8")]
+)
+def test_mixed_fleet_with_the_real_aggregator(mosquitto, tmp_path, mechanism, downlink):
     """4 devices, 3 rounds, all selected: d00000 and d00001 are `edge-fl device`, d00002 and
-    pi-kitchen are minimal devices (provisioned with the config digest from run.json)."""
+    pi-kitchen are minimal devices (provisioned with the config digest from run.json); with
+    `--downlink q8` every device decodes the quantised global model."""
     job, out, t0 = f"mini-{mechanism}-{uuid.uuid4().hex[:6]}", tmp_path / "run", time.monotonic()
     common = ["--broker", mosquitto.url, "--job", job, "--devices", "4", "--rounds", "3"]
     common += ["--clients-per-round", "4", "--deadline", "30", "--mechanism", mechanism]
+    common += ["--downlink", downlink]
     agg = subprocess.Popen(
         [EDGE_FL, "aggregator", *common, "--out", str(out)],
         stdout=subprocess.PIPE,

@@ -22,7 +22,7 @@ CONTEXT = b"edge-fl/global/v1\x00"
 BENIGN_NACKS = {"late", "not_selected", "duplicate", "stale", "future"}
 # key:type of the global message ("!" = required), and the mp keys each mechanism needs here
 GLOBAL = """v:int! k:str! job:str! ver:int! rnd:int! mode:str! dt:str! w:bin! dl:num! cfg:str! ts:num
-    sel:list q:num sd:map mp:map done:bool nc:bin"""
+    sel:list q:num sd:map mp:map done:bool nc:bin qp:bin"""
 GLOBAL = dict(kv.split(":") for kv in GLOBAL.split())
 MP = {"none": "", "signds": "d:int K:int h:int nth:int eps:num rr:num r0:num",
       "gaussian": "clip:num z:num", "gaussian-central": "clip:num"}  # fmt: skip
@@ -59,9 +59,17 @@ def decode_global(payload, pubkey=None):
     bad = [] if m.get("k") == "g" else ["k (wrong_kind)"]
     bad += [k for k in m if k not in GLOBAL or not is_a(m[k], GLOBAL[k].rstrip("!"))]
     missing = [k for k, t in GLOBAL.items() if t.endswith("!") and k not in m]
-    if bad or missing or m["dt"] not in ("f4", "f2") or len(m.get("nc", b"x" * 16)) != 16:
+    bad += ["qp (unknown_field)"] if "qp" in m and m.get("dt") != "q8" else []
+    if bad or missing or m["dt"] not in ("f4", "f2", "q8") or len(m.get("nc", b"x" * 16)) != 16:
         raise ValueError(f"unknown_field/bad_type {bad}, missing_field {missing} or bad dt/nc")
-    m["w"] = np.frombuffer(m["w"], dtype="<" + m["dt"]).astype(np.float32)
+    if m["dt"] == "q8":  # levels w_i; per block of 256: (lo, step) float32; x = lo + w_i step
+        qp = np.frombuffer(m.get("qp", b""), "<f4").astype(np.float64).reshape(-1, 2)
+        block = np.arange(len(m["w"])) // 256
+        if len(qp) != -(-len(m["w"]) // 256) or not np.isfinite(qp).all() or (qp[:, 1] < 0).any():
+            raise ValueError("missing_field/wrong_shape/out_of_range: qp")
+        m["w"] = (qp[block, 0] + np.frombuffer(m["w"], np.uint8) * qp[block, 1]).astype(np.float32)
+    else:
+        m["w"] = np.frombuffer(m["w"], dtype="<" + m["dt"]).astype(np.float32)
     if not (len(m["w"]) and np.isfinite(m["w"]).all()):
         raise ValueError("wrong_shape or non_finite: w")
     return m
@@ -256,7 +264,8 @@ class Device:
         return False
 
     def update(self, g, mp):  # -> the update's body after the header, or None (budget spent)
-        m, w, d, dt = mp["m"], g["w"], len(g["w"]), "<" + g["dt"]
+        m, w, d = mp["m"], g["w"], len(g["w"])
+        dt = "<f4" if g["dt"] == "q8" else "<" + g["dt"]  # a q8 model is answered in f4
         if self.uploads >= mp.get("L", math.inf):  # budget spent: say so, never upload again
             self.stopped = "budget_exhausted"
             self.client.publish(self.t_status, self.status(True), qos=1, retain=True)
@@ -274,7 +283,7 @@ class Device:
             u = u + np.sqrt(-2 * np.log(v[:d])) * np.cos(2 * np.pi * v[d:]) * mp["z"] * mp["clip"]
         while m == "gaussian-central" and np.linalg.norm(u.astype(dt).astype(float)) > mp["clip"]:
             u = u * (1 - 2e-4)  # f2 rounding can push the norm over S: shrink until within
-        return {"k": "u", "dt": g["dt"], "m": m, "x": u.astype(dt).tobytes()}
+        return {"k": "u", "dt": dt[1:], "m": m, "x": u.astype(dt).tobytes()}
 
 
 def main(argv=None):
