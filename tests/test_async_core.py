@@ -458,11 +458,13 @@ def test_a_timeout_frees_the_slot_and_selects_a_replacement():
     assert c.decide(4.9) is Decision.WAIT and set(c.in_flight) == set(msg.selected)
     assert c.decide(5.0) in (Decision.SKIP, Decision.WAIT)
     assert c.timeouts == 3 and not (set(c.in_flight) & set(msg.selected))
-    assert len(c.in_flight) == 3  # three replacements, not yet sent: nobody is training
-    assert c.decide(5.0) is Decision.SKIP  # so the window ends now rather than at its deadline
-    c.close_round(5.0, 5.0, skipped=True)
-    msg2 = c.open_round(5.1)
-    assert set(msg2.selected) == set(c.in_flight) and not (set(msg2.selected) & set(msg.selected))
+    assert len(c.in_flight) == 3  # three replacements, not yet sent
+    # they go out mid-window (the service's dispatch), so the window waits for them instead of
+    # closing short (a FedBuff window once applied 1 of K updates that way)
+    assert c.decide(5.0) is Decision.WAIT
+    out = c.dispatch(5.0)
+    assert set(out.selected) == set(c.in_flight) and not (set(out.selected) & set(msg.selected))
+    assert c.decide(5.1) is Decision.WAIT
 
 
 def test_a_device_going_offline_or_stopping_is_replaced():
@@ -601,3 +603,41 @@ def test_a_journaled_dispatch_survives_a_resume(tmp_path):
     assert resumed.open_payload == encode_global(sent)
     late = sent.selected[0]
     assert fresh.on_update(late, update(fresh, late, fresh.version, 0.5, 10)) is None
+
+
+def test_a_fedbuff_window_waits_for_the_replacements_it_has_yet_to_send():
+    """K = 3, C = 1: the one training device answers; its replacement is chosen but not sent
+    yet. The window must wait (the service sends it mid-window), not apply 1 of K updates."""
+    c = limited_core(c=1, timeout=100.0, buffer_size=3)
+    first = c.open_round(0.0).selected[0]
+    assert answer(c, first) is None
+    assert c.current.count == 1 and c.decide(1.0) is Decision.WAIT
+    replacement = c.dispatch(1.0).selected
+    assert len(replacement) == 1 and replacement[0] != first
+
+
+def test_an_async_update_must_name_the_version_it_trained_on_as_its_base():
+    """The nonce binds the round (the version trained on); a base version claimed apart from it
+    would dodge max_staleness and the staleness discount, and count a device twice."""
+    c = async_core(max_staleness=1, buffer_size=2)
+    for now in range(3):  # versions 0, 1, 2 applied by other devices
+        apply_window(c, float(now), [("d1", c.version, 0.1, 10), ("d2", c.version, 0.1, 10)])
+    c.open_round(3.0)
+    old = c.nonce_of(0)
+    stale = DenseUpdate("d3", 0, 0, 10, np.full(D, 0.5, np.float32), nonce=old)
+    assert c.on_update("d3", encode_update(stale)) is Reject.STALE
+    for claimed in (2, 3):
+        forged = DenseUpdate("d3", 0, claimed, 10, np.full(D, 0.5, np.float32), nonce=old)
+        assert c.on_update("d3", encode_update(forged)) is Reject.WRONG_NONCE
+    assert not any(d == "d3" for d, _ in c.current.accepted)
+
+
+def test_without_a_limit_what_is_admitted_before_the_statuses_return_is_charged():
+    """A resumed aggregator admits queued updates before the retained statuses arrive (its
+    fleet view is empty): each one it folds is a release in the ledger."""
+    c = async_core(buffer_size=2)
+    apply_window(c, 1.0, [("d1", 0, 0.1, 10), ("d2", 0, 0.1, 10)])
+    c.open_round(2.0)
+    c.devices = {}  # as on resume, before the statuses
+    assert c.on_update("d3", update(c, "d3", 1, 0.5, 10)) is None
+    assert ("d3", 1, 10) in c.releases

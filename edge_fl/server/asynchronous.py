@@ -72,6 +72,8 @@ class AsyncWindow:
         return len(self.accepted)
 
     def admit(self, device: str, update_round: int, base_version: int) -> Reject | None:
+        if base_version != update_round:  # in async modes r = the version trained on = bv; the
+            return Reject.WRONG_NONCE  # nonce binds r only: another bv would dodge staleness
         s = self.version - base_version
         if s < 0:
             return Reject.FUTURE
@@ -334,10 +336,11 @@ class AsyncAggregatorCore(AggregatorCore):
         if (
             decision is Decision.WAIT
             and self.concurrency is not None
+            and not self._unsent
             and not self.any_can_answer(self._since)
         ):
-            # nobody who was sent a model is still training: close (or skip) now, so the next
-            # window's message sends the replacements, instead of idling to the deadline
+            # nobody who was sent a model is still training and no replacement waits to be
+            # sent: close (or skip) now instead of idling to the deadline
             return Decision.CLOSE if window.count >= 1 else Decision.SKIP
         return decision
 
@@ -367,7 +370,7 @@ class AsyncAggregatorCore(AggregatorCore):
             return False
         if self.concurrency is not None:
             return device in self._selected_on(update.round)
-        return device in self.devices
+        return self._known(device)  # what may contribute was released (a resume included)
 
     def remember(self, rnd) -> None:
         """The versions' nonces are kept in ``nonces``; with a limit, the closing window's
