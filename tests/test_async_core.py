@@ -641,3 +641,48 @@ def test_without_a_limit_what_is_admitted_before_the_statuses_return_is_charged(
     c.devices = {}  # as on resume, before the statuses
     assert c.on_update("d3", update(c, "d3", 1, 0.5, 10)) is None
     assert ("d3", 1, 10) in c.releases
+
+
+def test_a_resumed_core_rebuilds_at_most_c_in_flight_without_the_departed(tmp_path):
+    """Resume rebuilds the in-flight set from selections and releases: a device freed by its
+    timeout comes back beside its replacement, and one that left before the rebuild stayed in;
+    the rebuilt set holds at most C devices, none of them offline."""
+    from edge_fl.protocol import encode_global
+    from edge_fl.server.checkpoint import save_checkpoint
+    from edge_fl.server.journal import Journal, resume, round_spec
+
+    def resumed(out):
+        core = limited_core(c=2, timeout=5.0, buffer_size=3)
+        core.devices = {}
+        resume(core, out)
+        return core
+
+    live = limited_core(c=2, timeout=5.0, buffer_size=3)
+    live.open_round(0.0)
+    decision = live.decide(5.0)  # both time out; their replacements wait for the next window
+    record = live.close_round(5.0, 5.0, skipped=decision is Decision.SKIP)
+    save_checkpoint(live, tmp_path / "a", journal_seq=0, last_record=record)
+    journal = Journal.start(tmp_path / "a", job="j", digest="")
+    msg = live.open_round(5.1)
+    journal.append("open", **round_spec(live, encode_global(msg)))
+    journal.sync()
+    back = resumed(tmp_path / "a")
+    for dev in MANY:
+        back.on_status(dev, encode_status(Status(dev, True, 100)))
+    assert len(live.in_flight) == 2 and len(back.in_flight) == 2
+
+    live = limited_core(c=2, timeout=5.0, buffer_size=3)
+    save_checkpoint(live, tmp_path / "b", journal_seq=0, last_record=None)
+    journal = Journal.start(tmp_path / "b", job="j", digest="")
+    msg = live.open_round(0.0)
+    journal.append("open", **round_spec(live, encode_global(msg)))
+    gone = msg.selected[0]
+    live.on_status(gone, encode_status(Status(gone, False)))
+    out = live.dispatch(1.0)
+    journal.append("dispatch", v=out.version, sel=list(out.selected), g=encode_global(out))
+    journal.sync()
+    back = resumed(tmp_path / "b")
+    back.on_status(gone, encode_status(Status(gone, False)))  # statuses come back, his offline
+    for dev in (d for d in MANY if d != gone):
+        back.on_status(dev, encode_status(Status(dev, True, 100)))
+    assert gone not in back.in_flight and len(back.in_flight) == 2

@@ -180,7 +180,16 @@ class AsyncAggregatorCore(AggregatorCore):
         answered: dict[str, int] = {}
         for device, rnd, _ in self.releases:
             answered[device] = max(int(rnd), answered.get(device, -1))
-        return {d: v for d, v in last.items() if answered.get(d, -1) < v}
+
+        def gone(device: str) -> bool:  # its offline or stopped status came before the rebuild
+            rec = self.devices.get(device)
+            return rec is not None and (not rec.online or rec.stopped is not None)
+
+        flight = {d: v for d, v in last.items() if answered.get(d, -1) < v and not gone(d)}
+        # devices freed by a timeout come back beside their replacements: the C most recent
+        # selections stay (an older one's late answer is still admitted and charged: history)
+        keep = sorted(flight, key=lambda d: (-flight[d], d))[: self.concurrency or len(flight)]
+        return {d: flight[d] for d in keep}
 
     def _selected_on(self, version: int) -> frozenset[str]:
         """Devices selected to train on ``version``: kept in ``history`` when published, and in
