@@ -686,3 +686,16 @@ def test_a_resumed_core_rebuilds_at_most_c_in_flight_without_the_departed(tmp_pa
     for dev in (d for d in MANY if d != gone):
         back.on_status(dev, encode_status(Status(dev, True, 100)))
     assert gone not in back.in_flight and len(back.in_flight) == 2
+
+
+def test_updates_still_held_when_the_job_ends_are_charged():
+    """FedAsync, one window: the window is full after its first update, so a second selected
+    device's update is held for a window that never comes. Released all the same: charged when
+    the last window closes, as a sync round charges a late answer."""
+    c = limited_core(mode="fedasync", c=3, rounds=1)
+    first, second, _ = c.open_round(0.0).selected
+    assert answer(c, first) is None and answer(c, second) is None  # the second one is held
+    assert c.decide(0.0) is Decision.CLOSE
+    record = c.close_round(0.0, 0.1)
+    assert c.finished and (second, 0, 10) in c.releases
+    assert record["device_updates"] == 2 == len(c.releases)

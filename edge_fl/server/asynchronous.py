@@ -31,9 +31,16 @@ from typing import Any
 
 import numpy as np
 
-from edge_fl.protocol import GlobalModel, Reject, Update, new_nonce
+from edge_fl.protocol import (
+    GlobalModel,
+    PayloadRejected,
+    Reject,
+    Update,
+    decode_update,
+    new_nonce,
+)
 
-from .aggregator import AggregatorCore
+from .aggregator import AggregatorCore, DeviceRecord
 from .rounds import Decision
 from .staleness import Staleness
 
@@ -438,12 +445,33 @@ class AsyncAggregatorCore(AggregatorCore):
         assert isinstance(window, AsyncWindow)
         self._applied |= window.accepted
         record = super().close_round(now, wall_time_s, skipped)
+        if self.finished:  # no window will take what is held: charge it as released
+            record["device_updates"] += self.charge_held()
         if self.concurrency is not None:
             record["concurrency"] = self.concurrency
             record["in_flight"] = len(self.in_flight)
             record["dispatched"] = self.dispatched
             record["timeouts"] = self.timeouts
         return record
+
+    def charge_held(self) -> int:
+        """Charge the held updates no window will take (the job ended), as a sync round charges
+        late answers: each one that decodes, echoes its version's nonce and was asked for is a
+        release. Returns how many were charged."""
+        before = len(self.releases)
+        for device, payload in self._held:
+            try:
+                update = decode_update(payload, self.limits, topic_device=device)
+            except PayloadRejected:
+                continue
+            key = (device, update.round)
+            if update.nonce != self.nonce_of(update.round) or key in self._released:
+                continue
+            if self._chargeable(device, update):
+                declared = self.devices.get(device, DeviceRecord()).n_samples
+                n = declared if 0 < declared < update.n_samples else update.n_samples
+                self.record_release(device, update.round, n)
+        return len(self.releases) - before
 
     def after_last_round(self) -> dict[str, Any]:
         out = super().after_last_round()

@@ -99,8 +99,7 @@ class IngestService:
 
     def _on_control(self, payload: bytes, retain: bool = False) -> None:
         if not payload:  # the coordinator cleared its retained control: a new run starts
-            self._send_progress()
-            self.worker.reset()
+            self.worker.reset()  # what the earlier run left unreported is not this run's
             self._joined = False
             return
         try:

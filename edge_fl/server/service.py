@@ -703,6 +703,7 @@ class AggregatorService:
         core = self.core
         record = None
         rnd = core.current
+        core.ended_early = f"stopped by {self.stopped}"  # first: closing knows it is the last
         if rnd is not None:
             enough = rnd.count >= max(rnd.min_updates, 1)
             record = self._close(skipped=not enough)
@@ -713,7 +714,8 @@ class AggregatorService:
                 self.stopped,
                 rnd.count,
             )
-        core.ended_early = f"stopped by {self.stopped}"
+        elif hasattr(core, "charge_held"):  # async, between windows: what waits is released
+            core.charge_held()
         return record
 
     async def _publish_record(self, client: aiomqtt.Client | None, record: dict) -> None:
