@@ -38,6 +38,33 @@ def run(broker_url: str, out: Path, *workers: str) -> dict:
     return {"records": records, "summary": summary, "model": (out / "model.onnx").read_bytes()}
 
 
+def start_job(
+    broker_url: str, job: str, out: Path, slow: list[str], *extra: str, own_session: bool = False
+) -> tuple[subprocess.Popen, subprocess.Popen]:
+    """The aggregator (its stdout and stderr piped) and a fleet for a slowed-down job."""
+    agg = subprocess.Popen(
+        [EDGE_FL, "aggregator", *job_args(broker_url, job, *slow), "--out", str(out), *extra],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=own_session,
+    )
+    fleet = subprocess.Popen(
+        [EDGE_FL, "fleet", *job_args(broker_url, job, *slow)], stderr=subprocess.DEVNULL
+    )
+    return agg, fleet
+
+
+def until_round(agg: subprocess.Popen, number: int) -> list[str]:
+    """The aggregator's stdout up to the line saying round ``number`` ended."""
+    seen = []
+    for line in agg.stdout:
+        seen.append(line)
+        if line.startswith(f"round {number} "):
+            break
+    return seen
+
+
 @pytest.mark.parametrize("partition", ["shared", "hash"])
 def test_workers_give_one_aggregators_model_and_ledger(mosquitto, tmp_path, partition):
     cfg = tmp_path / "ingest.yaml"
@@ -61,24 +88,9 @@ def test_a_killed_worker_is_restarted_its_round_is_charged_and_the_job_finishes(
     # takes a second or two to start, has rounds left to join
     slow = ["--rounds", "12", "--time-scale", "0.2"]
     out = tmp_path / "out"
-    command = [EDGE_FL, "aggregator", *job_args(mosquitto.url, job, *slow)]
-    agg = subprocess.Popen(
-        [*command, "--workers", "2", "--out", str(out)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    fleet = subprocess.Popen(
-        [EDGE_FL, "fleet", *job_args(mosquitto.url, job, *slow)],
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    agg, fleet = start_job(mosquitto.url, job, out, slow, "--workers", "2")
     try:
-        seen = []
-        for line in agg.stdout:  # kill worker 1 once round 2 closed: round 3 is open then
-            seen.append(line)
-            if line.startswith("round 2 "):
-                break
+        seen = until_round(agg, 2)  # kill worker 1 once round 2 closed: round 3 is open then
         pids = subprocess.run(  # this aggregator's worker 1 (other jobs may run here too)
             ["pgrep", "-P", str(agg.pid), "-f", "ingest --config .* --worker 1"],
             capture_output=True,
@@ -118,18 +130,9 @@ def test_ctrl_c_closes_the_open_round_with_every_workers_share(mosquitto, tmp_pa
     job = f"shc-{uuid.uuid4().hex[:6]}"
     slow = ["--rounds", "12", "--time-scale", "0.2"]
     out = tmp_path / "out"
-    agg = subprocess.Popen(
-        [EDGE_FL, "aggregator", *job_args(mosquitto.url, job, *slow), "--workers", "2",
-         "--out", str(out)],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
-    )  # fmt: skip
-    fleet = subprocess.Popen(
-        [EDGE_FL, "fleet", *job_args(mosquitto.url, job, *slow)], stderr=subprocess.DEVNULL
-    )
+    agg, fleet = start_job(mosquitto.url, job, out, slow, "--workers", "2", own_session=True)
     try:
-        for line in agg.stdout:
-            if line.startswith("round 2 "):
-                break
+        until_round(agg, 2)
         time.sleep(0.5)  # round 3 open, some of its updates in
         started = time.monotonic()
         os.killpg(agg.pid, signal.SIGINT)
@@ -181,17 +184,9 @@ def test_a_remote_worker_stopped_with_ctrl_c_is_offline_at_once(mosquitto, tmp_p
         )
         for i in range(2)
     ]
-    agg = subprocess.Popen(
-        [EDGE_FL, "aggregator", *job_args(mosquitto.url, job, *slow), "--out", str(out)],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
-    fleet = subprocess.Popen(
-        [EDGE_FL, "fleet", *job_args(mosquitto.url, job, *slow)], stderr=subprocess.DEVNULL
-    )
+    agg, fleet = start_job(mosquitto.url, job, out, slow)
     try:
-        for line in agg.stdout:
-            if line.startswith("round 1 "):
-                break
+        until_round(agg, 1)
         workers[1].send_signal(signal.SIGINT)
         assert workers[1].wait(10) == 0
         _, stderr = agg.communicate(timeout=120)

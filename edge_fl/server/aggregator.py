@@ -354,9 +354,9 @@ class AggregatorCore:
             # an old update re-stamped with another round, or a forgery: no release of this round
             self.tally.rejected[Reject.WRONG_NONCE] += 1
             return Reject.WRONG_NONCE
-        declared = self.devices.get(device, DeviceRecord()).n_samples
-        if 0 < declared < update.n_samples:  # a claim beyond the status's cannot buy weight
-            update = replace(update, n_samples=declared)
+        capped = self.samples_cap(device, update.n_samples)
+        if capped != update.n_samples:
+            update = replace(update, n_samples=capped)
             self.tally.capped_samples += 1
         # admission before accounting: only a release this device could have made for a round it
         # was asked for costs privacy; anything else is rejected below at O(1) and never charged
@@ -387,6 +387,16 @@ class AggregatorCore:
         rnd.accept(device, update.base_version)
         return None
 
+    def samples_cap(self, device: str, n_samples: int) -> int:
+        """A claim beyond the device's status cannot buy weight: the smaller of the two."""
+        declared = self.devices.get(device, DeviceRecord()).n_samples
+        return declared if 0 < declared < n_samples else n_samples
+
+    def charge_held(self) -> int:
+        """Charge updates held for later that no round will take (the job ended); returns how
+        many. A synchronous round holds nothing: late answers are charged as they arrive."""
+        return 0
+
     def judge_deferred(
         self, device: str, round_number: int, base_version: int, n_samples: int,
         nonce: bytes | None,
@@ -397,9 +407,9 @@ class AggregatorCore:
         if facts is not None and nonce != facts[0]:
             self.tally.rejected[Reject.WRONG_NONCE] += 1
             return Reject.WRONG_NONCE
-        declared = self.devices.get(device, DeviceRecord()).n_samples
-        if 0 < declared < n_samples:
-            n_samples = declared
+        capped = self.samples_cap(device, n_samples)
+        if capped != n_samples:
+            n_samples = capped
             self.tally.capped_samples += 1
         chargeable = facts is not None and device in facts[1]
         if chargeable and (device, round_number) not in self._released:

@@ -40,7 +40,7 @@ from edge_fl.protocol import (
     new_nonce,
 )
 
-from .aggregator import AggregatorCore, DeviceRecord
+from .aggregator import AggregatorCore
 from .rounds import Decision
 from .staleness import Staleness
 
@@ -468,9 +468,9 @@ class AsyncAggregatorCore(AggregatorCore):
             if update.nonce != self.nonce_of(update.round) or key in self._released:
                 continue
             if self._chargeable(device, update):
-                declared = self.devices.get(device, DeviceRecord()).n_samples
-                n = declared if 0 < declared < update.n_samples else update.n_samples
-                self.record_release(device, update.round, n)
+                self.record_release(
+                    device, update.round, self.samples_cap(device, update.n_samples)
+                )
         return len(self.releases) - before
 
     def after_last_round(self) -> dict[str, Any]:

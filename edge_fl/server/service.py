@@ -714,7 +714,7 @@ class AggregatorService:
                 self.stopped,
                 rnd.count,
             )
-        elif hasattr(core, "charge_held"):  # async, between windows: what waits is released
+        else:  # between async windows: what waits for one is released all the same
             core.charge_held()
         return record
 
