@@ -20,6 +20,14 @@ from edge_fl.data import load_federated
 from edge_fl.data.base import FederatedDataset
 from edge_fl.device.agent import DeviceAgent, DeviceBudget
 from edge_fl.fleet.clock import SimClock
+from edge_fl.identity import (
+    STREAM_DEVICE,
+    STREAM_INIT,
+    STREAM_NOISE,
+    STREAM_PROFILE,
+    STREAM_SELECT,
+    device_id,
+)
 from edge_fl.mechanisms import JobFacts, Mechanism, UnknownMechanismError, build_mechanism
 from edge_fl.models import evaluate, make_model
 from edge_fl.models.base import Model
@@ -33,24 +41,9 @@ from edge_fl.server.staleness import Staleness
 
 log = logging.getLogger("edge_fl.job")
 
-# generator streams, so that the aggregator and each device draw independent randomness
-STREAM_INIT, STREAM_SELECT, STREAM_DEVICE, STREAM_NOISE, STREAM_PROFILE = 1, 2, 3, 4, 5
-
 
 #: config sections that belong to one process, never to the job a device joins
 DEVICE_LOCAL_SECTIONS = {"broker", "security", "fleet", "device", "ingest"}
-
-
-def device_id(index: int) -> str:
-    """The one device-id convention: ``d`` + 5 digits of the device's index (its MQTT username,
-    what ``broker/mint-credentials.sh -n`` mints)."""
-    return f"d{index:05d}"
-
-
-def device_index(device: str) -> int | None:
-    """The index in a device id that ends in digits (``d00007`` -> 7), else None."""
-    digits = len(device) - len(device.rstrip("0123456789"))
-    return int(device[-digits:]) if digits else None
 
 
 @dataclass

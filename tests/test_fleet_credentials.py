@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from edge_fl.job import device_id
+from edge_fl.identity import device_id
 from edge_fl.transport.broker import EmbeddedBroker, ListenerTLS
 from edge_fl.transport.credentials import CredentialsError, device_specs, read_credentials
 from edge_fl.transport.url import parse_broker_url

@@ -16,7 +16,8 @@ from processes import keygen, run_job
 
 from edge_fl.config import ConfigError, load_config, validate_config
 from edge_fl.device.join import Announcements, NoJob, device_config
-from edge_fl.job import build_job, device_id, device_index
+from edge_fl.identity import device_id, device_index
+from edge_fl.job import build_job
 from edge_fl.protocol import PayloadRejected, Reject
 from edge_fl.protocol.jobdoc import (
     JOB_CONTEXT,

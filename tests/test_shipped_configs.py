@@ -11,7 +11,7 @@ import yaml
 
 from edge_fl.cli.device_cmd import _local_settings
 from edge_fl.config import load_config
-from edge_fl.job import device_index
+from edge_fl.identity import device_index
 
 ROOT = Path(__file__).resolve().parent.parent
 

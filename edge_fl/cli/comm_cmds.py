@@ -69,7 +69,7 @@ def comm_cost_report(
     q8). ``rng``: a numpy Generator (default: the production CSPRNG)."""
     import numpy as np
 
-    from edge_fl.job import device_id
+    from edge_fl.identity import device_id
     from edge_fl.privacy.magrr import MagRRState
     from edge_fl.privacy.rng import secure_generator
     from edge_fl.privacy.signds import SignDSParams, plan, select
@@ -313,7 +313,7 @@ def wire_round_cost(
     import numpy as np
 
     from edge_fl.codecs import build_codec
-    from edge_fl.job import device_id
+    from edge_fl.identity import device_id
     from edge_fl.privacy.magrr import MagRRState
     from edge_fl.protocol import DenseUpdate, encode_update
 

@@ -93,7 +93,7 @@ def device(url, device_id, data_dir, public_key, job, prefix, index, config, wai
         _fail("a device needs --broker URL (or broker.url in --config)")
     if not s["id"]:
         _fail("which device is this? give --id (its MQTT username, e.g. d00007)")
-    from edge_fl.job import device_index
+    from edge_fl.identity import device_index
 
     index = s["index"] if s["index"] is not None else device_index(s["id"])
     if index is None:

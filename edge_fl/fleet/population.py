@@ -217,7 +217,7 @@ def population_agents(job: Job, indices: np.ndarray) -> list[DeviceAgent]:
     """Agents for the devices ``indices`` (the online ones), built like :meth:`Job.agent`, each
     drawing its data lazily: a device that is never asked to train never draws it."""
     from edge_fl.device.agent import DeviceBudget
-    from edge_fl.job import STREAM_DEVICE, device_id
+    from edge_fl.identity import STREAM_DEVICE, device_id
     from edge_fl.models.training import LocalTraining
 
     dataset = job.dataset
@@ -246,7 +246,7 @@ def population_agents(job: Job, indices: np.ndarray) -> list[DeviceAgent]:
 def population_of(job: Job) -> Population:
     """The job's population (profiles from ``fleet.profile``, the job's profile stream)."""
     from edge_fl.fleet.profiles import load_profile
-    from edge_fl.job import STREAM_PROFILE
+    from edge_fl.identity import STREAM_PROFILE
 
     rng = np.random.default_rng([job.cfg.seed, STREAM_PROFILE])
     return Population.sample(load_profile(job.cfg.fleet.profile), job.cfg.data.devices, rng)
