@@ -64,6 +64,7 @@ __all__ = [
     "ProfileError",
     "RandomOnOff",
     "TierSpec",
+    "UnknownProfileError",
     "available_profiles",
     "load_profile",
 ]
@@ -425,6 +426,19 @@ class ProfileError(ValueError):
         self.source = source
         self.problems = problems
         super().__init__(f"invalid fleet profile {source}:\n  " + "\n  ".join(problems))
+
+
+class UnknownProfileError(ProfileError):
+    """A profile name that is neither a packaged profile nor a YAML file's path."""
+
+    def __init__(self, name: str) -> None:
+        self.source = name
+        self.problems = ["no such packaged profile, and not a path to a .yaml file"]
+        ValueError.__init__(
+            self,
+            f"fleet profile {name!r} is neither a YAML file nor a packaged profile; packaged "
+            f"profiles: {', '.join(available_profiles())}",
+        )
 
 
 @dataclass(frozen=True)
@@ -877,8 +891,5 @@ def load_profile(name_or_path: str | os.PathLike[str]) -> FleetProfile:
         return FleetProfile.from_yaml(s)
     entry = _packaged_dir().joinpath(f"{s}.yaml")
     if not entry.is_file():
-        raise ValueError(
-            f"load_profile: name_or_path={s!r} is neither a file path nor a packaged profile; "
-            f"packaged profiles: {available_profiles()}"
-        )
+        raise UnknownProfileError(s)
     return FleetProfile.from_yaml_text(entry.read_text(encoding="utf-8"), f"{s} (packaged)")
