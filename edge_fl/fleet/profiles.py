@@ -727,7 +727,10 @@ class TierSpec(_Strict):
             d_upload.tolist(),
             strict=True,
         )
-        return [DeviceProfile(*row, tier=self.name) for row in cols]
+        return [
+            DeviceProfile(c, u, d, lat, av, dt, du, tier=self.name)
+            for c, u, d, lat, av, dt, du in cols
+        ]
 
 
 _SHARE_TOL = 1e-6
@@ -806,7 +809,9 @@ class FleetProfile(_Strict):
             idx = np.flatnonzero(tier_of == j)
             for i, dev in zip(idx.tolist(), tier.sample(rng, idx.size), strict=True):
                 out[i] = dev
-        return out  # type: ignore[return-value]
+        devices = [dev for dev in out if dev is not None]
+        assert len(devices) == len(out)  # tier_of gives every device exactly one tier
+        return devices
 
     def expected_available_fraction(self) -> float:
         """Share-weighted long-run availability (what over-selection has to compensate)."""
@@ -853,7 +858,7 @@ class _UniqueKeyLoader(yaml.SafeLoader):
     def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
         seen: set[Any] = set()
         for key_node, _ in node.value:
-            key = self.construct_object(key_node, deep=deep)  # type: ignore[no-untyped-call]
+            key = self.construct_object(key_node, deep=deep)
             if key in seen:
                 raise yaml.constructor.ConstructorError(
                     None, None, f"duplicate key {key!r}", key_node.start_mark

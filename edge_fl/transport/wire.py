@@ -202,6 +202,16 @@ class WireCounter:
         "connections",
     )
 
+    up: int
+    down: int
+    up_packets: int
+    down_packets: int
+    up_tcp: int
+    down_tcp: int
+    up_segments: int
+    down_segments: int
+    connections: int
+
     def __init__(self, link: LinkModel | None = None) -> None:
         self.link = link or DEFAULT_LINK
         for name in self.FIELDS:
