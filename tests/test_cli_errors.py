@@ -175,3 +175,39 @@ def test_an_unknown_fleet_profile_is_named_as_the_user_wrote_it(command):
     line = one_line_error(done, "fleet profile 'nosuch' is neither a YAML file nor a packaged")
     assert "load_profile" not in line and "name_or_path" not in line, line
     assert "phone-fleet" in line
+
+
+def test_operator_errors_are_one_line_from_any_subcommand_even_inside_a_task_group():
+    """The group, not each command, turns an operator's mistake into its one error line; other
+    exceptions (bugs) keep their traceback."""
+    import click
+    from click.testing import CliRunner
+
+    from edge_fl.cli import _LazyGroup
+    from edge_fl.config import ConfigError
+    from edge_fl.fleet.profiles import UnknownProfileError
+    from edge_fl.transport.url import BrokerUrlError
+
+    raised: list[BaseException] = [
+        BrokerUrlError("broker URL 'x' has no scheme"),
+        ExceptionGroup("tasks", [RuntimeError("cancelled"), UnknownProfileError("nosuch")]),
+        ConfigError("invalid configuration:\n  data.devices: must be >= 1"),
+        ValueError("a bug"),
+    ]
+
+    @click.group(cls=_LazyGroup)
+    def group() -> None:
+        pass
+
+    @group.command()
+    @click.argument("i", type=int)
+    def fail(i: int) -> None:
+        raise raised[i]
+
+    runner = CliRunner()
+    outputs = [runner.invoke(group, ["fail", str(i)]) for i in range(len(raised))]
+    assert [o.exit_code for o in outputs[:3]] == [2, 2, 2]
+    assert outputs[0].stderr == "edge-fl: error: broker URL 'x' has no scheme\n"
+    assert outputs[1].stderr.startswith("edge-fl: error: fleet profile 'nosuch' is neither")
+    assert outputs[2].stderr.splitlines()[0] == "edge-fl: error: invalid configuration:"
+    assert isinstance(outputs[3].exception, ValueError)  # not an operator error: raised as is

@@ -198,8 +198,10 @@ def _shorten(text: str, limit: int) -> str:
 
 def _operator_error(exc: BaseException) -> BaseException | None:
     """``exc``, or the first exception in a task group's ``exc``, when its message is the whole
-    story for an operator (a broker URL to fix, a missing CA file, an unknown fleet profile): the
-    group prints it as one line whichever subcommand raised it, from wherever in it."""
+    story for an operator (a configuration that cannot run, a broker URL to fix, a missing CA
+    file, an unknown fleet profile): the group prints it as its one error line whichever
+    subcommand raised it, from wherever in it."""
+    from edge_fl.config import ConfigError
     from edge_fl.fleet.profiles import ProfileError
     from edge_fl.transport.url import BrokerUrlError
 
@@ -208,7 +210,7 @@ def _operator_error(exc: BaseException) -> BaseException | None:
             if (found := _operator_error(inner)) is not None:
                 return found
         return None
-    return exc if isinstance(exc, BrokerUrlError | ProfileError) else None
+    return exc if isinstance(exc, ConfigError | BrokerUrlError | ProfileError) else None
 
 
 #: modules of the ``server`` extra (``pip install 'edge-fl[server]'``); the base install is the
