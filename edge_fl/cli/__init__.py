@@ -6,19 +6,22 @@ import importlib
 import json
 import logging
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import click
 
 from edge_fl import __version__
 
+if TYPE_CHECKING:
+    from edge_fl.config import JobConfig
 
-def _fail(message: str) -> None:
+
+def _fail(message: str) -> NoReturn:
     click.echo(f"edge-fl: error: {message}", err=True)
     sys.exit(2)
 
 
-def _load(config: str | None, overrides: dict[str, Any]):
+def _load(config: str | None, overrides: dict[str, Any]) -> JobConfig:
     from edge_fl.config import ConfigError, load_config
 
     try:
@@ -227,7 +230,7 @@ def require_server(command: str) -> None:
             _missing_extra(command, exc)
 
 
-def _missing_extra(command: str, exc: ModuleNotFoundError) -> None:
+def _missing_extra(command: str, exc: ModuleNotFoundError) -> NoReturn:
     """One line instead of a traceback when a base (device-only) install runs a server command."""
     top = (exc.name or "").split(".")[0]
     if top not in _SERVER_MODULES:
