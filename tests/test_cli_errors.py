@@ -150,6 +150,7 @@ def test_the_help_summaries_are_the_commands_own():
 def test_a_broker_url_without_a_scheme(command):
     done = run(command, "--broker", "127.0.0.1:1883", *(["--id", "d00000"] * (command == "device")))
     one_line_error(done, "broker URL '127.0.0.1:1883' has no scheme", "mqtt://host[:port]")
+    assert len(done.stderr.splitlines()) == 1, done.stderr  # nothing said before it
 
 
 @pytest.mark.parametrize("command", ["aggregator", "fleet", "device"])
@@ -158,6 +159,15 @@ def test_a_missing_ca_file(command):
     done = run(command, "--broker", url, *(["--id", "d00000"] * (command == "device")))
     line = one_line_error(done, "ca='/nonexistent/ca.crt': file does not exist")
     assert "hunter2" not in done.stderr, line
+    assert len(done.stderr.splitlines()) == 1, done.stderr  # nothing said before it
+
+
+def test_a_broker_url_from_the_config_file_is_checked_as_the_flag_is(tmp_path):
+    cfg = tmp_path / "job.yaml"
+    cfg.write_text("broker: {url: 'mqtts://localhost:8883?ca=/nonexistent/ca.crt'}\n")
+    for command in ("aggregator", "fleet"):
+        done = run(command, "--config", str(cfg))
+        one_line_error(done, "ca='/nonexistent/ca.crt': file does not exist")
 
 
 def test_a_ca_file_that_is_not_a_certificate(tmp_path):

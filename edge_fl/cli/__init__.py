@@ -35,7 +35,12 @@ def _common_job_options(f):
     options = [
         click.option("--config", "config", type=click.Path(dir_okay=False), help="YAML or TOML"),
         click.option("--job", help="job id (topic segment)"),
-        click.option("--broker", "broker_url", help="mqtt[s]://[user:pass@]host:port"),
+        click.option(
+            "--broker",
+            "broker_url",
+            callback=_checked_broker_url,
+            help="mqtt[s]://[user:pass@]host:port",
+        ),
         click.option("--devices", type=int, help="number of devices in the fleet"),
         click.option("--rounds", type=int, help="number of rounds"),
         click.option("--clients-per-round", type=float, help="count, or a fraction in (0, 1)"),
@@ -97,6 +102,19 @@ def _common_job_options(f):
     for option in reversed(options):
         f = option(f)
     return f
+
+
+def _checked_broker_url(_ctx: click.Context, _param: click.Parameter, url: str | None) -> Any:
+    """A --broker URL with a mistake (syntax, a TLS file that is missing or unreadable) ends the
+    command at once, in one line, before anything else is said or started."""
+    if url is not None:
+        from edge_fl.transport.url import BrokerUrlError, parse_broker_url
+
+        try:
+            parse_broker_url(url).tls_context()
+        except BrokerUrlError as exc:
+            _fail(str(exc))
+    return url
 
 
 def _overrides(kw: dict[str, Any]) -> dict[str, Any]:
