@@ -23,12 +23,15 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, TypeAlias
 
 import paho.mqtt.client as paho
 
 if TYPE_CHECKING:
     import aiomqtt
+
+    #: an aiomqtt client, or a paho client (the light agent and tools use paho directly)
+    MqttClient: TypeAlias = aiomqtt.Client | paho.Client
 
 __all__ = [
     "PacketListener",
@@ -46,9 +49,6 @@ __all__ = [
     "wrap_sockets",
 ]
 
-#: An aiomqtt client, or a paho client (the light agent and tools use paho directly)
-AnyClient = Any
-
 
 class PacketListener(Protocol):
     """What :func:`install_packet_hooks` reports to (``edge_fl.transport.wire.WireCounter``)."""
@@ -58,25 +58,25 @@ class PacketListener(Protocol):
     def received(self, n: int, tls: bool) -> None: ...
 
 
-def paho_client(client: aiomqtt.Client | paho.Client) -> paho.Client:
+def paho_client(client: MqttClient) -> paho.Client:
     """The paho client doing the work of ``client`` (``client`` itself if it is one)."""
     if isinstance(client, paho.Client):
         return client
     return client._client  # aiomqtt keeps its paho client here (aiomqtt 2.x)
 
 
-def is_connected(client: AnyClient) -> bool:
+def is_connected(client: MqttClient) -> bool:
     """Whether the client's MQTT session is up now (aiomqtt has no public flag for it)."""
     return bool(paho_client(client).is_connected())
 
 
-def raw_socket(client: AnyClient) -> Any:
+def raw_socket(client: MqttClient) -> Any:
     """The socket of the current connection (a ``socket.socket``, an ``ssl.SSLSocket``, or the
     wrapper :func:`wrap_sockets` installed), or None when not connected."""
     return paho_client(client).socket()
 
 
-def manual_acks(client: AnyClient, on_message: Callable[[paho.MQTTMessage], None]) -> None:
+def manual_acks(client: MqttClient, on_message: Callable[[paho.MQTTMessage], None]) -> None:
     """Acknowledge QoS 1/2 messages only through :func:`ack`, and deliver every message paho
     parses to ``on_message`` instead of aiomqtt's queue. Call before connecting."""
     pc = paho_client(client)
@@ -84,36 +84,36 @@ def manual_acks(client: AnyClient, on_message: Callable[[paho.MQTTMessage], None
     pc.on_message = lambda _client, _userdata, message: on_message(message)
 
 
-def ack(client: AnyClient, mid: int, qos: int) -> None:
+def ack(client: MqttClient, mid: int, qos: int) -> None:
     """Acknowledge message ``mid`` now (PUBACK for QoS 1, PUBCOMP for QoS 2); with
     :func:`manual_acks` on, this is the only acknowledgement the broker gets (so calling it on
     receipt acknowledges on receipt). Safe from any paho callback or the event loop's thread."""
     paho_client(client).ack(mid, qos)
 
 
-def publish_nowait(client: AnyClient, topic: str, payload: bytes, qos: int = 1) -> None:
+def publish_nowait(client: MqttClient, topic: str, payload: bytes, qos: int = 1) -> None:
     """Queue a publish from synchronous code (a paho callback), without awaiting its ack as
     ``aiomqtt.Client.publish`` would; paho writes it when its loop next runs."""
     paho_client(client).publish(topic, payload, qos=qos)
 
 
-def is_mqtt5(client: AnyClient) -> bool:
+def is_mqtt5(client: MqttClient) -> bool:
     """Whether the client speaks MQTT 5 (its PUBLISH packets carry properties)."""
     return bool(paho_client(client).protocol == paho.MQTTv5)
 
 
-def uses_tls(client: AnyClient) -> bool:
+def uses_tls(client: MqttClient) -> bool:
     """Whether the client's connections use TLS (set by ``tls_set_context``)."""
     return bool(paho_client(client)._ssl)
 
 
-def tls_configured(client: AnyClient) -> bool:
+def tls_configured(client: MqttClient) -> bool:
     """Whether TLS was already set on the client: paho raises on a second ``tls_set_context``,
     so a reconnect that applies the same settings again must skip it."""
     return paho_client(client)._ssl_context is not None
 
 
-def wrap_sockets(client: AnyClient, wrap: Callable[[Any], Any]) -> None:
+def wrap_sockets(client: MqttClient, wrap: Callable[[Any], Any]) -> None:
     """Make paho read and write every socket it opens from now on through ``wrap(sock)``.
 
     The wrapper must offer what paho and aiomqtt use of a socket (``recv``, ``send``,
@@ -183,7 +183,7 @@ def install_packet_hooks(process: PacketListener) -> None:
         _hooks_installed = True
 
 
-def listen_to_packets(client: AnyClient, listener: PacketListener) -> None:
+def listen_to_packets(client: MqttClient, listener: PacketListener) -> None:
     """Also report ``client``'s packets to ``listener`` (once :func:`install_packet_hooks` ran).
     Attach before connecting, so CONNECT/CONNACK are counted."""
     setattr(paho_client(client), _LISTENER_ATTR, listener)
