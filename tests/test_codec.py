@@ -8,6 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import edge_fl.mechanisms  # noqa: F401  (registers the built-in mechanisms' mp schemas)
 from edge_fl.protocol import (
     DenseUpdate,
     GlobalModel,

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from edge_fl.codecs import Codec, CodecState
+from edge_fl.protocol.codecs import Codec, CodecState
 from edge_fl.mechanisms import Mechanism
 from edge_fl.mechanisms.none import NoPrivacy
 from edge_fl.models.base import Model

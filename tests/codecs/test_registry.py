@@ -9,17 +9,16 @@ from codec_testing import rejects
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from edge_fl.codecs import (
+from edge_fl.mechanisms import accepted_tags, check_combination
+from edge_fl.protocol import PayloadRejected
+from edge_fl.protocol.codecs import (
     UnknownCodecError,
-    accepted_tags,
     build_codec,
-    check_combination,
     codec_for_tag,
     codec_names,
     codec_tags,
 )
-from edge_fl.codecs.base import packed_size
-from edge_fl.protocol import PayloadRejected
+from edge_fl.protocol.codecs.base import packed_size
 
 ALL = codec_names()
 
