@@ -324,8 +324,8 @@ def test_a_job_limited_to_dense_f4_f2_refuses_a_codec_it_does_not_accept() -> No
     strict = UpdateLimits(D, 100, frozenset({"u"}), codecs=frozenset({"f4", "f2"}))
     with pytest.raises(Exception, match=r"bad_dtype: .*'q8' is a codec this job does not accept"):
         decode_update(payload, strict)
-    from edge_fl.protocol.codecs import build_codec
     from edge_fl.protocol import encode_update
+    from edge_fl.protocol.codecs import build_codec
 
     upd = DenseUpdate("dev-1", 1, 1, 5, np.zeros(D, np.float32), mechanism="gaussian-central")
     fields, _ = build_codec("q8").encode(np.ones(D), seeded_generator(0))

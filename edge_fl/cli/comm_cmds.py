@@ -312,10 +312,10 @@ def wire_round_cost(
     ``downlink`` (f32, f16, q8: ``compression.downlink``), and the IP estimates."""
     import numpy as np
 
-    from edge_fl.protocol.codecs import build_codec
     from edge_fl.identity import device_id
     from edge_fl.privacy.magrr import MagRRState
     from edge_fl.protocol import DenseUpdate, encode_update
+    from edge_fl.protocol.codecs import build_codec
 
     rng = np.random.default_rng(0) if rng is None else rng
     delta = rng.standard_normal(dim).astype(np.float32)
@@ -341,10 +341,9 @@ def codec_costs(
     dim: int, delta: Any, hdr: dict[str, Any], rng: Any, topk_fraction: float
 ) -> dict[str, Any]:
     """Bytes of one update through each uplink codec, per mechanism that accepts it."""
-    from edge_fl.mechanisms import check_combination
-    from edge_fl.protocol.codecs import build_codec, codec_names
-    from edge_fl.mechanisms import mechanism_names
+    from edge_fl.mechanisms import check_combination, mechanism_names
     from edge_fl.protocol import DenseUpdate, encode_update
+    from edge_fl.protocol.codecs import build_codec, codec_names
 
     codecs: dict[str, Any] = {}
     by_mechanism: dict[str, dict[str, int | None]] = {m: {} for m in mechanism_names()}

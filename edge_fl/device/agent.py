@@ -15,7 +15,6 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from edge_fl.protocol.codecs import Codec, CodecState
 from edge_fl.mechanisms import Mechanism
 from edge_fl.mechanisms.none import NoPrivacy
 from edge_fl.models.base import Model
@@ -28,6 +27,7 @@ from edge_fl.protocol import (
     encode_status,
     encode_update,
 )
+from edge_fl.protocol.codecs import Codec, CodecState
 
 
 @dataclass
