@@ -37,6 +37,7 @@ from edge_fl.privacy.magrr import (
     randomized_response,
 )
 from edge_fl.privacy.signds import (
+    SETTINGS,
     SignDSParams,
     check_dimension,
     plan,
@@ -61,17 +62,10 @@ class SignDS(Mechanism):
         int_param(
             "d", True, "model dimension the plan is for (= number of parameters)", 1, MAX_DIM
         ),
-        number_param("k", True, "sign_k: top-k fraction", 0, 0.25),
-        number_param("eps", True, "sign_eps: exponential-mechanism epsilon", 0, 100),
-        number_param(
-            "rho",
-            True,
-            "sign_thr_ratio: target top-k fraction of the outputs",
-            0.5,
-            1,
-            lo_open=False,
-        ),
-        int_param("hout", True, "sign_dim_out as configured (0: h was optimised)", 0, 50),
+        SETTINGS["sign_k"],
+        SETTINGS["sign_eps"],
+        SETTINGS["sign_thr_ratio"],
+        SETTINGS["sign_dim_out"],
         int_param("hmax", True, "max_dim_out: the cap on h", 1, 100_000),
         int_param("K", True, "top-k size K = floor(k d)", 0, MAX_DIM),
         int_param(
@@ -91,9 +85,7 @@ class SignDS(Mechanism):
             1,
             hi_open=True,
         ),
-        number_param(
-            "glr", False, "sign_global_lr: the server step on MagRR fallback (informational)", 0
-        ),
+        SETTINGS["sign_global_lr"],
     )
 
     @classmethod

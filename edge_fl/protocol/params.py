@@ -64,6 +64,24 @@ class ParamSpec:
     hi_open: bool = False
     choices: tuple[str, ...] = ()
 
+    def admits(self, value: Any) -> bool:
+        """Whether ``value`` is in this key's domain (an int for ``int``, a finite real number in
+        range for ``number``: no bools; the name and choice kinds compare strings)."""
+        if isinstance(value, bool):
+            return self.kind == "bool"
+        if self.kind == "int":
+            return isinstance(value, numbers.Integral) and self.lo <= value <= self.hi
+        if self.kind == "number":
+            if not isinstance(value, numbers.Real) or not math.isfinite(float(value)):
+                return False
+            v = float(value)
+            above = v > self.lo if self.lo_open else v >= self.lo
+            below = v < self.hi if self.hi_open else v <= self.hi
+            return above and below
+        if self.kind == "choice":
+            return value in self.choices
+        return isinstance(value, str) and bool(F.NAME.fullmatch(value))
+
     def domain(self) -> str:
         if self.kind == "choice":
             return "one of " + ", ".join(repr(c) for c in self.choices)
