@@ -39,6 +39,19 @@ try:
 except PayloadRejected as exc:
     assert exc.reason == "out_of_range" and exc.field == "mp.clip", exc
 assert check_combination("local-laplace", "q8") is None  # a local release: any codec
+# a registered cross-field check that raises something else still rejects, never crashes
+from edge_fl.protocol.params import MechanismSchema, register_schema
+
+def broken(mp, n_params):
+    raise ValueError("a bug in the check")
+
+register_schema(MechanismSchema("broken-check", check=broken))
+try:
+    check_mechanism_params({"m": "broken-check", "lr": 0.1, "ep": 1, "bs": 8})
+    raise AssertionError("a failing check accepted the map")
+except PayloadRejected as exc:
+    assert exc.reason == "out_of_range" and exc.field == "mp", exc
+    assert "a bug in the check" in exc.detail, exc
 result = {"checked": True}
 """
 
