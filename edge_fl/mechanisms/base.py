@@ -20,7 +20,7 @@ import numpy as np
 from edge_fl.mechanisms.exact_sum import ExactSum
 from edge_fl.models.training import LocalTraining, local_sgd
 from edge_fl.protocol import DenseUpdate, GlobalModel, Update, mechanism_params
-from edge_fl.protocol.codecs import codec_class
+from edge_fl.protocol.codecs import codec_class, codec_names
 from edge_fl.protocol.params import MechanismSchema, ParamSpec
 
 if TYPE_CHECKING:  # dp-accounting is imported only by mechanisms that account
@@ -212,10 +212,10 @@ class Mechanism:
         included (the residual is a function of earlier, already accounted releases). Votes
         (wire kind other than "u") have their own wire format: no codec. Central noise (a
         mechanism that acts on empty rounds) calibrates to a norm bound the server checks on the
-        delta as it arrives: only codecs that keep that norm (``Codec.preserves_norm``: float32,
-        float16 within the server's rounding slack); stochastic quantisation and rotation add noise that pushes a
-        clipped delta over the bound, and top-k error feedback adds the previous rounds'
-        residual to it. Override to say otherwise.
+        delta as it arrives: only codecs that keep that norm (``Codec.preserves_norm``:
+        float32, float16 within the server's rounding slack); stochastic quantisation and
+        rotation add noise that pushes a clipped delta over the bound, and top-k error feedback
+        adds the previous rounds' residual to it. Override to say otherwise.
         """
         if cls.wire_kind != "u":
             return (
@@ -223,8 +223,6 @@ class Mechanism:
                 "no uplink codec applies to it: leave compression.uplink unset"
             )
         if cls.acts_on_empty_round and not codec_class(codec).preserves_norm:
-            from edge_fl.protocol.codecs import codec_names
-
             keep = [n for n in codec_names() if codec_class(n).preserves_norm]
             return (
                 f"{cls.name} adds noise calibrated to a clip bound that the server checks on "

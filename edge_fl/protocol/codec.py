@@ -28,7 +28,7 @@ import msgpack
 import numpy as np
 
 import edge_fl.protocol.fields as F
-from edge_fl.protocol.codecs import codec_for_tag, codec_tags
+from edge_fl.protocol.codecs import codec_for_tag, codec_tags, registered_tags
 from edge_fl.protocol.codecs.base import HEADER_KEYS
 from edge_fl.protocol.codecs.q8 import Q8
 from edge_fl.protocol.codecs.quantised import BLOCK, dequantise, n_blocks, quantise_nearest
@@ -57,6 +57,7 @@ from edge_fl.protocol.messages import (
 from edge_fl.protocol.params import check_mechanism_params, mechanism_schema
 
 WIRE_DTYPES = {"f4": np.dtype("<f4"), "f2": np.dtype("<f2")}
+_FLOAT_TAGS = frozenset(WIRE_DTYPES)
 #: the global model's third dtype: 8-bit levels per block of 256 values (downlink compression)
 GLOBAL_Q8 = Q8.dt
 MAX_SAMPLES = 10_000_000
@@ -116,8 +117,8 @@ class UpdateLimits:
             return self.codecs
         schema = mechanism_schema(self.mechanism)
         if schema is not None and schema.codecs is not None:
-            return frozenset(WIRE_DTYPES) | schema.codecs
-        return frozenset(WIRE_DTYPES) | frozenset(codec_tags())
+            return _FLOAT_TAGS | schema.codecs
+        return _FLOAT_TAGS | registered_tags()
 
     @property
     def max_bytes(self) -> int:
@@ -234,7 +235,7 @@ def encode_update(
     if isinstance(update, DenseUpdate):
         if coded is not None:
             dt, fields = coded
-            if dt not in codec_tags() or not isinstance(fields, dict):
+            if dt not in registered_tags() or not isinstance(fields, dict):
                 raise ValueError(f"coded = ({dt!r}, ...) is not a registered codec's output")
             extra = set(fields) - _codec_keys(dt)
             if extra:
@@ -506,7 +507,7 @@ def decode_update(payload: bytes, limits: UpdateLimits, topic_device: str | None
     if kind == "u":
         dt = obj.get("dt")
         keys = _DENSE_KEYS
-        if type(dt) is str and dt not in WIRE_DTYPES and dt in codec_tags():
+        if type(dt) is str and dt not in WIRE_DTYPES and dt in registered_tags():
             keys = _DENSE_COMMON | _codec_keys(dt)
     F.check_keys(obj, keys, f"an update of kind {kind!r}")
     rnd: int | None = None

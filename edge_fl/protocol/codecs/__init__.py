@@ -37,6 +37,7 @@ __all__ = [
     "downlink_names",
     "downlink_tag",
     "register_codec",
+    "registered_tags",
 ]
 
 MAX_TAG = 8  # characters of a wire tag
@@ -44,6 +45,7 @@ MAX_TAG = 8  # characters of a wire tag
 _BY_NAME: dict[str, type[Codec]] = {}
 _BY_TAG: dict[str, type[Codec]] = {}
 _DECODERS: dict[str, Codec] = {}
+_TAGS: frozenset[str] = frozenset()  # kept with _BY_TAG: the decoder asks on every update
 
 
 class UnknownCodecError(ValueError):
@@ -71,7 +73,9 @@ def register_codec(codec: type[Codec]) -> type[Codec]:
         taken = table.get(key)
         if taken is not None and taken is not codec:
             raise ValueError(f"codec {what} {key!r} is already registered ({taken.__name__})")
+    global _TAGS
     _BY_NAME[name], _BY_TAG[dt] = codec, codec
+    _TAGS = frozenset(_BY_TAG)
     _DECODERS.pop(dt, None)
     return codec
 
@@ -88,6 +92,11 @@ def codec_names() -> tuple[str, ...]:
 def codec_tags() -> dict[str, str]:
     """Wire tag (``dt``) -> codec name, for every registered codec."""
     return {dt: cls.name for dt, cls in _BY_TAG.items()}
+
+
+def registered_tags() -> frozenset[str]:
+    """The wire tags of every registered codec."""
+    return _TAGS
 
 
 def codec_class(name: str) -> type[Codec]:
