@@ -34,7 +34,7 @@ from edge_fl.transport.broker import (
     ListenerTLS,
     find_mosquitto,
 )
-from edge_fl.transport.url import BrokerSpec, parse_broker_url
+from edge_fl.transport.url import BrokerSpec, BrokerUrlError, parse_broker_url
 
 REPO = Path(__file__).resolve().parents[1]
 BROKER_DIR = REPO / "broker"
@@ -127,8 +127,9 @@ def test_parse_credentials_and_options() -> None:
     ],
 )
 def test_parse_errors(url: str, message: str) -> None:
-    with pytest.raises(ValueError, match=re.escape(message)):
+    with pytest.raises(BrokerUrlError, match=re.escape(message)) as info:
         parse_broker_url(url)
+    assert "\n" not in str(info.value)  # the CLI prints it as its one error line
 
 
 def test_password_never_printed() -> None:
@@ -136,7 +137,7 @@ def test_password_never_printed() -> None:
     for text in (spec.redacted(), str(spec), repr(spec)):
         assert "hunter2" not in text
     assert spec.redacted() == "mqtts://dev:***@h:8883?ca=/ca.pem"
-    with pytest.raises(ValueError) as info:
+    with pytest.raises(BrokerUrlError) as info:
         parse_broker_url("mqtt://dev:hunter2@h:99999")
     assert "hunter2" not in str(info.value) and "***" in str(info.value)
 
@@ -151,7 +152,7 @@ def test_tls_context_and_client_kwargs(secure_files: dict[str, Any]) -> None:
     insecure = parse_broker_url("mqtts://h?insecure=1").tls_context()
     assert insecure is not None and insecure.verify_mode == ssl.CERT_NONE
     with pytest.raises(
-        ValueError, match=re.escape("ca='/nonexistent/ca.pem': file does not exist")
+        BrokerUrlError, match=re.escape("ca='/nonexistent/ca.pem': file does not exist")
     ):
         parse_broker_url("mqtts://h?ca=/nonexistent/ca.pem").tls_context()
     kwargs = parse_broker_url(f"mqtts://u:p@h:9?ca={ca}").aiomqtt_kwargs()

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import json
 from collections import Counter
-from typing import Any
+from typing import Any, TypedDict
 
 import click
 
@@ -33,10 +33,24 @@ __all__ = ["comm_cost", "comm_cost_report"]
 
 MAX_DIM = 50_000_000  # the dense encodings are built in memory (4 bytes per parameter)
 
+
 # Header values of the measured updates: the simulated fleet's device-id format and a round number
 # below 128 (msgpack fixint); a round >= 128 adds one or two bytes to every update.
-HEADER = {"device": "d00000", "round": 1, "base_version": 0, "n_samples": 50}
-GLOBAL_HEADER = {"job": "edgefl", "config_digest": "0123456789ab", "deadline_s": 30.0}
+class UpdateHeader(TypedDict):
+    device: str
+    round: int
+    base_version: int
+    n_samples: int
+
+
+class GlobalHeader(TypedDict):
+    job: str
+    config_digest: str
+    deadline_s: float
+
+
+HEADER: UpdateHeader = {"device": "d00000", "round": 1, "base_version": 0, "n_samples": 50}
+GLOBAL_HEADER: GlobalHeader = {"job": "edgefl", "config_digest": "0123456789ab", "deadline_s": 30.0}
 # What the wire figures assume: the topics of job "edgefl" (--job) with the default prefix, device
 # d00000, QoS 1 for updates, the global model delivered at QoS 0 (devices subscribe at QoS 0,
 # docs/protocol.md), MQTT 3.1.1.
@@ -88,7 +102,7 @@ def comm_cost_report(
     params = SignDSParams(k=k, eps=eps, thr_ratio=thr, dim_out=dim_out, max_dim_out=max_dim_out)
     p = plan(params, dim)
     rng = secure_generator() if rng is None else rng
-    hdr = {
+    hdr: UpdateHeader = {
         "device": HEADER["device"],
         "round": HEADER["round"],
         "base_version": HEADER["base_version"],
@@ -338,7 +352,7 @@ def wire_round_cost(
 
 
 def codec_costs(
-    dim: int, delta: Any, hdr: dict[str, Any], rng: Any, topk_fraction: float
+    dim: int, delta: Any, hdr: UpdateHeader, rng: Any, topk_fraction: float
 ) -> dict[str, Any]:
     """Bytes of one update through each uplink codec, per mechanism that accepts it."""
     from edge_fl.mechanisms import check_combination, mechanism_names
