@@ -142,6 +142,7 @@ class Fleet:
         self.reconnect_attempt = 0
         self._pool = ThreadPoolExecutor(max_workers=train_workers, thread_name_prefix="train")
         self._tasks: set[asyncio.Task] = set()
+        self._work: set[asyncio.Task] = set()  # devices' download, training and upload
         self.link: LinkModel = DEFAULT_LINK
         self.device_downlink = False  # True: each device subscribes to the model on its session
         self.wire: dict[str, WireCounter] = {}  # per device, across its reconnects
@@ -315,7 +316,14 @@ class Fleet:
         """Give one device an event; carry out what its policy answers in a task of its own."""
         effects = agent.handle(event)
         if effects:
-            self._spawn(self._carry_out(agent, deque(effects), model_bytes))
+            task = asyncio.create_task(self._carry_out(agent, deque(effects), model_bytes))
+            self._work.add(task)
+            task.add_done_callback(self._work.discard)
+
+    async def settled(self) -> None:
+        """Wait until no device is downloading, training or uploading."""
+        while self._work:
+            await asyncio.gather(*list(self._work), return_exceptions=True)
 
     async def _carry_out(self, agent: DeviceAgent, todo: deque[Effect], model_bytes: int) -> None:
         """The device's effects, in modelled time (download, train, upload), and those their
@@ -411,8 +419,9 @@ class Fleet:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    def _on_global(self, msg: GlobalModel, model_bytes: int) -> None:
-        """Hand a model to every device that is there to receive it."""
+    def hand_out(self, msg: GlobalModel, model_bytes: int) -> None:
+        """Hand an admitted model to every device that is there to receive it (what the shared
+        downlink does with each; ``model_bytes``: its size, for the modelled download)."""
         self._last_msg = msg
         self._last_model_bytes = model_bytes
         event = ModelArrived(msg)
@@ -500,7 +509,7 @@ class Fleet:
                 continue
             if isinstance(event, JobEnded):
                 return True  # every device says offline when the fleet leaves
-            self._on_global(event.msg, len(payload))
+            self.hand_out(event.msg, len(payload))
         return False
 
     async def _reconnect_devices(self) -> None:
@@ -611,7 +620,7 @@ class Fleet:
                         await self._reconnect_devices()
                     except aiomqtt.MqttError:
                         continue
-            for task in list(self._tasks):
+            for task in [*self._tasks, *self._work]:
                 task.cancel()  # availability loops and stragglers: the job is over
         finally:
             self._closing = True
