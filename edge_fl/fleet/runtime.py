@@ -384,9 +384,12 @@ class Fleet:
             return Uploaded(effect.round, dropped=True)
         if profile is not None:
             await self.clock.sleep(profile.upload_time(len(effect.payload)))
-        client = self.clients.get(device)
-        if client is None or device in self.crashed:
+        if device in self.crashed:
             return Uploaded(effect.round, dropped=True)
+        client = self.clients.get(device)
+        if client is None:  # its session is being re-opened: re-sent then
+            self._session_lost.set()
+            return Uploaded(effect.round)
         await client.publish(self.topics.update(device), effect.payload, qos=1)
         self._delivered(device, effect.round)
         return Uploaded(effect.round)
