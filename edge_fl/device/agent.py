@@ -2,7 +2,9 @@
 
 The same core runs thousands of times inside the fleet simulator and once on a Raspberry Pi; the
 runtime around it only moves bytes. An agent answers each (job, round) at most once, so a broker
-redelivering the retained global model (QoS 1 is at-least-once) never produces two updates.
+redelivering the retained global model (QoS 1 is at-least-once) never produces two updates. What
+the device does when a model, an outcome or the end of the job arrives is :meth:`DeviceAgent.handle`
+(the rules: :mod:`edge_fl.device.policy`); :meth:`DeviceAgent.on_global` is the training itself.
 
 An uplink codec (:mod:`edge_fl.codecs`, ``compression.uplink``) encodes a dense update after the
 mechanism has privatised it (post-processing); its state (top-k error feedback) lives here, on
