@@ -6,7 +6,7 @@ planned h and a real selection (``edge_fl.privacy.signds.select``) on a random u
 payload's size depends on the selected indices (the encoder sends the shorter of bit-packing and
 delta-varint), so it is averaged over ``--samples`` selections and min / max are reported too.
 
-Uplink codecs (``edge_fl.codecs``): every codec's update, encoded by the real codec and the real
+Uplink codecs (``edge_fl.protocol.codecs``): every codec's update, encoded by the real codec and the real
 update encoder, per mechanism that accepts it (``Mechanism.accepts_codec``; a refused combination
 says why). The update size does not depend on the values, only on d (and top-k's fraction), except
 for the mechanism's name in ``m``.

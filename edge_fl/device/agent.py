@@ -6,7 +6,7 @@ redelivering the retained global model (QoS 1 is at-least-once) never produces t
 the device does when a model, an outcome or the end of the job arrives is :meth:`DeviceAgent.handle`
 (the rules: :mod:`edge_fl.device.policy`); :meth:`DeviceAgent.on_global` is the training itself.
 
-An uplink codec (:mod:`edge_fl.codecs`, ``compression.uplink``) encodes a dense update after the
+An uplink codec (:mod:`edge_fl.protocol.codecs`, ``compression.uplink``) encodes a dense update after the
 mechanism has privatised it (post-processing); its state (top-k error feedback) lives here, on
 the device, and advances once per release.
 """
