@@ -283,7 +283,7 @@ class RobustConfig(_Section):
 
 
 class CompressionConfig(_Section):
-    """How devices encode their dense updates (``edge_fl.codecs``; docs/protocol.md, compressed
+    """How devices encode their dense updates (``edge_fl.protocol.codecs``; docs/protocol.md, compressed
     dense updates). The codec runs after the privacy mechanism, on the device; the aggregator
     accepts every codec the job's mechanism allows, so devices may differ. Refused: any codec
     with SignDS (its votes have their own wire format) and, with gaussian-central, codecs that
@@ -305,7 +305,7 @@ class CompressionConfig(_Section):
 
     @model_validator(mode="after")
     def _known_codec(self) -> CompressionConfig:
-        from edge_fl.codecs import codec_names
+        from edge_fl.protocol.codecs import codec_names
 
         if self.uplink is not None and self.uplink not in codec_names():
             raise ValueError(
@@ -323,8 +323,8 @@ class CompressionConfig(_Section):
         return self
 
     def build(self) -> Any:
-        """The configured uplink codec (an ``edge_fl.codecs.Codec``), or None."""
-        from edge_fl.codecs import build_codec
+        """The configured uplink codec (an ``edge_fl.protocol.codecs.Codec``), or None."""
+        from edge_fl.protocol.codecs import build_codec
 
         if self.uplink is None:
             return None
@@ -464,7 +464,7 @@ class JobConfig(_Section):
 
     @model_validator(mode="after")
     def _sound_compression(self) -> JobConfig:
-        from edge_fl.codecs import check_combination
+        from edge_fl.mechanisms import check_combination
 
         codec, mechanism = self.compression.uplink, self.privacy.mechanism
         if codec is None:

@@ -415,13 +415,26 @@ def test_broker_dies_with_its_parent() -> None:
             os.kill(pid, signal.SIGKILL)
 
 
+def catches(pid: int, signum: int, timeout: float = 10.0) -> bool:
+    """Wait until process ``pid`` has a handler for ``signum`` (Linux: SigCgt in /proc)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with contextlib.suppress(OSError, StopIteration):
+            status = Path(f"/proc/{pid}/status").read_text().splitlines()
+            caught = int(next(x for x in status if x.startswith("SigCgt:")).split()[1], 16)
+            if caught & (1 << (signum - 1)):
+                return True
+        time.sleep(0.01)
+    return False
+
+
 @pytest.mark.broker
 def test_run_forever_stops_on_sigterm() -> None:
     if find_mosquitto() is None:
         pytest.skip("no mosquitto binary")
     child, pid, directory = spawn_child("sys.exit(broker.run_forever())")
     try:
-        time.sleep(0.1)  # let the child enter run_forever and install its handler
+        assert catches(child.pid, signal.SIGTERM), "run_forever installed no SIGTERM handler"
         child.send_signal(signal.SIGTERM)
         assert child.wait(5) == 0
         assert wait_dead(pid) and not directory.exists()

@@ -6,7 +6,7 @@ planned h and a real selection (``edge_fl.privacy.signds.select``) on a random u
 payload's size depends on the selected indices (the encoder sends the shorter of bit-packing and
 delta-varint), so it is averaged over ``--samples`` selections and min / max are reported too.
 
-Uplink codecs (``edge_fl.codecs``): every codec's update, encoded by the real codec and the real
+Uplink codecs (``edge_fl.protocol.codecs``): every codec's update, encoded by the real codec and the real
 update encoder, per mechanism that accepts it (``Mechanism.accepts_codec``; a refused combination
 says why). The update size does not depend on the values, only on d (and top-k's fraction), except
 for the mechanism's name in ``m``.
@@ -326,10 +326,10 @@ def wire_round_cost(
     ``downlink`` (f32, f16, q8: ``compression.downlink``), and the IP estimates."""
     import numpy as np
 
-    from edge_fl.codecs import build_codec
     from edge_fl.identity import device_id
     from edge_fl.privacy.magrr import MagRRState
     from edge_fl.protocol import DenseUpdate, encode_update
+    from edge_fl.protocol.codecs import build_codec
 
     rng = np.random.default_rng(0) if rng is None else rng
     delta = rng.standard_normal(dim).astype(np.float32)
@@ -355,9 +355,9 @@ def codec_costs(
     dim: int, delta: Any, hdr: UpdateHeader, rng: Any, topk_fraction: float
 ) -> dict[str, Any]:
     """Bytes of one update through each uplink codec, per mechanism that accepts it."""
-    from edge_fl.codecs import build_codec, check_combination, codec_names
-    from edge_fl.mechanisms import mechanism_names
+    from edge_fl.mechanisms import check_combination, mechanism_names
     from edge_fl.protocol import DenseUpdate, encode_update
+    from edge_fl.protocol.codecs import build_codec, codec_names
 
     codecs: dict[str, Any] = {}
     by_mechanism: dict[str, dict[str, int | None]] = {m: {} for m in mechanism_names()}
