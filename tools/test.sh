@@ -49,8 +49,11 @@ fi
 .venv/bin/python -c "import torch; print('== torch', torch.__version__, 'CUDA' if torch.version.cuda else 'CPU', 'build')" 2>/dev/null || echo "== torch not installed (torch tests skip)"
 
 echo "== ruff"
-.venv/bin/ruff check edge_fl tests tools
-.venv/bin/ruff format --check edge_fl tests tools
+.venv/bin/ruff check edge_fl tests tools examples
+.venv/bin/ruff format --check edge_fl tests tools examples
+
+echo "== import contracts (.importlinter)"
+.venv/bin/lint-imports --config .importlinter
 
 echo "== pytest"
 MARKS="not slow and not bench"
