@@ -371,6 +371,7 @@ def build_job(
         cfg = _adopt(cfg, dataset, model)
     check_registered(cfg, dataset=dataset is None, model=model is None)
     d = cfg.data
+    data: Any = dataset  # a FederatedDataset, or a population's lazily drawn one
     if cfg.population.online is not None:
         from edge_fl.data.lazy_synthetic import lazy_dataset
 
@@ -381,11 +382,11 @@ def build_job(
                 "population (its devices draw their data lazily)"
             )
         try:
-            dataset = lazy_dataset(cfg)
+            data = lazy_dataset(cfg)
         except ValueError as exc:
             raise ConfigError(f"invalid configuration:\n  population: {exc}") from None
-    elif dataset is None:
-        dataset = load_federated(
+    elif data is None:
+        data = load_federated(
             d.dataset,
             d.devices,
             partition=d.partition,
@@ -396,9 +397,9 @@ def build_job(
         )
     if model is None:
         options = {"hidden": cfg.model.hidden} if cfg.model.name == "mlp" else {}
-        model = make_model(cfg.model.name, dataset.n_features, dataset.n_classes, **options)
-    _check_fit(model, dataset)
-    job = Job(cfg, dataset, model, device_factory=device_factory)
+        model = make_model(cfg.model.name, data.n_features, data.n_classes, **options)
+    _check_fit(model, data)
+    job = Job(cfg, data, model, device_factory=device_factory)
     try:
         mechanism = job.mechanism  # built now, so a bad privacy setting fails before anything runs
     except (UnknownMechanismError, ValueError) as exc:

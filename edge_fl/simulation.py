@@ -61,7 +61,7 @@ class _ProgressBar:
             else None
         )
         self.total = total
-        self.task = None
+        self.task: Any = None  # rich's TaskID once the bar is shown
 
     def __enter__(self) -> _ProgressBar:
         if self.progress is not None:
@@ -169,7 +169,7 @@ class AggregatorRun:
             on_record=record,
             checkpoint_dir=None if self.out_dir is None else str(self.out_dir),
             journal=self.journal,
-            on_finish=self.finish if finish_before_done else None,
+            on_finish=self._finish_before_done if finish_before_done else None,
             resumed_payload=self.resumed.open_payload if self.resumed else None,
             **({"acks": cfg.security.acks, "signer": job.signer} | options),
         )
@@ -198,6 +198,9 @@ class AggregatorRun:
         if self.out_dir is not None:
             self.export_model(self.out_dir / "model.onnx")
         return self.summary
+
+    def _finish_before_done(self) -> None:
+        self.finish()
 
     def export_model(self, final: Path) -> None:
         """The global model as ONNX, exported beside ``final`` then renamed: whole or absent."""

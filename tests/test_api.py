@@ -104,6 +104,12 @@ def test_an_unregistered_name_fails_at_build_with_the_known_names(overrides, lin
         edge_fl.build_job(cfg)
     text = str(info.value)
     assert line in text
+    key = next(iter(overrides))
+    known = {
+        "model.name": edge_fl.known_models(),
+        "data.dataset": edge_fl.known_datasets(),
+    }.get(key, [])
+    assert all(name in text for name in known)  # every registered name is listed
     assert len(text.splitlines()) == 2  # "invalid configuration:" and the one line
 
 

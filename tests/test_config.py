@@ -60,7 +60,7 @@ def test_errors_name_key_value_and_domain(overrides, expected):
         ({"privacy.mechanism": "laplace"}, "needs privacy.epsilon"),
         ({"privacy.mechanism": "gaussian"}, "needs privacy.noise_multiplier or privacy.epsilon"),
         ({"privacy.mechanism": "bogus"}, "unknown privacy mechanism 'bogus'; one of: none,"),
-        ({"model.name": "resnet"}, "model.name = 'resnet': unknown model 'resnet'; one of: cnn,"),
+        ({"model.name": "resnet"}, "model.name = 'resnet': unknown model 'resnet'; one of: "),
         ({"data.dataset": "cifar"}, "data.dataset = 'cifar': unknown dataset 'cifar'; one of:"),
         (
             {"compression.uplink": "q2"},

@@ -101,7 +101,7 @@ def onnx_exporter(model: Model) -> Callable[[np.ndarray], bytes] | None:
     if callable(own):
         return own
     torch_models = sys.modules.get("edge_fl.models.torch_models")  # not imported: no torch model
-    packaged = (LogisticRegression, MLP)
+    packaged: tuple[type, ...] = (LogisticRegression, MLP)
     if torch_models is not None:
         packaged += (torch_models.TorchModel,)
     if not isinstance(model, packaged):
