@@ -29,6 +29,8 @@ _EXPORTS = {
     "known_models": "edge_fl.models",
     "TorchModule": "edge_fl.models.torch_module",
     "DeviceAgent": "edge_fl.device.agent",
+    "register_mechanism": "edge_fl.mechanisms",
+    "register_codec": "edge_fl.protocol.codecs",
     "Job": "edge_fl.job",
     "build_job": "edge_fl.job",
     "AggregatorRun": "edge_fl.simulation",
@@ -52,7 +54,9 @@ __all__ = [
     "known_datasets",
     "known_models",
     "load_config",
+    "register_codec",
     "register_dataset",
+    "register_mechanism",
     "register_model",
     "run_simulation",
     "run_simulation_async",
@@ -64,9 +68,11 @@ if TYPE_CHECKING:
     from edge_fl.data.base import FederatedDataset
     from edge_fl.device.agent import DeviceAgent
     from edge_fl.job import Job, build_job
+    from edge_fl.mechanisms import register_mechanism
     from edge_fl.models import known_models, register_model
     from edge_fl.models.base import Model
     from edge_fl.models.torch_module import TorchModule
+    from edge_fl.protocol.codecs import register_codec
     from edge_fl.simulation import (
         AggregatorRun,
         SimulationResult,

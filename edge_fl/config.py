@@ -292,7 +292,7 @@ class RobustConfig(_Section):
 
 
 class CompressionConfig(_Section):
-    """How devices encode their dense updates (``edge_fl.codecs``; docs/protocol.md, compressed
+    """How devices encode their dense updates (``edge_fl.protocol.codecs``; docs/protocol.md, compressed
     dense updates). The codec runs after the privacy mechanism, on the device; the aggregator
     accepts every codec the job's mechanism allows, so devices may differ. Refused: any codec
     with SignDS (its votes have their own wire format) and, with gaussian-central, codecs that
@@ -326,8 +326,8 @@ class CompressionConfig(_Section):
         return self
 
     def build(self) -> Any:
-        """The configured uplink codec (an ``edge_fl.codecs.Codec``), or None."""
-        from edge_fl.codecs import build_codec
+        """The configured uplink codec (an ``edge_fl.protocol.codecs.Codec``), or None."""
+        from edge_fl.protocol.codecs import build_codec
 
         if self.uplink is None:
             return None

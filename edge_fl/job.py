@@ -431,8 +431,8 @@ def check_registered(cfg: JobConfig, *, dataset: bool = True, model: bool = True
 
     Names are checked here, when the job is built, rather than by the config's schema, so that a
     model, dataset, mechanism or codec registered from Python is a valid name."""
-    from edge_fl.codecs import check_combination, codec_names
-    from edge_fl.mechanisms import mechanism_names
+    from edge_fl.mechanisms import check_combination, mechanism_names
+    from edge_fl.protocol.codecs import codec_names
 
     checks = [
         ("privacy.mechanism", cfg.privacy.mechanism, mechanism_names(), "privacy mechanism"),

@@ -23,6 +23,7 @@ class UpdateTap:
         self.topic = topic or topics.all_updates
         self.identifier = identifier
         self.payloads: list[tuple[str, bytes]] = []
+        self.arrived = threading.Condition()  # notified on every recorded message
         self.ready = threading.Event()
         self.stop = threading.Event()
         self.thread = threading.Thread(target=lambda: asyncio.run(self._run()), daemon=True)
@@ -37,7 +38,15 @@ class UpdateTap:
                     msg = await asyncio.wait_for(anext(client.messages), 0.2)
                 except TimeoutError:
                     continue
-                self.payloads.append((str(msg.topic), bytes(msg.payload)))
+                with self.arrived:
+                    self.payloads.append((str(msg.topic), bytes(msg.payload)))
+                    self.arrived.notify_all()
+
+    def wait_for_messages(self, count: int = 1, timeout: float = 60.0) -> None:
+        """Block until ``count`` messages were recorded (a retained one counts at once)."""
+        with self.arrived:
+            if not self.arrived.wait_for(lambda: len(self.payloads) >= count, timeout):
+                raise TimeoutError(f"{self.topic}: {len(self.payloads)} of {count} messages")
 
     @property
     def bytes(self) -> int:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,25 +25,51 @@ class JobRun:
     stdout: str  # the aggregator's
     stderr: str  # the aggregator's
     returncode: int  # the aggregator's
-    device_errs: list[str]
+    device_errs: list[str]  # ``first`` then ``devices``, in the order they started
     device_codes: list[int]
+
+
+def _read_until(proc: subprocess.Popen, text: str) -> str:
+    """What ``proc`` wrote on stderr up to and including the line holding ``text``."""
+    assert proc.stderr is not None
+    seen = []
+    for line in proc.stderr:
+        seen.append(line)
+        if text in line:
+            return "".join(seen)
+    raise AssertionError(f"{proc.args!r} ended without printing {text!r}:\n{''.join(seen)}")
 
 
 def run_job(
     aggregator: list[str],
     devices: list[list[str]],
     *,
+    when: Callable[[], None] | None = None,
+    first: Sequence[tuple[list[str], str]] = (),
     timeout: float = 120,
     device_timeout: float = 30,
 ) -> JobRun:
-    """Start the aggregator command, then every device command; wait for all of them."""
+    """Start the aggregator command, then every device command; wait for all of them.
+
+    Ordering by conditions, for commands with timeouts of their own on a loaded machine: with
+    ``when`` (a call that blocks until, e.g., the job document is retained on the broker) the
+    device commands start once it returns; each ``(command, text)`` of ``first`` then starts,
+    and the next one waits until it printed ``text`` on stderr; ``devices`` start last."""
     agg = subprocess.Popen(aggregator, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    procs = [subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True) for cmd in devices]
+    procs: list[subprocess.Popen] = []
+    early: list[str] = []  # stderr already read from each of ``first``
     try:
+        if when is not None:
+            when()
+        for cmd, text in first:
+            procs.append(subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True))
+            early.append(_read_until(procs[-1], text))
+        procs += [subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True) for cmd in devices]
         stdout, stderr = agg.communicate(timeout=timeout)
         errs = [p.communicate(timeout=device_timeout)[1] for p in procs]
     finally:
         for p in (agg, *procs):
             if p.poll() is None:
                 p.kill()
+    errs = [head + tail for head, tail in zip([*early, *[""] * len(devices)], errs, strict=True)]
     return JobRun(stdout, stderr, agg.returncode, errs, [p.returncode for p in procs])

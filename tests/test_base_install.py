@@ -45,6 +45,19 @@ def test_the_base_install_is_the_device_agent_only(base_venv):
     print(f"base install: {site_packages_mb(base_venv):.1f} MB in site-packages")
 
 
+def test_the_base_install_shows_its_help_and_names_the_extra_a_server_command_needs(base_venv):
+    edge_fl = str(base_venv / "bin/edge-fl")
+    done = subprocess.run([edge_fl, "--help"], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    for command in ("aggregator", "audit", "device", "privacy", "report", "simulate"):
+        assert f"\n  {command} " in done.stdout, done.stdout
+    device = subprocess.run([edge_fl, "device", "--help"], capture_output=True, text=True)
+    assert device.returncode == 0, device.stderr
+    audit = subprocess.run([edge_fl, "audit", "--help"], capture_output=True, text=True)
+    assert audit.returncode == 2 and "Traceback" not in audit.stderr, audit.stderr
+    assert "needs rich, part of the server extra" in audit.stderr, audit.stderr
+
+
 def test_a_base_install_device_runs_a_signed_signds_job(base_venv, mosquitto, tmp_path):
     job = f"base-{uuid.uuid4().hex[:6]}"
     private, public = keygen(tmp_path / "keys")

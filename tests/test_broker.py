@@ -34,7 +34,7 @@ from edge_fl.transport.broker import (
     ListenerTLS,
     find_mosquitto,
 )
-from edge_fl.transport.url import BrokerSpec, parse_broker_url
+from edge_fl.transport.url import BrokerSpec, BrokerUrlError, parse_broker_url
 
 REPO = Path(__file__).resolve().parents[1]
 BROKER_DIR = REPO / "broker"
@@ -127,8 +127,9 @@ def test_parse_credentials_and_options() -> None:
     ],
 )
 def test_parse_errors(url: str, message: str) -> None:
-    with pytest.raises(ValueError, match=re.escape(message)):
+    with pytest.raises(BrokerUrlError, match=re.escape(message)) as info:
         parse_broker_url(url)
+    assert "\n" not in str(info.value)  # the CLI prints it as its one error line
 
 
 def test_password_never_printed() -> None:
@@ -136,7 +137,7 @@ def test_password_never_printed() -> None:
     for text in (spec.redacted(), str(spec), repr(spec)):
         assert "hunter2" not in text
     assert spec.redacted() == "mqtts://dev:***@h:8883?ca=/ca.pem"
-    with pytest.raises(ValueError) as info:
+    with pytest.raises(BrokerUrlError) as info:
         parse_broker_url("mqtt://dev:hunter2@h:99999")
     assert "hunter2" not in str(info.value) and "***" in str(info.value)
 
@@ -151,7 +152,7 @@ def test_tls_context_and_client_kwargs(secure_files: dict[str, Any]) -> None:
     insecure = parse_broker_url("mqtts://h?insecure=1").tls_context()
     assert insecure is not None and insecure.verify_mode == ssl.CERT_NONE
     with pytest.raises(
-        ValueError, match=re.escape("ca='/nonexistent/ca.pem': file does not exist")
+        BrokerUrlError, match=re.escape("ca='/nonexistent/ca.pem': file does not exist")
     ):
         parse_broker_url("mqtts://h?ca=/nonexistent/ca.pem").tls_context()
     kwargs = parse_broker_url(f"mqtts://u:p@h:9?ca={ca}").aiomqtt_kwargs()
@@ -414,13 +415,26 @@ def test_broker_dies_with_its_parent() -> None:
             os.kill(pid, signal.SIGKILL)
 
 
+def catches(pid: int, signum: int, timeout: float = 10.0) -> bool:
+    """Wait until process ``pid`` has a handler for ``signum`` (Linux: SigCgt in /proc)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with contextlib.suppress(OSError, StopIteration):
+            status = Path(f"/proc/{pid}/status").read_text().splitlines()
+            caught = int(next(x for x in status if x.startswith("SigCgt:")).split()[1], 16)
+            if caught & (1 << (signum - 1)):
+                return True
+        time.sleep(0.01)
+    return False
+
+
 @pytest.mark.broker
 def test_run_forever_stops_on_sigterm() -> None:
     if find_mosquitto() is None:
         pytest.skip("no mosquitto binary")
     child, pid, directory = spawn_child("sys.exit(broker.run_forever())")
     try:
-        time.sleep(0.1)  # let the child enter run_forever and install its handler
+        assert catches(child.pid, signal.SIGTERM), "run_forever installed no SIGTERM handler"
         child.send_signal(signal.SIGTERM)
         assert child.wait(5) == 0
         assert wait_dead(pid) and not directory.exists()

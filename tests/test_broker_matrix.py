@@ -220,7 +220,8 @@ def test_retained_statuses_through_a_wildcard(engine: Engine) -> None:
         async with client(engine.url, uid("dev")) as dev:
             for i in range(3):
                 await dev.publish(f"{base}/d{i}", b"online", qos=1, retain=True)
-        await asyncio.sleep(0.5)  # NATS: retained messages reach the other nodes asynchronously
+        for i in range(3):  # NATS spreads retained messages to the other nodes asynchronously
+            assert await retained_on(engine.url, f"{base}/d{i}", b"online") is not None
         async with client(engine.url, uid("agg")) as agg:
             await agg.subscribe(f"{base}/+", qos=1)
             return [m.payload for m in await collect(agg, 3, 1.5) if m.retain]
@@ -576,20 +577,15 @@ def test_nats_subscriptions_made_right_after_a_node_died(nats_cluster: NatsClust
 
 
 @pytest.mark.slow  # 12-27 s (kills a node of the session cluster, restarts it afterwards)
-@pytest.mark.xfail(
-    strict=False,
-    reason=(
-        "not yet reliable: with devices subscribed at QoS 0, a 30 s deadline and the aggregator "
-        "waiting RECONNECT_SETTLE_S (10 s) after its own reconnect before ending a round early on "
-        "last-will statuses, 16 of 17 runs passed; the failing run's cause is not yet known "
-        "(docs/brokers.md)"
-    ),
-)
 def test_killing_the_aggregators_nats_node_mid_job(nats_cluster: NatsCluster) -> None:
     """SIGKILL the cluster node the aggregator is connected to while a round is open: the
     aggregator and the devices (each its own reconnect loop, given all three nodes) reconnect to
-    the two others, every round closes with every device's update, and the accepted updates are
-    exactly what the devices sent."""
+    the two others and finish the job; every round but the one open at the kill closes with
+    every device's update, and no update is accepted twice.
+
+    The round open at the kill also closed with all six updates in 16 of 17 runs (docs/brokers.md;
+    the failing run's cause is not known). That part is printed, not asserted: a non-strict
+    xfail on the whole test could never fail, so the test asserts what holds in every run."""
     cluster = nats_cluster
     rounds = 6
     cfg = kill_job_config(cluster.url, rounds)
@@ -599,6 +595,7 @@ def test_killing_the_aggregators_nats_node_mid_job(nats_cluster: NatsCluster) ->
     assert len(spec.nodes) == 3
     records: list[dict] = []
     victim: list[int] = []
+    killed: list[int] = []  # the round open at the kill
     heard: list[tuple[float, str, int]] = []  # (time, device, round) a device trained on
 
     async def scenario() -> list[int]:
@@ -626,13 +623,13 @@ def test_killing_the_aggregators_nats_node_mid_job(nats_cluster: NatsCluster) ->
             asyncio.create_task(run_device(agent, spec, job.topics, max_backoff_s=1.0))
             for agent in agents
         ]
-        while len(records) < 2 or core.current is None:
-            await asyncio.sleep(0.01)
-        await asyncio.sleep(0.05)  # devices are training or uploading round 3
+        while len(records) < 2 or core.current is None or not any(r == 3 for _, _, r in heard):
+            await asyncio.sleep(0.01)  # until round 3 is open and devices train on it
         node = cluster.node_of_client(service.client_id)
         assert node is not None
         victim.append(node)
         killed_in = len(records) + 1
+        killed.append(killed_in)
         t0 = time.perf_counter()
         cluster.kill(node)
         await asyncio.wait_for(agg, 120)
@@ -654,11 +651,15 @@ def test_killing_the_aggregators_nats_node_mid_job(nats_cluster: NatsCluster) ->
         for i in victim:
             cluster.start_node(i)
         cluster.wait_ready()
-    assert [r["status"] for r in records] == ["closed"] * rounds, records
-    assert [r["received"] for r in records] == [6] * rounds
-    assert core.version == rounds
-    # every update a device produced was accepted once: 6 devices x 6 rounds, none lost
-    assert sum(r["received"] for r in records) == sum(sent) == 6 * rounds, sent
+    summary = [(r["round"], r["status"], r["received"]) for r in records]
+    print("rounds:", summary, "updates sent:", sent)
+    assert [r["round"] for r in records] == list(range(1, rounds + 1)), summary
+    others = [r for r in records if r["round"] != killed[0]]
+    assert all(r["status"] == "closed" and r["received"] == 6 for r in others), summary
+    closed = [r for r in records if r["status"] == "closed"]
+    assert core.version == len(closed)  # each closed round applied once
+    # an update is accepted at most once: never more than the devices sent
+    assert sum(r["received"] for r in records) <= sum(sent), (summary, sent)
 
 
 def test_fleet_reopens_device_sessions_dropped_under_a_live_downlink(mosquitto) -> None:

@@ -88,3 +88,124 @@ def test_a_run_directory_in_use_by_another_run_is_refused(tmp_path):
     held.close()  # released: the directory can be used again
     again = run("simulate", "--rounds", "1", "--out", str(tmp_path / "run"), "--no-progress")
     assert again.returncode == 0, again.stderr
+
+
+# ------------------------------------------------------------------ --help without imports
+
+
+def test_help_lists_every_command_without_importing_them():
+    """`edge-fl --help` must not import numpy, scipy or dp-accounting (2-3 s), nor any subcommand
+    module: the device-only install cannot import `audit`'s (rich is part of the server extra)."""
+    done = subprocess.run(
+        [sys.executable, "-X", "importtime", *EDGE_FL, "--help"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    imported = {
+        line.rsplit("|", 1)[1].strip()
+        for line in done.stderr.splitlines()
+        if line.startswith("import time:") and "|" in line
+    }
+    assert "click" in imported and "edge_fl.cli" in imported  # the listing is complete
+    heavy = {"numpy", "scipy", "dp_accounting", "rich", "torch", "aiomqtt", "paho", "pydantic"}
+    assert not {m for m in imported if m.split(".")[0] in heavy}
+    assert not {m for m in imported if m.startswith("edge_fl.cli.")}
+    listed = [line.split()[0] for line in done.stdout.splitlines() if line.startswith("  ")]
+    from edge_fl.cli import _LAZY, main
+
+    expected = sorted([*main.commands, *_LAZY])
+    assert [name for name in listed if name in expected] == expected
+
+
+def test_the_help_summaries_are_the_commands_own():
+    """The summaries `--help` lists without importing a command are its docstring's first line."""
+    import click
+
+    from edge_fl.cli import _LAZY, main
+
+    ctx = click.Context(main)
+    for name, (_, _, summary) in _LAZY.items():
+        command = main.get_command(ctx, name)
+        assert command is not None
+        assert command.get_short_help_str(limit=1000) == summary, name
+
+
+# ------------------------------------------------------------------ broker URL mistakes
+
+
+@pytest.mark.parametrize("command", ["aggregator", "fleet", "device", "simulate"])
+def test_a_broker_url_without_a_scheme(command):
+    done = run(command, "--broker", "127.0.0.1:1883", *(["--id", "d00000"] * (command == "device")))
+    one_line_error(done, "broker URL '127.0.0.1:1883' has no scheme", "mqtt://host[:port]")
+    assert len(done.stderr.splitlines()) == 1, done.stderr  # nothing said before it
+
+
+@pytest.mark.parametrize("command", ["aggregator", "fleet", "device"])
+def test_a_missing_ca_file(command):
+    url = "mqtts://d00000:hunter2@localhost:8883?ca=/nonexistent/ca.crt"
+    done = run(command, "--broker", url, *(["--id", "d00000"] * (command == "device")))
+    line = one_line_error(done, "ca='/nonexistent/ca.crt': file does not exist")
+    assert "hunter2" not in done.stderr, line
+    assert len(done.stderr.splitlines()) == 1, done.stderr  # nothing said before it
+
+
+def test_a_broker_url_from_the_config_file_is_checked_as_the_flag_is(tmp_path):
+    cfg = tmp_path / "job.yaml"
+    cfg.write_text("broker: {url: 'mqtts://localhost:8883?ca=/nonexistent/ca.crt'}\n")
+    for command in ("aggregator", "fleet"):
+        done = run(command, "--config", str(cfg))
+        one_line_error(done, "ca='/nonexistent/ca.crt': file does not exist")
+
+
+def test_a_ca_file_that_is_not_a_certificate(tmp_path):
+    ca = tmp_path / "ca.crt"
+    ca.write_text("not a certificate\n")
+    done = run("device", "--broker", f"mqtts://localhost:8883?ca={ca}", "--id", "d00000")
+    one_line_error(done, f"ca='{ca}': not a readable PEM CA certificate")
+
+
+@pytest.mark.parametrize("command", ["simulate", "fleet"])
+def test_an_unknown_fleet_profile_is_named_as_the_user_wrote_it(command):
+    extra = ["--no-progress"] if command == "simulate" else ["--broker", "mqtt://127.0.0.1:9"]
+    done = run(command, "--profile", "nosuch", *extra)
+    line = one_line_error(done, "fleet profile 'nosuch' is neither a YAML file nor a packaged")
+    assert "load_profile" not in line and "name_or_path" not in line, line
+    assert "phone-fleet" in line
+
+
+def test_operator_errors_are_one_line_from_any_subcommand_even_inside_a_task_group():
+    """The group, not each command, turns an operator's mistake into its one error line; other
+    exceptions (bugs) keep their traceback."""
+    import click
+    from click.testing import CliRunner
+
+    from edge_fl.cli import _LazyGroup
+    from edge_fl.config import ConfigError
+    from edge_fl.fleet.profiles import UnknownProfileError
+    from edge_fl.transport.url import BrokerUrlError
+
+    raised: list[BaseException] = [
+        BrokerUrlError("broker URL 'x' has no scheme"),
+        ExceptionGroup("tasks", [RuntimeError("cancelled"), UnknownProfileError("nosuch")]),
+        ConfigError("invalid configuration:\n  data.devices: must be >= 1"),
+        ValueError("a bug"),
+    ]
+
+    @click.group(cls=_LazyGroup)
+    def group() -> None:
+        pass
+
+    @group.command()
+    @click.argument("i", type=int)
+    def fail(i: int) -> None:
+        raise raised[i]
+
+    runner = CliRunner()
+    outputs = [runner.invoke(group, ["fail", str(i)]) for i in range(len(raised))]
+    assert [o.exit_code for o in outputs[:3]] == [2, 2, 2]
+    assert outputs[0].stderr == "edge-fl: error: broker URL 'x' has no scheme\n"
+    assert outputs[1].stderr.startswith("edge-fl: error: fleet profile 'nosuch' is neither")
+    assert outputs[2].stderr.splitlines()[0] == "edge-fl: error: invalid configuration:"
+    assert isinstance(outputs[3].exception, ValueError)  # not an operator error: raised as is

@@ -8,6 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import edge_fl.mechanisms  # noqa: F401  (registers the built-in mechanisms' mp schemas)
 from edge_fl.protocol import (
     DenseUpdate,
     GlobalModel,
@@ -782,6 +783,30 @@ def test_mechanism_params_builder_and_encoder_refuse_what_devices_would_reject()
     with pytest.raises(PayloadRejected) as info:
         check_mechanism_params({"m": "future-mech", "bad": {"nested": 1}})
     assert info.value.reason is Reject.BAD_TYPE
+
+
+def test_the_wire_layer_knows_mechanisms_only_by_their_registered_schemas():
+    from edge_fl.protocol.params import (
+        MechanismSchema,
+        mechanism_schema,
+        number_param,
+        register_schema,
+        schemas,
+    )
+
+    before = schemas()
+    assert mechanism_schema("gaussian").update_kind == "u"
+    assert mechanism_schema("signds").update_kind == "s"
+    assert mechanism_schema("gaussian-central").codecs == frozenset({"f4", "f2"})
+    assert mechanism_schema("gaussian").codecs is None and mechanism_schema("nope") is None
+    for bad, message in (
+        (MechanismSchema("Not a name"), "is not of"),
+        (MechanismSchema("own", update_kind="x"), "is not 'u'"),
+        (MechanismSchema("own", params=(number_param("lr", True, "again", 0),)), "repeat"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            register_schema(bad)
+    assert schemas() == before  # nothing refused was registered
 
 
 # ---------------------------------------------------------------- acks and the ack topic

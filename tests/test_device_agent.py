@@ -280,7 +280,7 @@ def test_the_rounds_update_is_offered_again_only_for_that_round():
 
 
 def coded_agent(codec_name: str, **options: Any) -> DeviceAgent:
-    from edge_fl.codecs import build_codec
+    from edge_fl.protocol.codecs import build_codec
 
     a = agent(X=data(n=40)[0], y=data(n=40)[1])
     a.codec = build_codec(codec_name, **options)
@@ -289,7 +289,7 @@ def coded_agent(codec_name: str, **options: Any) -> DeviceAgent:
 
 @pytest.mark.parametrize("name", ["f16", "q8", "q4", "topk", "rot1"])
 def test_codec_encodes_the_update_and_the_aggregator_decodes_it(name: str) -> None:
-    from edge_fl.codecs import build_codec
+    from edge_fl.protocol.codecs import build_codec
 
     plain, coded = agent(X=data(n=40)[0], y=data(n=40)[1]), coded_agent(name)
     ref = decode_update(plain.on_global(gm(1)), LIMITS).delta.astype(np.float64)
@@ -324,8 +324,8 @@ def test_a_job_limited_to_dense_f4_f2_refuses_a_codec_it_does_not_accept() -> No
     strict = UpdateLimits(D, 100, frozenset({"u"}), codecs=frozenset({"f4", "f2"}))
     with pytest.raises(Exception, match=r"bad_dtype: .*'q8' is a codec this job does not accept"):
         decode_update(payload, strict)
-    from edge_fl.codecs import build_codec
     from edge_fl.protocol import encode_update
+    from edge_fl.protocol.codecs import build_codec
 
     upd = DenseUpdate("dev-1", 1, 1, 5, np.zeros(D, np.float32), mechanism="gaussian-central")
     fields, _ = build_codec("q8").encode(np.ones(D), seeded_generator(0))

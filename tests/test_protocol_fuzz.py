@@ -21,6 +21,7 @@ import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+import edge_fl.mechanisms  # noqa: F401  (registers the built-in mechanisms' mp schemas)
 from edge_fl.protocol import (
     GLOBAL_CONTEXT,
     Ack,
@@ -424,7 +425,7 @@ def test_update_bytes_mutated(update, data):
 @st.composite
 def coded_updates(draw: st.DrawFn) -> bytes:
     """A dense update through an uplink codec (docs/protocol.md, compressed dense updates)."""
-    from edge_fl.codecs import build_codec
+    from edge_fl.protocol.codecs import build_codec
 
     name = draw(st.sampled_from(["f16", "q8", "q4", "topk", "rot1"]))
     options = {"fraction": draw(st.sampled_from([0.05, 0.3, 0.5]))} if name == "topk" else {}

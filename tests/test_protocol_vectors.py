@@ -29,6 +29,7 @@ import msgpack
 import numpy as np
 import pytest
 
+import edge_fl.mechanisms  # noqa: F401  (registers the built-in mechanisms' mp schemas)
 from edge_fl.protocol import (
     REJECT_MEANING,
     Ack,
@@ -60,7 +61,7 @@ from edge_fl.protocol.indices import (
     encode_delta_varint,
     encode_indices_coded,
 )
-from edge_fl.protocol.params import COMMON, SCHEMAS
+from edge_fl.protocol.params import COMMON, schemas
 from edge_fl.protocol.signing import Signer, Verifier
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -405,7 +406,7 @@ DELTA40 = [((-1) ** i) * (i % 7) / 64 for i in range(40)]
 
 def _coded_updates() -> list[tuple[str, DenseUpdate, str, dict[str, Any], int, str]]:
     """(name, header, dt, codec fields, d, note): dense updates through an uplink codec."""
-    from edge_fl.codecs import build_codec
+    from edge_fl.protocol.codecs import build_codec
 
     coins = _FixedCoins()
     out = []
@@ -1475,9 +1476,9 @@ def test_doc_lists_every_mechanism_parameter():
     section = _doc_section("## Mechanism parameters")
     for spec in COMMON:
         assert f"| `{spec.key}` |" in section, spec.key
-    for mechanism, specs in SCHEMAS.items():
+    for mechanism, schema in schemas().items():
         assert f"`{mechanism}`" in section, mechanism
-        for spec in specs:
+        for spec in schema.params:
             assert f"`{spec.key}`" in section, (mechanism, spec.key)
 
 
@@ -1504,7 +1505,7 @@ if __name__ == "__main__":
 
 
 def test_doc_lists_every_codec_and_its_keys():
-    from edge_fl.codecs import codec_for_tag, codec_tags
+    from edge_fl.protocol.codecs import codec_for_tag, codec_tags
 
     text = DOC.read_text()
     start = text.index("### Compressed dense updates")

@@ -10,7 +10,8 @@ from collections import Counter
 import paho.mqtt.client as paho
 import pytest
 
-from edge_fl.transport.url import BrokerSpec, parse_broker_url
+from edge_fl.transport import client_adapter
+from edge_fl.transport.url import BrokerSpec, BrokerUrlError, parse_broker_url
 
 CLUSTER = "mqtts://dev:s%40cret@n1.example:8883,10.0.0.2,[::1]:9883?ca=/etc/ca+1.pem&insecure=1"
 
@@ -51,7 +52,7 @@ def test_node_list_round_trips_and_redacts() -> None:
     ],
 )
 def test_node_list_errors(url: str, message: str) -> None:
-    with pytest.raises(ValueError, match=re.escape(message)) as info:
+    with pytest.raises(BrokerUrlError, match=re.escape(message)) as info:
         parse_broker_url(url)
     assert "hunter2" not in str(info.value)
 
@@ -97,4 +98,25 @@ def test_configure_paho_returns_the_next_node_and_sets_tls_once(tmp_path) -> Non
     first = spec.configure_paho(client)
     second = spec.configure_paho(client)  # a reconnect: TLS already set, no ValueError
     assert {first, second} == {("a", 1), ("b", 2)}
-    assert client._ssl_context is not None and client._username == b"u"
+    assert client_adapter.tls_configured(client) and client.username == "u"
+
+
+@pytest.mark.parametrize(
+    ("query", "message"),
+    [
+        ("ca=/nonexistent/ca.crt", "ca='/nonexistent/ca.crt': file does not exist"),
+        ("ca={junk}", "ca='{junk}': not a readable PEM CA certificate"),
+        ("cert={junk}&key={junk}", "cert='{junk}', key='{junk}': not a readable PEM certificate"),
+        ("cert=/nonexistent/c.pem", "cert='/nonexistent/c.pem': file does not exist"),
+    ],
+)
+def test_unusable_tls_files_are_one_line_url_errors(tmp_path, query: str, message: str) -> None:
+    """A TLS file the operator named but cannot be used is a mistake in the URL: one line naming
+    the option and the file, the password masked, when the first connection is prepared."""
+    junk = tmp_path / "junk.pem"
+    junk.write_text("not PEM\n")
+    spec = parse_broker_url("mqtts://u:hunter2@h:8883?" + query.format(junk=junk))
+    with pytest.raises(BrokerUrlError, match=re.escape(message.format(junk=junk))) as info:
+        spec.aiomqtt_kwargs()
+    text = str(info.value)
+    assert "\n" not in text and "hunter2" not in text and "u:***@h:8883" in text

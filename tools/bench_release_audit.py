@@ -13,13 +13,17 @@ from __future__ import annotations
 
 import argparse
 import logging
+import sys
 import time
+from pathlib import Path
 
 from edge_fl.config import load_config
 from edge_fl.mechanisms import build_mechanism
 from edge_fl.models import make_model
 from edge_fl.privacy.rng import seeded_generator
-from edge_fl.release_audit import (
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the audit harness
+from release_audit import (
     NullSlotModel,
     audit_release,
     noise_scaled,

@@ -244,11 +244,13 @@ class Device:
         self.fresh, self.last_rnd, self.last_ver = False, rnd, ver
         if self.a.digest and g["cfg"] not in ("", self.a.digest):
             return log.error("config digest %s is not mine: not training", g["cfg"])
+        selected = self.id in g.get("sel", [self.id])
+        if not selected:  # checked first: a re-publication that no longer selects me asks nothing
+            return False
         if self.sent[0] == rnd:  # the same round again (QoS 1 redelivery, republish): same bytes
             self.client.publish(self.t_up, self.sent[1], qos=1)
             return False
-        selected = self.id in g.get("sel", [self.id])
-        if rnd <= self.answered or self.stopped or self.halted or not selected:
+        if rnd <= self.answered or self.stopped or self.halted:
             return False
         self.answered = rnd
         if "q" in g and CSPRNG.random() >= g["q"]:  # Poisson selection: a fresh secret coin

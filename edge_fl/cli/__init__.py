@@ -6,19 +6,22 @@ import importlib
 import json
 import logging
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import click
 
 from edge_fl import __version__
 
+if TYPE_CHECKING:
+    from edge_fl.config import JobConfig
 
-def _fail(message: str) -> None:
+
+def _fail(message: str) -> NoReturn:
     click.echo(f"edge-fl: error: {message}", err=True)
     sys.exit(2)
 
 
-def _load(config: str | None, overrides: dict[str, Any]):
+def _load(config: str | None, overrides: dict[str, Any]) -> JobConfig:
     from edge_fl.config import ConfigError, load_config
 
     try:
@@ -32,7 +35,12 @@ def _common_job_options(f):
     options = [
         click.option("--config", "config", type=click.Path(dir_okay=False), help="YAML or TOML"),
         click.option("--job", help="job id (topic segment)"),
-        click.option("--broker", "broker_url", help="mqtt[s]://[user:pass@]host:port"),
+        click.option(
+            "--broker",
+            "broker_url",
+            callback=_checked_broker_url,
+            help="mqtt[s]://[user:pass@]host:port",
+        ),
         click.option("--devices", type=int, help="number of devices in the fleet"),
         click.option("--rounds", type=int, help="number of rounds"),
         click.option("--clients-per-round", type=float, help="count, or a fraction in (0, 1)"),
@@ -96,6 +104,19 @@ def _common_job_options(f):
     return f
 
 
+def _checked_broker_url(_ctx: click.Context, _param: click.Parameter, url: str | None) -> Any:
+    """A --broker URL with a mistake (syntax, a TLS file that is missing or unreadable) ends the
+    command at once, in one line, before anything else is said or started."""
+    if url is not None:
+        from edge_fl.transport.url import BrokerUrlError, parse_broker_url
+
+        try:
+            parse_broker_url(url).tls_context()
+        except BrokerUrlError as exc:
+            _fail(str(exc))
+    return url
+
+
 def _overrides(kw: dict[str, Any]) -> dict[str, Any]:
     return {
         "job": kw.get("job"),
@@ -147,25 +168,70 @@ def _logging(verbose: int) -> None:
 
 
 class _LazyGroup(click.Group):
-    """Subcommands imported on use: ``edge-fl simulate`` must not pay for dp-accounting's import."""
+    """Subcommands imported on use, and listed by ``--help`` from :data:`_LAZY`'s one-line
+    summaries without importing them: ``edge-fl --help`` must not pay for numpy, dp-accounting or
+    scipy, and must work on the device-only install, whose ``audit`` cannot be imported."""
 
     def list_commands(self, ctx: click.Context) -> list[str]:
         return sorted([*super().list_commands(ctx), *_LAZY])
 
     def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
         if name in _LAZY:
-            module, attr = _LAZY[name]
+            module, attr, _ = _LAZY[name]
             try:
-                return getattr(importlib.import_module(module), attr)
+                command: click.Command = getattr(importlib.import_module(module), attr)
             except ModuleNotFoundError as exc:
                 _missing_extra(name, exc)
+            return command
         return super().get_command(ctx, name)
+
+    def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        rows = []
+        for name in self.list_commands(ctx):
+            if name in _LAZY:
+                summary = _LAZY[name][2]
+            else:
+                command = super().get_command(ctx, name)
+                if command is None or command.hidden:
+                    continue
+                summary = command.get_short_help_str(limit=1000)
+            rows.append((name, summary))
+        limit = formatter.width - 6 - max(len(name) for name, _ in rows)
+        with formatter.section("Commands"):
+            formatter.write_dl([(name, _shorten(text, limit)) for name, text in rows])
 
     def invoke(self, ctx: click.Context) -> Any:
         try:
             return super().invoke(ctx)
         except ModuleNotFoundError as exc:
             _missing_extra(ctx.invoked_subcommand or "this command", exc)
+        except Exception as exc:
+            problem = _operator_error(exc)
+            if problem is None:
+                raise
+            _fail(str(problem))
+
+
+def _shorten(text: str, limit: int) -> str:
+    """``text`` cut at a word to at most ``limit`` characters, as click shortens a summary."""
+    return click.Command("_", help=text).get_short_help_str(limit=limit)
+
+
+def _operator_error(exc: BaseException) -> BaseException | None:
+    """``exc``, or the first exception in a task group's ``exc``, when its message is the whole
+    story for an operator (a configuration that cannot run, a broker URL to fix, a missing CA
+    file, an unknown fleet profile): the group prints it as its one error line whichever
+    subcommand raised it, from wherever in it."""
+    from edge_fl.config import ConfigError
+    from edge_fl.fleet.profiles import ProfileError
+    from edge_fl.transport.url import BrokerUrlError
+
+    if isinstance(exc, BaseExceptionGroup):
+        for inner in exc.exceptions:
+            if (found := _operator_error(inner)) is not None:
+                return found
+        return None
+    return exc if isinstance(exc, ConfigError | BrokerUrlError | ProfileError) else None
 
 
 #: modules of the ``server`` extra (``pip install 'edge-fl[server]'``); the base install is the
@@ -182,7 +248,7 @@ def require_server(command: str) -> None:
             _missing_extra(command, exc)
 
 
-def _missing_extra(command: str, exc: ModuleNotFoundError) -> None:
+def _missing_extra(command: str, exc: ModuleNotFoundError) -> NoReturn:
     """One line instead of a traceback when a base (device-only) install runs a server command."""
     top = (exc.name or "").split(".")[0]
     if top not in _SERVER_MODULES:
@@ -285,13 +351,48 @@ def keygen(directory: str, force: bool) -> None:
     click.echo(f"security.public_key for devices: {signer.verifier.hex()}")
 
 
+#: name -> (module, attribute, the one-line summary ``edge-fl --help`` lists without importing
+#: the module; tests/test_cli_errors.py checks each against the command's own docstring)
 _LAZY = {
-    "aggregator": ("edge_fl.cli.runtime_cmds", "aggregator"),
-    "fleet": ("edge_fl.cli.runtime_cmds", "fleet"),
-    "ingest": ("edge_fl.cli.ingest_cmd", "ingest"),
-    "device": ("edge_fl.cli.device_cmd", "device"),
-    "privacy": ("edge_fl.cli.privacy_cmds", "privacy_group"),
-    "audit": ("edge_fl.cli.privacy_cmds", "audit_group"),
-    "comm-cost": ("edge_fl.cli.comm_cmds", "comm_cost"),
-    "report": ("edge_fl.cli.report_cmds", "report"),
+    "aggregator": (
+        "edge_fl.cli.runtime_cmds",
+        "aggregator",
+        "Run the aggregator against a broker (devices run elsewhere).",
+    ),
+    "fleet": (
+        "edge_fl.cli.runtime_cmds",
+        "fleet",
+        "Run (a shard of) the simulated device fleet against a broker.",
+    ),
+    "ingest": (
+        "edge_fl.cli.ingest_cmd",
+        "ingest",
+        "Run ingest worker wI of a job whose aggregator has ingest.workers = N (docs/scale.md).",
+    ),
+    "device": (
+        "edge_fl.cli.device_cmd",
+        "device",
+        "Join the job announced on the broker and serve its rounds until it ends.",
+    ),
+    "privacy": (
+        "edge_fl.cli.privacy_cmds",
+        "privacy_group",
+        "Privacy accounting and noise calibration (dp-accounting).",
+    ),
+    "audit": (
+        "edge_fl.cli.privacy_cmds",
+        "audit_group",
+        "Empirical lower bounds on eps for the production mechanisms (Clopper-Pearson).",
+    ),
+    "comm-cost": (
+        "edge_fl.cli.comm_cmds",
+        "comm_cost",
+        "Bytes of one update (dense f32 / f16, SignDS, every uplink codec per mechanism) and of "
+        "the global model, by the real encoders.",
+    ),
+    "report": (
+        "edge_fl.cli.report_cmds",
+        "report",
+        "Plot accuracy, bytes up/down and epsilon per round of one or more runs (overlaid).",
+    ),
 }

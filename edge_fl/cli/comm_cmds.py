@@ -6,7 +6,7 @@ planned h and a real selection (``edge_fl.privacy.signds.select``) on a random u
 payload's size depends on the selected indices (the encoder sends the shorter of bit-packing and
 delta-varint), so it is averaged over ``--samples`` selections and min / max are reported too.
 
-Uplink codecs (``edge_fl.codecs``): every codec's update, encoded by the real codec and the real
+Uplink codecs (``edge_fl.protocol.codecs``): every codec's update, encoded by the real codec and the real
 update encoder, per mechanism that accepts it (``Mechanism.accepts_codec``; a refused combination
 says why). The update size does not depend on the values, only on d (and top-k's fraction), except
 for the mechanism's name in ``m``.
@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import json
 from collections import Counter
-from typing import Any
+from typing import Any, TypedDict
 
 import click
 
@@ -33,10 +33,24 @@ __all__ = ["comm_cost", "comm_cost_report"]
 
 MAX_DIM = 50_000_000  # the dense encodings are built in memory (4 bytes per parameter)
 
+
 # Header values of the measured updates: the simulated fleet's device-id format and a round number
 # below 128 (msgpack fixint); a round >= 128 adds one or two bytes to every update.
-HEADER = {"device": "d00000", "round": 1, "base_version": 0, "n_samples": 50}
-GLOBAL_HEADER = {"job": "edgefl", "config_digest": "0123456789ab", "deadline_s": 30.0}
+class UpdateHeader(TypedDict):
+    device: str
+    round: int
+    base_version: int
+    n_samples: int
+
+
+class GlobalHeader(TypedDict):
+    job: str
+    config_digest: str
+    deadline_s: float
+
+
+HEADER: UpdateHeader = {"device": "d00000", "round": 1, "base_version": 0, "n_samples": 50}
+GLOBAL_HEADER: GlobalHeader = {"job": "edgefl", "config_digest": "0123456789ab", "deadline_s": 30.0}
 # What the wire figures assume: the topics of job "edgefl" (--job) with the default prefix, device
 # d00000, QoS 1 for updates, the global model delivered at QoS 0 (devices subscribe at QoS 0,
 # docs/protocol.md), MQTT 3.1.1.
@@ -88,7 +102,7 @@ def comm_cost_report(
     params = SignDSParams(k=k, eps=eps, thr_ratio=thr, dim_out=dim_out, max_dim_out=max_dim_out)
     p = plan(params, dim)
     rng = secure_generator() if rng is None else rng
-    hdr = {
+    hdr: UpdateHeader = {
         "device": HEADER["device"],
         "round": HEADER["round"],
         "base_version": HEADER["base_version"],
@@ -312,10 +326,10 @@ def wire_round_cost(
     ``downlink`` (f32, f16, q8: ``compression.downlink``), and the IP estimates."""
     import numpy as np
 
-    from edge_fl.codecs import build_codec
     from edge_fl.identity import device_id
     from edge_fl.privacy.magrr import MagRRState
     from edge_fl.protocol import DenseUpdate, encode_update
+    from edge_fl.protocol.codecs import build_codec
 
     rng = np.random.default_rng(0) if rng is None else rng
     delta = rng.standard_normal(dim).astype(np.float32)
@@ -338,12 +352,12 @@ def wire_round_cost(
 
 
 def codec_costs(
-    dim: int, delta: Any, hdr: dict[str, Any], rng: Any, topk_fraction: float
+    dim: int, delta: Any, hdr: UpdateHeader, rng: Any, topk_fraction: float
 ) -> dict[str, Any]:
     """Bytes of one update through each uplink codec, per mechanism that accepts it."""
-    from edge_fl.codecs import build_codec, check_combination, codec_names
-    from edge_fl.mechanisms import mechanism_names
+    from edge_fl.mechanisms import check_combination, mechanism_names
     from edge_fl.protocol import DenseUpdate, encode_update
+    from edge_fl.protocol.codecs import build_codec, codec_names
 
     codecs: dict[str, Any] = {}
     by_mechanism: dict[str, dict[str, int | None]] = {m: {} for m in mechanism_names()}

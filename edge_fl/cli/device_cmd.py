@@ -115,6 +115,7 @@ async def _serve(s: dict[str, Any], index: int, retry_forever: bool, wait: float
 
     try:
         spec = parse_broker_url(s["url"])
+        spec.tls_context()  # a missing or unreadable TLS file: said now, not on first connect
     except ValueError as exc:
         raise RuntimeError(str(exc)) from None
     verifier = None

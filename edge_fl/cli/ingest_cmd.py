@@ -138,8 +138,9 @@ class LocalWorkers:
             running = [p for p in self.procs if p.poll() is None]
             if not running:
                 break
-            for proc in running if signal_them else ():
-                getattr(proc, signal_them)()
+            if signal_them is not None:
+                for proc in running:
+                    getattr(proc, signal_them)()
             until = time.monotonic() + deadline
             for proc in running:
                 with contextlib.suppress(subprocess.TimeoutExpired):

@@ -10,13 +10,13 @@ import json
 import math
 import sys
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal
 
 import click
 from rich.console import Console
 from rich.table import Table
 
-from edge_fl.privacy.accountants import DP_ACCOUNTING_VERSION, compose_epsilon
+from edge_fl.privacy.accountants import DP_ACCOUNTING_VERSION, Accountant, compose_epsilon
 from edge_fl.privacy.audit import audit_gaussian, audit_laplace, audit_rr
 from edge_fl.privacy.dpsgd import DpSgdConfig, calibrate_dpsgd_noise_multiplier
 from edge_fl.privacy.events import PrivacyEvent, relation_name
@@ -78,6 +78,10 @@ COUNT = _Int(1)
 SEED = _Int(0)
 
 
+#: the accountants noise calibration searches with (click.Choice guarantees the domain)
+_Calibrating = Literal["rdp", "pld"]
+
+
 def _emit(as_json: bool, title: str, data: dict) -> None:
     if as_json:
         click.echo(json.dumps(data, default=str))
@@ -98,8 +102,8 @@ def _guarded(fn: Callable[[], Any]) -> Any:
         raise click.BadParameter(str(err)) from err
 
 
-def _accounting(events: list[PrivacyEvent], delta: float, accountant: str) -> dict:
-    res = _guarded(lambda: compose_epsilon(events, delta, accountant))  # type: ignore[arg-type]
+def _accounting(events: list[PrivacyEvent], delta: float, accountant: Accountant) -> dict:
+    res = _guarded(lambda: compose_epsilon(events, delta, accountant))
     out: dict = {
         "epsilon": res.epsilon,
         "delta": res.delta,
@@ -134,7 +138,9 @@ def privacy_group() -> None:
 @click.option("--delta", type=OPEN_DELTA, required=True)
 @click.option("--accountant", type=click.Choice(["rdp", "pld"]), default="rdp", show_default=True)
 @_json_opt
-def dpsgd_cmd(sigma: float, q: float, steps: int, delta: float, accountant: str, as_json: bool):
+def dpsgd_cmd(
+    sigma: float, q: float, steps: int, delta: float, accountant: Accountant, as_json: bool
+):
     """Epsilon of DP-SGD: SelfComposed(PoissonSampled(q, Gaussian(sigma)), steps)."""
     ev = _guarded(lambda: DpSgdConfig(1.0, sigma, q).privacy_event(steps))
     out = _accounting([ev], delta, accountant)
@@ -153,7 +159,7 @@ def dpsgd_cmd(sigma: float, q: float, steps: int, delta: float, accountant: str,
     show_default=True,
 )
 @_json_opt
-def laplace_cmd(eps_round: float, rounds: int, delta: float, accountant: str, as_json: bool):
+def laplace_cmd(eps_round: float, rounds: int, delta: float, accountant: Accountant, as_json: bool):
     """Epsilon of ``rounds`` Laplace output-perturbation releases at ``eps-round`` each."""
     cfg = _guarded(lambda: LaplaceConfig(1.0, 1.0, eps_round * rounds, rounds))
     events = [cfg.privacy_event(r) for r in range(rounds)]
@@ -169,7 +175,9 @@ def laplace_cmd(eps_round: float, rounds: int, delta: float, accountant: str, as
 @click.option("--delta", type=OPEN_DELTA, required=True)
 @click.option("--accountant", type=click.Choice(["rdp", "pld"]), default="rdp", show_default=True)
 @_json_opt
-def fedavg_cmd(z: float, q: float, rounds: int, delta: float, accountant: str, as_json: bool):
+def fedavg_cmd(
+    z: float, q: float, rounds: int, delta: float, accountant: Accountant, as_json: bool
+):
     """Epsilon of central DP-FedAvg (device level) over ``rounds`` rounds."""
     ev = _guarded(lambda: central_privacy_event(z, q, rounds))
     out = _accounting([ev], delta, accountant)
@@ -183,7 +191,7 @@ def fedavg_cmd(z: float, q: float, rounds: int, delta: float, accountant: str, a
 @click.option("--delta", type=DELTA, required=True)
 @click.option("--accountant", type=click.Choice(["rdp", "pld"]), default="pld", show_default=True)
 @_json_opt
-def rr_cmd(eps: float, rounds: int, delta: float, accountant: str, as_json: bool):
+def rr_cmd(eps: float, rounds: int, delta: float, accountant: Accountant, as_json: bool):
     """Epsilon of ``rounds`` randomized-response reports (each composed individually)."""
     ev = _guarded(lambda: rr_privacy_event(eps))
     out = _accounting([ev] * rounds, delta, accountant)
@@ -216,12 +224,15 @@ def _calibrated(kind: str, z: float, target: float, delta: float, accountant: st
 @click.option("--accountant", type=click.Choice(["rdp", "pld"]), default="rdp", show_default=True)
 @_json_opt
 def calibrate_dpsgd_cmd(
-    target_eps: float, delta: float, q: float, steps: int, accountant: str, as_json: bool
+    target_eps: float,
+    delta: float,
+    q: float,
+    steps: int,
+    accountant: _Calibrating,
+    as_json: bool,
 ):
     """Noise multiplier sigma for DP-SGD."""
-    z = _guarded(
-        lambda: calibrate_dpsgd_noise_multiplier(target_eps, delta, q, steps, accountant)  # type: ignore[arg-type]
-    )
+    z = _guarded(lambda: calibrate_dpsgd_noise_multiplier(target_eps, delta, q, steps, accountant))
     eps = _accounting([DpSgdConfig(1.0, z, q).privacy_event(steps)], delta, accountant)["epsilon"]
     out = _calibrated("dpsgd", z, target_eps, delta, accountant, epsilon=eps, q=q, steps=steps)
     _emit(as_json, "Calibrated DP-SGD", out)
@@ -235,11 +246,16 @@ def calibrate_dpsgd_cmd(
 @click.option("--accountant", type=click.Choice(["rdp", "pld"]), default="rdp", show_default=True)
 @_json_opt
 def calibrate_fedavg_cmd(
-    target_eps: float, delta: float, q: float, rounds: int, accountant: str, as_json: bool
+    target_eps: float,
+    delta: float,
+    q: float,
+    rounds: int,
+    accountant: _Calibrating,
+    as_json: bool,
 ):
     """Noise multiplier z for central DP-FedAvg."""
     z = _guarded(
-        lambda: calibrate_central_noise_multiplier(target_eps, delta, q, rounds, accountant)  # type: ignore[arg-type]
+        lambda: calibrate_central_noise_multiplier(target_eps, delta, q, rounds, accountant)
     )
     eps = _accounting([central_privacy_event(z, q, rounds)], delta, accountant)["epsilon"]
     out = _calibrated("fedavg", z, target_eps, delta, accountant, epsilon=eps, q=q, rounds=rounds)
@@ -406,7 +422,7 @@ def mechanisms_cmd(as_json: bool) -> None:
     """List the registered privacy mechanisms and what each guarantees."""
     from edge_fl.mechanisms import mechanism_class, mechanism_names
 
-    rows = []
+    rows: list[dict[str, Any]] = []
     for name in mechanism_names():
         cls = mechanism_class(name)
         rows.append(

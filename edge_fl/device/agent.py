@@ -2,9 +2,11 @@
 
 The same core runs thousands of times inside the fleet simulator and once on a Raspberry Pi; the
 runtime around it only moves bytes. An agent answers each (job, round) at most once, so a broker
-redelivering the retained global model (QoS 1 is at-least-once) never produces two updates.
+redelivering the retained global model (QoS 1 is at-least-once) never produces two updates. What
+the device does when a model, an outcome or the end of the job arrives is :meth:`DeviceAgent.handle`
+(the rules: :mod:`edge_fl.device.policy`); :meth:`DeviceAgent.on_global` is the training itself.
 
-An uplink codec (:mod:`edge_fl.codecs`, ``compression.uplink``) encodes a dense update after the
+An uplink codec (:mod:`edge_fl.protocol.codecs`, ``compression.uplink``) encodes a dense update after the
 mechanism has privatised it (post-processing); its state (top-k error feedback) lives here, on
 the device, and advances once per release.
 """
@@ -15,7 +17,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from edge_fl.codecs import Codec, CodecState
+from edge_fl.device.policy import DevicePolicy, DeviceState, Effect, Event
 from edge_fl.mechanisms import Mechanism
 from edge_fl.mechanisms.none import NoPrivacy
 from edge_fl.models.base import Model
@@ -28,16 +30,7 @@ from edge_fl.protocol import (
     encode_status,
     encode_update,
 )
-
-
-@dataclass
-class DeviceState:
-    answered_round: int = -1
-    last_version: int = -1
-    updates_sent: int = 0
-    exposures: int = 0  # privatised releases made so far
-    stopped_reason: str | None = None  # e.g. "budget_exhausted": the device no longer uploads
-    last_release: tuple[int, bytes] | None = None  # (round, payload): kept while its round is open
+from edge_fl.protocol.codecs import Codec, CodecState
 
 
 @dataclass
@@ -91,18 +84,19 @@ class DeviceAgent:
         self.codec = codec
         self.codec_state: CodecState | None = None  # e.g. the top-k error-feedback residual
         self.state = DeviceState()
+        self.policy = DevicePolicy(device_id, self.state)
 
     @property
     def n_samples(self) -> int:
         return len(self.y)
 
+    def handle(self, event: Event) -> list[Effect]:
+        """The effects of ``event`` (:mod:`edge_fl.device.policy`); pure, the runtime does I/O."""
+        return self.policy.handle(event)
+
     def wants(self, msg: GlobalModel) -> bool:
         """Whether this global model asks this device for an update it has not yet given."""
-        if msg.done or self.state.stopped_reason is not None:
-            return False
-        if msg.round <= self.state.answered_round:
-            return False
-        return msg.selects(self.device_id)
+        return self.policy.wants(msg)
 
     def on_global(self, msg: GlobalModel) -> bytes | None:
         """Train on the broadcast model if asked to; return the encoded update or None."""
@@ -140,15 +134,9 @@ class DeviceAgent:
         return encode_update(update, coded=(self.codec.dt, fields))
 
     def pending_for(self, msg: GlobalModel) -> bytes | None:
-        """The update this device released for ``msg``'s round, when that round's model arrives
-        again: the aggregator re-broadcasts an open round after it lost the broker, and a PUBACK
-        from a broker that then died proves nothing. Publishing the same bytes again is no new
-        release, and the aggregator admits (device, round) once (a copy it has is a counted
-        duplicate)."""
-        if self.state.last_release is None or msg.done:
-            return None
-        rnd, payload = self.state.last_release
-        return payload if rnd == msg.round else None
+        """The update this device released for ``msg``'s round (what a re-send publishes, the
+        same bytes: no new release), or None; whether to re-send is :meth:`handle`'s call."""
+        return self.policy.kept_for(msg)
 
     def status(self, online: bool) -> bytes:
         info = {"stopped": self.state.stopped_reason} if self.state.stopped_reason else {}

@@ -14,57 +14,33 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections import Counter
+from collections import deque
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, TypeVar
+from typing import TypeVar
 
 import aiomqtt
 
 from edge_fl.device.agent import DeviceAgent
-from edge_fl.protocol import GlobalModel, GlobalWindow, PayloadRejected, Topics, decode_global
+from edge_fl.device.policy import (
+    Disconnected,
+    Effect,
+    PublishStatus,
+    Resend,
+    Stop,
+    Train,
+    Trained,
+    Upload,
+    Uploaded,
+)
+from edge_fl.device.trust import Trust
+from edge_fl.protocol import Topics
 from edge_fl.transport.url import BrokerSpec
 from edge_fl.transport.wire import WireCounter, attach, ip_bytes
 
-if TYPE_CHECKING:
-    from edge_fl.protocol.signing import Verifier
+__all__ = ["Trust", "log_wire", "permanent_refusal", "retry_broker", "run_device"]
 
 log = logging.getLogger("edge_fl.device")
 T = TypeVar("T")
-
-
-@dataclass
-class Trust:
-    """What a device accepts as the aggregator's word: a signature (when a key is configured),
-    the model's parameter count, and a round/version window (``edge_fl.protocol.window``)."""
-
-    verifier: Verifier | None = None
-    window: GlobalWindow = field(default_factory=GlobalWindow)
-    rejected: Counter = field(default_factory=Counter)
-    #: a round of this run was seen: a retained end-of-job marker is then this run's end (the
-    #: device was away when it was published), not an earlier run's left on the broker
-    joined: bool = False
-
-    def admit(self, payload: bytes, topics: Topics, expected_dim: int) -> GlobalModel | None:
-        """The decoded global message, or None (counted, logged) if it must be ignored."""
-        try:
-            msg = decode_global(payload, verifier=self.verifier, expected_dim=expected_dim)
-            if msg.job != topics.job:
-                return None
-            rejection = self.window.accept(msg)
-            if rejection is not None:
-                raise rejection
-        except PayloadRejected as exc:
-            self.rejected[exc.reason] += 1
-            seen = self.rejected[exc.reason]
-            if seen <= 3 or seen % 1000 == 0:  # a flood is a count, not a flood of log lines
-                log.warning(
-                    "ignoring a global model (%s, %d so far): %s", exc.reason, seen, exc.detail
-                )
-            return None
-        if not msg.done:
-            self.joined = True
-        return msg
 
 
 def log_wire(wire: WireCounter, what: str, counts: dict[str, int] | None = None) -> None:
@@ -113,47 +89,63 @@ async def _session(
             payload = message.payload
             if not isinstance(payload, bytes | bytearray) or not payload:
                 continue
-            msg = trust.admit(bytes(payload), topics, agent.model.n_params)
-            if msg is None:
+            event = trust.receive(
+                bytes(payload),
+                topics,
+                agent.model.n_params,
+                retained=bool(message.retain),
+                digest=digest,
+            )
+            if event is None:
                 continue
-            if msg.done:
-                if message.retain and not trust.joined:
-                    continue  # an earlier run's end marker
-                await client.publish(
-                    topics.status(agent.device_id), agent.status(False), qos=1, retain=True
-                )
+            if await _execute(agent, client, topics, agent.handle(event)):
                 return True
-            if digest and msg.config_digest and msg.config_digest != digest:
-                log.error(
-                    "round %d: the aggregator's config digest %s differs from this device's %s "
-                    "(model, data, training or privacy settings disagree); not training",
-                    msg.round,
-                    msg.config_digest,
-                    digest,
-                )
-                continue
-            resend = agent.pending_for(msg)
-            if resend is not None:  # released before the connection dropped: deliver it now
-                await client.publish(topics.update(agent.device_id), resend, qos=1)
-                log.info("round %d: re-sent %d bytes (round re-broadcast)", msg.round, len(resend))
-                continue
-            stopped_before = agent.state.stopped_reason
-            try:
-                update = await asyncio.to_thread(agent.on_global, msg)
-            except Exception:  # e.g. a model with extreme values: skip the round, stay up
-                log.exception("round %d: training failed; this round is skipped", msg.round)
-                continue
-            if agent.state.stopped_reason != stopped_before:
-                log.warning("device %s stops: %s", agent.device_id, agent.state.stopped_reason)
-                await client.publish(
-                    topics.status(agent.device_id), agent.status(True), qos=1, retain=True
-                )
-            if update is not None:
-                await client.publish(topics.update(agent.device_id), update, qos=1)
-                log.info("round %d: sent %d bytes", msg.round, len(update))
             # since the previous round's line: this round's model, update and acks (the update's
             # PUBACK, still on its way, falls into the next line)
-            log_wire(wire, f"round {msg.round}", wire.take())
+            log_wire(wire, f"round {event.msg.round}", wire.take())
+    return False
+
+
+async def _execute(
+    agent: DeviceAgent, client: aiomqtt.Client, topics: Topics, effects: list[Effect]
+) -> bool:
+    """Carry out the policy's effects (and those their outcomes bring); True on Stop."""
+    try:
+        return await _carry_out(agent, client, topics, deque(effects))
+    except BaseException:  # the session dropped mid-way: what was released is kept
+        agent.handle(Disconnected())
+        raise
+
+
+async def _carry_out(
+    agent: DeviceAgent, client: aiomqtt.Client, topics: Topics, todo: deque[Effect]
+) -> bool:
+    while todo:
+        effect = todo.popleft()
+        if isinstance(effect, Train):
+            msg = effect.msg
+            try:
+                payload = await asyncio.to_thread(agent.on_global, msg)
+            except Exception:  # e.g. a model with extreme values: skip the round, stay up
+                log.exception("round %d: training failed; this round is skipped", msg.round)
+                payload = None
+            todo.extend(agent.handle(Trained(msg, payload)))
+        elif isinstance(effect, Upload):
+            await client.publish(topics.update(agent.device_id), effect.payload, qos=1)
+            todo.extend(agent.handle(Uploaded(effect.round)))
+            log.info("round %d: sent %d bytes", effect.round, len(effect.payload))
+        elif isinstance(effect, Resend):  # released before, the round came again: deliver it
+            await client.publish(topics.update(agent.device_id), effect.payload, qos=1)
+            log.info(
+                "round %d: re-sent %d bytes (round re-broadcast)", effect.round, len(effect.payload)
+            )
+        elif isinstance(effect, PublishStatus):
+            if effect.online and agent.state.stopped_reason:
+                log.warning("device %s stops: %s", agent.device_id, agent.state.stopped_reason)
+            status = agent.status(effect.online)
+            await client.publish(topics.status(agent.device_id), status, qos=1, retain=True)
+        elif isinstance(effect, Stop):
+            return True
     return False
 
 

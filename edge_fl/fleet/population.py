@@ -185,6 +185,9 @@ class Population:
 # ---------------------------------------------------------------------- agents and the fleet
 
 
+_NO_ROWS = np.empty((0,), dtype=np.float32)
+
+
 class LazyDataAgent(DeviceAgent):
     """A device agent whose samples are drawn from the seed the first time it trains."""
 
@@ -193,15 +196,16 @@ class LazyDataAgent(DeviceAgent):
     ) -> None:
         self._index, self._n, self._load = index, int(n_samples), load
         self._data: tuple[np.ndarray, np.ndarray] | None = None
-        super().__init__(device, None, None, *args, **kw)  # type: ignore[arg-type]
+        # X and y below are read from the seed on first use; their setters ignore these
+        super().__init__(device, _NO_ROWS, _NO_ROWS, *args, **kw)
 
     def _samples(self) -> tuple[np.ndarray, np.ndarray]:
         if self._data is None:
             self._data = self._load(self._index)
         return self._data
 
-    X = property(lambda self: self._samples()[0], lambda self, _v: None)  # type: ignore[assignment]
-    y = property(lambda self: self._samples()[1], lambda self, _v: None)  # type: ignore[assignment]
+    X = property(lambda self: self._samples()[0], lambda self, _v: None)
+    y = property(lambda self: self._samples()[1], lambda self, _v: None)
 
     @property
     def n_samples(self) -> int:
@@ -216,14 +220,17 @@ class LazyDataAgent(DeviceAgent):
 def population_agents(job: Job, indices: np.ndarray) -> list[DeviceAgent]:
     """Agents for the devices ``indices`` (the online ones), built like :meth:`Job.agent`, each
     drawing its data lazily: a device that is never asked to train never draws it."""
+    from edge_fl.data.lazy_synthetic import LazyFederatedDataset
     from edge_fl.device.agent import DeviceBudget
     from edge_fl.identity import STREAM_DEVICE, device_id
     from edge_fl.models.training import LocalTraining
 
     dataset = job.dataset
+    if not isinstance(dataset, LazyFederatedDataset):
+        raise TypeError(f"a population draws its data lazily, not from {type(dataset).__name__}")
     t, p = job.cfg.training, job.cfg.privacy
     enforce = job.private and p.budget_epsilon is not None
-    agents = []
+    agents: list[DeviceAgent] = []
     for index in indices.tolist():
         rng, _ = job.rng(STREAM_DEVICE, index)
         agents.append(
@@ -258,11 +265,14 @@ STREAM_ONLINE = 6
 
 def online_devices(job: Job, population: Population) -> np.ndarray:
     """The devices holding sessions in this run: the same in every shard process (seeded)."""
+    wanted = job.cfg.population.online
+    if wanted is None:
+        raise ValueError("population.online is not set: there is no population model")
     rng = np.random.default_rng([job.cfg.seed, STREAM_ONLINE])
-    online = population.choose_online(job.clock.start_s, job.cfg.population.online, rng)
-    if online.size < job.cfg.population.online:
+    online = population.choose_online(job.clock.start_s, wanted, rng)
+    if online.size < wanted:
         raise ValueError(
-            f"population.online = {job.cfg.population.online} but only {online.size} of the "
+            f"population.online = {wanted} but only {online.size} of the "
             f"{len(population)} devices are available at hour {job.cfg.fleet.start_hour:g}"
         )
     return online

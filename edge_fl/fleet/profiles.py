@@ -64,6 +64,7 @@ __all__ = [
     "ProfileError",
     "RandomOnOff",
     "TierSpec",
+    "UnknownProfileError",
     "available_profiles",
     "load_profile",
 ]
@@ -427,6 +428,19 @@ class ProfileError(ValueError):
         super().__init__(f"invalid fleet profile {source}:\n  " + "\n  ".join(problems))
 
 
+class UnknownProfileError(ProfileError):
+    """A profile name that is neither a packaged profile nor a YAML file's path."""
+
+    def __init__(self, name: str) -> None:
+        self.source = name
+        self.problems = ["no such packaged profile, and not a path to a .yaml file"]
+        ValueError.__init__(
+            self,
+            f"fleet profile {name!r} is neither a YAML file nor a packaged profile; packaged "
+            f"profiles: {', '.join(available_profiles())}",
+        )
+
+
 @dataclass(frozen=True)
 class _Domain:
     lo: float
@@ -713,7 +727,10 @@ class TierSpec(_Strict):
             d_upload.tolist(),
             strict=True,
         )
-        return [DeviceProfile(*row, tier=self.name) for row in cols]
+        return [
+            DeviceProfile(c, u, d, lat, av, dt, du, tier=self.name)
+            for c, u, d, lat, av, dt, du in cols
+        ]
 
 
 _SHARE_TOL = 1e-6
@@ -792,7 +809,9 @@ class FleetProfile(_Strict):
             idx = np.flatnonzero(tier_of == j)
             for i, dev in zip(idx.tolist(), tier.sample(rng, idx.size), strict=True):
                 out[i] = dev
-        return out  # type: ignore[return-value]
+        devices = [dev for dev in out if dev is not None]
+        assert len(devices) == len(out)  # tier_of gives every device exactly one tier
+        return devices
 
     def expected_available_fraction(self) -> float:
         """Share-weighted long-run availability (what over-selection has to compensate)."""
@@ -839,7 +858,7 @@ class _UniqueKeyLoader(yaml.SafeLoader):
     def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
         seen: set[Any] = set()
         for key_node, _ in node.value:
-            key = self.construct_object(key_node, deep=deep)  # type: ignore[no-untyped-call]
+            key = self.construct_object(key_node, deep=deep)
             if key in seen:
                 raise yaml.constructor.ConstructorError(
                     None, None, f"duplicate key {key!r}", key_node.start_mark
@@ -877,8 +896,5 @@ def load_profile(name_or_path: str | os.PathLike[str]) -> FleetProfile:
         return FleetProfile.from_yaml(s)
     entry = _packaged_dir().joinpath(f"{s}.yaml")
     if not entry.is_file():
-        raise ValueError(
-            f"load_profile: name_or_path={s!r} is neither a file path nor a packaged profile; "
-            f"packaged profiles: {available_profiles()}"
-        )
+        raise UnknownProfileError(s)
     return FleetProfile.from_yaml_text(entry.read_text(encoding="utf-8"), f"{s} (packaged)")

@@ -20,8 +20,11 @@ payload, no packet id, no PUBACK), sized exactly by ``mqtt_packet_bytes``. With
 ``device_downlink=True`` every device subscribes and receives the model on its own session instead
 (everything measured; the broker sends one copy per device).
 
-A device session that drops while the downlink stays up (a cluster node died under it) is
-re-opened on its own (``_watch_sessions``), and the device's update for the newest round re-sent.
+What each device does with a model is its own policy's call (``DeviceAgent.handle``,
+:mod:`edge_fl.device.policy`, the same rules as a single device's runtime); the fleet carries out
+the effects in modelled time. A device session that drops while the downlink stays up (a cluster
+node died under it) is re-opened on its own (``_watch_sessions``) and handed the newest model
+again, as its own subscription would get the retained one: a selected device re-sends its update.
 """
 
 from __future__ import annotations
@@ -30,13 +33,27 @@ import asyncio
 import contextlib
 import logging
 import socket
+from collections import deque
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 
 import aiomqtt
 
 from edge_fl.device.agent import DeviceAgent
-from edge_fl.device.runtime import Trust
+from edge_fl.device.policy import (
+    Disconnected,
+    Effect,
+    Event,
+    JobEnded,
+    ModelArrived,
+    PublishStatus,
+    Resend,
+    Train,
+    Trained,
+    Upload,
+    Uploaded,
+)
+from edge_fl.device.trust import Trust
 from edge_fl.fleet.clock import SimClock
 from edge_fl.fleet.profiles import AlwaysAvailable, DeviceProfile
 from edge_fl.protocol import GlobalModel, Topics
@@ -108,9 +125,10 @@ class Fleet:
         self.client_prefix = client_prefix or f"edgefl-{topics.job}"
         self.clients: dict[str, aiomqtt.Client] = {}
         self.crashed: set[str] = set()
-        self.published = 0
+        self.published = 0  # distinct updates that reached the broker (first send or re-send)
         self.publish_failures = 0
-        self.resent = 0  # updates published again after a lost connection
+        self.resent = 0  # updates published again (the round came again, a session re-opened)
+        self._delivered_round: dict[str, int] = {}  # device: round of its last delivered update
         self.device_errors = 0
         self.connected = asyncio.Event()
         self.profiles = profiles or {}
@@ -118,14 +136,13 @@ class Fleet:
         self.dropout = dropout  # overrides the profiles' training dropout when set
         self.dropouts = 0
         self.unavailable: set[str] = set()  # devices outside their availability window
-        self._busy: set[str] = set()
         self._closing = False
         self.digest = digest
         self.max_reconnects = 10
         self.reconnect_attempt = 0
-        self._pending: dict[str, GlobalModel] = {}  # newest model that arrived while busy
         self._pool = ThreadPoolExecutor(max_workers=train_workers, thread_name_prefix="train")
         self._tasks: set[asyncio.Task] = set()
+        self._work: set[asyncio.Task] = set()  # devices' download, training and upload
         self.link: LinkModel = DEFAULT_LINK
         self.device_downlink = False  # True: each device subscribes to the model on its session
         self.wire: dict[str, WireCounter] = {}  # per device, across its reconnects
@@ -141,6 +158,7 @@ class Fleet:
         self._reopening: set[str] = set()
         self._retry_at: dict[str, tuple[float, int]] = {}  # device: (next try, failures)
         self._last_msg: GlobalModel | None = None  # the newest model handed out
+        self._last_model_bytes = 0
 
     def use_credentials(self, device_specs: dict[str, BrokerSpec]) -> None:
         """Connect each device with its own spec (its MQTT user); before `run`."""
@@ -294,98 +312,126 @@ class Fleet:
             return bool(agent.rng.random() < self.dropout)
         return profile is not None and profile.draw_dropout(agent.rng) is not None
 
-    async def _serve(self, agent: DeviceAgent, msg: GlobalModel, model_bytes: int) -> None:
-        """Download, train, upload, in modelled time; then serve a newer model if one came."""
-        device = agent.device_id
-        self._busy.add(device)
-        try:
-            while msg is not None:
-                await self._serve_one(agent, msg, model_bytes)
-                msg = self._pending.pop(device, None)
-                if msg is not None and not agent.wants(msg):
-                    msg = None
-        finally:
-            self._busy.discard(device)
+    def _hand(self, agent: DeviceAgent, event: Event, model_bytes: int) -> None:
+        """Give one device an event; carry out what its policy answers in a task of its own."""
+        effects = agent.handle(event)
+        if effects:
+            task = asyncio.create_task(self._carry_out(agent, deque(effects), model_bytes))
+            self._work.add(task)
+            task.add_done_callback(self._work.discard)
 
-    async def _serve_one(self, agent: DeviceAgent, msg: GlobalModel, model_bytes: int) -> None:
-        device = agent.device_id
-        profile = self.profiles.get(device)
-        if profile is not None:
-            await self.clock.sleep(profile.download_time(model_bytes))
-        if device in self.unavailable or device in self.crashed:
-            return
-        loop = asyncio.get_running_loop()
-        stopped_before = agent.state.stopped_reason
+    async def settled(self) -> None:
+        """Wait until no device is downloading, training or uploading."""
+        while self._work:
+            await asyncio.gather(*list(self._work), return_exceptions=True)
+
+    async def _carry_out(self, agent: DeviceAgent, todo: deque[Effect], model_bytes: int) -> None:
+        """The device's effects, in modelled time (download, train, upload), and those their
+        outcomes bring (the next queued model); the device's policy keeps it to one at a time."""
         try:
-            payload = await loop.run_in_executor(self._pool, agent.on_global, msg)
-        except Exception:
-            self.device_errors += 1
-            log.exception("device %s failed in round %d", device, msg.round)
-            return
-        client = self.clients.get(device)
-        if client is None or device in self.crashed:
-            return
-        try:
-            if agent.state.stopped_reason != stopped_before:
-                # e.g. its privacy budget is spent: tell the aggregator not to select it again
-                await client.publish(
-                    self.topics.status(device), agent.status(True), qos=1, retain=True
-                )
-            if payload is None:
-                return
-            if profile is not None:
-                await self.clock.sleep(profile.compute_time(agent.n_samples, agent.training.epochs))
-            if self._drops(agent, profile) or device in self.unavailable:
-                self.dropouts += 1
-                return
-            if profile is not None:
-                await self.clock.sleep(profile.upload_time(len(payload)))
-            await client.publish(self.topics.update(device), payload, qos=1)
-            self.published += 1
+            while todo:
+                effect = todo.popleft()
+                if isinstance(effect, Train):
+                    todo.extend(agent.handle(await self._train(agent, effect.msg, model_bytes)))
+                elif isinstance(effect, Upload):
+                    todo.extend(agent.handle(await self._upload(agent, effect)))
+                elif isinstance(effect, Resend):
+                    await self._resend(agent, effect)
+                elif isinstance(effect, PublishStatus):
+                    await self._publish_status(agent, effect.online)
         except aiomqtt.MqttError as exc:
+            agent.handle(Disconnected())  # what it released is kept, to re-send
             if self._closing:
                 return  # the job is over and connections are closing
             self.publish_failures += 1
             self._session_lost.set()  # re-open the session now; the update is re-sent then
             log.warning(
                 "device %s could not publish (re-sent if the round is re-broadcast): %s",
-                device,
+                agent.device_id,
                 exc,
             )
+        except BaseException:
+            agent.handle(Disconnected())
+            raise
 
-    async def _resend(self, agent: DeviceAgent, payload: bytes) -> None:
+    async def _train(self, agent: DeviceAgent, msg: GlobalModel, model_bytes: int) -> Trained:
+        """Download (modelled), then train in the pool: the Train effect's outcome."""
+        device = agent.device_id
+        profile = self.profiles.get(device)
+        if profile is not None:
+            await self.clock.sleep(profile.download_time(model_bytes))
+        if device in self.unavailable or device in self.crashed:
+            return Trained(msg, None)  # gone before it could train: the round stays unanswered
+        loop = asyncio.get_running_loop()
+        try:
+            payload = await loop.run_in_executor(self._pool, agent.on_global, msg)
+        except Exception:
+            self.device_errors += 1
+            log.exception("device %s failed in round %d", device, msg.round)
+            return Trained(msg, None)
+        if device in self.crashed:
+            return Trained(msg, None)
+        return Trained(msg, payload)
+
+    async def _upload(self, agent: DeviceAgent, effect: Upload) -> Uploaded:
+        """Compute and upload (modelled), a dropout drawn per round, then publish."""
+        device = agent.device_id
+        profile = self.profiles.get(device)
+        if profile is not None:
+            await self.clock.sleep(profile.compute_time(agent.n_samples, agent.training.epochs))
+        if self._drops(agent, profile) or device in self.unavailable:
+            self.dropouts += 1
+            return Uploaded(effect.round, dropped=True)
+        if profile is not None:
+            await self.clock.sleep(profile.upload_time(len(effect.payload)))
+        if device in self.crashed:
+            return Uploaded(effect.round, dropped=True)
+        client = self.clients.get(device)
+        if client is None:  # its session is being re-opened: re-sent then
+            self._session_lost.set()
+            return Uploaded(effect.round)
+        await client.publish(self.topics.update(device), effect.payload, qos=1)
+        self._delivered(device, effect.round)
+        return Uploaded(effect.round)
+
+    async def _resend(self, agent: DeviceAgent, effect: Resend) -> None:
         """Publish this round's update again: the aggregator re-broadcast the round."""
         client = self.clients.get(agent.device_id)
-        if client is None:
+        if client is None or agent.device_id in self.crashed:
             return
-        try:
-            await client.publish(self.topics.update(agent.device_id), payload, qos=1)
-        except aiomqtt.MqttError as exc:
-            log.warning("device %s could not re-send: %s", agent.device_id, exc)
-            self._session_lost.set()
-            return
+        await client.publish(self.topics.update(agent.device_id), effect.payload, qos=1)
         self.resent += 1
+        self._delivered(agent.device_id, effect.round)
+
+    def _delivered(self, device: str, rnd: int) -> None:
+        """Count an update the first time it reaches the broker, by its first send or a re-send
+        (one whose first publish failed counts when a re-send gets it through)."""
+        if self._delivered_round.get(device) != rnd:
+            self._delivered_round[device] = rnd
+            self.published += 1
+
+    async def _publish_status(self, agent: DeviceAgent, online: bool) -> None:
+        client = self.clients.get(agent.device_id)
+        if client is None or agent.device_id in self.crashed:
+            return
+        status = agent.status(online)
+        await client.publish(self.topics.status(agent.device_id), status, qos=1, retain=True)
 
     def _spawn(self, coro) -> None:
         task = asyncio.create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    def _on_global(self, msg: GlobalModel, model_bytes: int) -> None:
+    def hand_out(self, msg: GlobalModel, model_bytes: int) -> None:
+        """Hand an admitted model to every device that is there to receive it (what the shared
+        downlink does with each; ``model_bytes``: its size, for the modelled download)."""
         self._last_msg = msg
+        self._last_model_bytes = model_bytes
+        event = ModelArrived(msg)
         for device, agent in self.agents.items():
-            if device in self.crashed:
+            if device in self.crashed or device in self.unavailable:
                 continue
-            resend = agent.pending_for(msg)
-            if resend is not None and device not in self._busy:
-                self._spawn(self._resend(agent, resend))
-                continue
-            if device in self.unavailable or not agent.wants(msg):
-                continue
-            if device in self._busy:
-                self._pending[device] = msg  # train on the newest model when done
-                continue
-            self._spawn(self._serve(agent, msg, model_bytes))
+            self._hand(agent, event, model_bytes)
 
     async def _availability(self, agent: DeviceAgent, profile: DeviceProfile) -> None:
         """Follow the device's availability model: offline status outside its windows."""
@@ -455,23 +501,18 @@ class Fleet:
             payload = message.payload
             if not isinstance(payload, bytes | bytearray) or not payload:
                 continue  # cleared retained message: no model yet
-            msg = self.trust.admit(bytes(payload), self.topics, self.n_params)
-            if msg is None:
+            event = self.trust.receive(
+                bytes(payload),
+                self.topics,
+                self.n_params,
+                retained=bool(message.retain),
+                digest=self.digest,
+            )
+            if event is None:
                 continue
-            if msg.done:
-                if message.retain and not self.trust.joined:
-                    continue  # the end of an earlier run of this job id
-                return True
-            if self.digest and msg.config_digest != self.digest:
-                log.error(
-                    "version %d: the aggregator's config digest %s differs from this "
-                    "fleet's %s (model, data, training or privacy disagree); not training",
-                    msg.version,
-                    msg.config_digest,
-                    self.digest,
-                )
-                continue
-            self._on_global(msg, len(payload))
+            if isinstance(event, JobEnded):
+                return True  # every device says offline when the fleet leaves
+            self.hand_out(event.msg, len(payload))
         return False
 
     async def _reconnect_devices(self) -> None:
@@ -526,11 +567,10 @@ class Fleet:
             self._retry_at.pop(device, None)
             self.reopened += 1
             log.info("device %s: session re-opened", device)
-            agent = self.agents[device]
             msg = self._last_msg
-            resend = agent.pending_for(msg) if msg is not None else None
-            if resend is not None and device not in self._busy and not self._closing:
-                await self._resend(agent, resend)
+            if msg is not None and device not in self.unavailable and not self._closing:
+                # what its own subscription would get on the new session: the retained model
+                self._hand(self.agents[device], ModelArrived(msg), self._last_model_bytes)
         finally:
             self._reopening.discard(device)
 
@@ -583,7 +623,7 @@ class Fleet:
                         await self._reconnect_devices()
                     except aiomqtt.MqttError:
                         continue
-            for task in list(self._tasks):
+            for task in [*self._tasks, *self._work]:
                 task.cancel()  # availability loops and stragglers: the job is over
         finally:
             self._closing = True

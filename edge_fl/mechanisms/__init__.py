@@ -1,19 +1,33 @@
-"""The mechanism registry: the one place that maps a mechanism's name to its module.
+"""The mechanism registry: the one place that maps a mechanism's name to its class.
 
-A mechanism is one module in this package that defines ``MECHANISM``, a subclass of
-:class:`~edge_fl.mechanisms.base.Mechanism` whose ``name`` is the module name with ``_`` as ``-``
-(``gaussian_central`` -> ``gaussian-central``). Modules are imported only when asked for, so a
-device running without privacy never imports dp-accounting. Adding a mechanism is adding a module.
+A mechanism is a subclass of :class:`~edge_fl.mechanisms.base.Mechanism`; the built-in ones live
+in this package, one module each, and are registered here. :func:`register_mechanism` adds one
+defined anywhere else (a researcher's own), after which everything that looks mechanisms up by
+name finds it: ``privacy.mechanism`` in a job, the device agents, the aggregator, the ledger and
+``edge-fl privacy mechanisms``. Registering a mechanism also registers its public-parameter
+schema with the wire layer (:func:`edge_fl.protocol.params.register_schema`), which validates
+every global message's ``mp`` through it without knowing any mechanism.
+
+Which uplink codec is sound with which mechanism is decided here, when a job is assembled
+(:func:`check_combination`, :func:`accepted_tags`), by asking the mechanism
+(``Mechanism.accepts_codec``); the wire layer is handed the accepted tags as data.
 """
 
 from __future__ import annotations
 
-import importlib
-import pkgutil
-from functools import cache
+import re
 from typing import TYPE_CHECKING
 
 from edge_fl.mechanisms.base import Device, Guarantee, JobFacts, Mechanism, Strategy
+from edge_fl.mechanisms.dpsgd import DpSgd
+from edge_fl.mechanisms.gaussian import LocalGaussian
+from edge_fl.mechanisms.gaussian_central import CentralGaussian
+from edge_fl.mechanisms.laplace import Laplace
+from edge_fl.mechanisms.nbafl import NbAfl
+from edge_fl.mechanisms.none import NoPrivacy
+from edge_fl.mechanisms.signds import SignDS
+from edge_fl.protocol.codecs import codec_class, codec_tags
+from edge_fl.protocol.params import register_schema
 
 if TYPE_CHECKING:
     from edge_fl.config import PrivacyConfig
@@ -25,41 +39,85 @@ __all__ = [
     "Mechanism",
     "Strategy",
     "UnknownMechanismError",
+    "accepted_tags",
     "build_mechanism",
+    "check_combination",
     "mechanism_class",
     "mechanism_names",
+    "register_mechanism",
 ]
 
-_NOT_MECHANISMS = {"base", "exact_sum"}
+#: the names ``privacy.mechanism`` accepts (config.py's pattern)
+NAME = re.compile(r"^[a-z][a-z0-9-]{0,31}$")
+
+_REGISTRY: dict[str, type[Mechanism]] = {}
 
 
 class UnknownMechanismError(ValueError):
     pass
 
 
-@cache
+def register_mechanism(name: str, mechanism_class: type[Mechanism]) -> type[Mechanism]:
+    """Register ``mechanism_class`` (a :class:`Mechanism` subclass whose ``name`` is ``name``)
+    and its wire schema; returns it. Registering the same class again is a no-op; another class
+    under a taken name, or a malformed one, is a ValueError."""
+    if not (isinstance(mechanism_class, type) and issubclass(mechanism_class, Mechanism)):
+        raise ValueError(f"{mechanism_class!r} is not a Mechanism subclass")
+    if type(name) is not str or not NAME.fullmatch(name):
+        raise ValueError(f"mechanism name {name!r} is not of a-z, 0-9 and -, 1-32 characters")
+    if mechanism_class.name != name:
+        raise ValueError(
+            f"{mechanism_class.__name__} is named {mechanism_class.name!r}, not {name!r} "
+            "(set its class attribute name)"
+        )
+    if mechanism_class.wire_kind not in ("u", "s"):
+        raise ValueError(f"mechanism {name!r}: wire_kind {mechanism_class.wire_kind!r} is not u/s")
+    taken = _REGISTRY.get(name)
+    if taken is not None and taken is not mechanism_class:
+        raise ValueError(f"mechanism {name!r} is already registered ({taken.__name__})")
+    register_schema(mechanism_class.wire_schema(codec_tags()))
+    _REGISTRY[name] = mechanism_class
+    return mechanism_class
+
+
+for _builtin in (NoPrivacy, DpSgd, LocalGaussian, CentralGaussian, Laplace, NbAfl, SignDS):
+    register_mechanism(_builtin.name, _builtin)
+
+
 def mechanism_names() -> tuple[str, ...]:
-    """Every registered mechanism's name (module names, no import)."""
-    found = [
-        m.name.replace("_", "-")
-        for m in pkgutil.iter_modules(__path__)
-        if not m.name.startswith("_") and m.name not in _NOT_MECHANISMS
-    ]
-    return tuple(sorted(found, key=lambda n: (n != "none", n)))
+    """Every registered mechanism's name, ``none`` first, then alphabetical."""
+    return tuple(sorted(_REGISTRY, key=lambda n: (n != "none", n)))
 
 
 def mechanism_class(name: str) -> type[Mechanism]:
-    if name not in mechanism_names():
+    cls = _REGISTRY.get(name)
+    if cls is None:
         raise UnknownMechanismError(
             f"unknown privacy mechanism {name!r}; one of: {', '.join(mechanism_names())}"
         )
-    module = importlib.import_module(f"{__name__}.{name.replace('-', '_')}")
-    cls = module.MECHANISM
-    if cls.name != name:
-        raise RuntimeError(f"module {module.__name__} registers {cls.name!r}, not {name!r}")
     return cls
 
 
 def build_mechanism(cfg: PrivacyConfig, facts: JobFacts) -> Mechanism:
     """The configured mechanism, calibrated for this job. ValueError names a bad setting."""
     return mechanism_class(cfg.mechanism)(cfg, facts)
+
+
+def check_combination(mechanism: str, codec: str) -> str | None:
+    """Why uplink ``codec`` cannot carry ``mechanism``'s updates, or None when the combination is
+    sound. Asks the mechanism (``Mechanism.accepts_codec``); an unknown codec is an
+    UnknownCodecError, an unknown mechanism is not this function's to report (None: the job
+    build names it)."""
+    codec_class(codec)
+    if mechanism not in _REGISTRY:
+        return None
+    return _REGISTRY[mechanism].accepts_codec(codec)
+
+
+def accepted_tags(mechanism: str | None) -> frozenset[str]:
+    """Wire tags of the codecs whose dense updates a job running ``mechanism`` accepts (None:
+    every registered codec): the job's ``UpdateLimits.codecs``."""
+    tags = codec_tags()
+    if mechanism is None:
+        return frozenset(tags)
+    return frozenset(dt for dt, name in tags.items() if check_combination(mechanism, name) is None)

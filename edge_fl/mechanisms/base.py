@@ -4,13 +4,14 @@ A mechanism owns both halves of a release and its cost: the device rule (train, 
 the update), the server strategy (fold updates, finish the round, carry typed state), the
 dp-accounting events per release and per round, the wire kind of its updates, and the text of its
 guarantee. Device agents, the aggregator, the ledger, the CLI and the reports only talk to this
-interface; the registry (``edge_fl.mechanisms``) is the one place that maps names to modules.
+interface; the registry (``edge_fl.mechanisms``) is the one place that maps names to classes.
 
 Pure: rules and strategies take an injected generator and never touch sockets or clocks.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
@@ -18,12 +19,18 @@ import numpy as np
 
 from edge_fl.mechanisms.exact_sum import ExactSum
 from edge_fl.models.training import LocalTraining, local_sgd
-from edge_fl.protocol import DenseUpdate, GlobalModel, Update
+from edge_fl.protocol import DenseUpdate, GlobalModel, Update, mechanism_params
+from edge_fl.protocol.codecs import codec_class, codec_names
+from edge_fl.protocol.params import MechanismSchema, ParamSpec
 
 if TYPE_CHECKING:  # dp-accounting is imported only by mechanisms that account
     from edge_fl.config import PrivacyConfig
     from edge_fl.models.base import Model
     from edge_fl.privacy.events import PrivacyEvent
+
+
+#: the meaning of a mechanism's public parameter ``L``
+UPLOADS = "uploads L a device may make before it stops (its budget is spent)"
 
 
 @dataclass(frozen=True)
@@ -135,6 +142,9 @@ class Mechanism:
     #: the strategy runs (and the round counts as a release) even when no update arrived
     acts_on_empty_round: ClassVar[bool] = False
     guarantee: ClassVar[Guarantee] = Guarantee("none", "none", "none")
+    #: the keys of its public parameters ``mp`` besides lr, ep, bs (docs/protocol.md), as
+    #: :meth:`public_extra` fills them; the wire layer validates every global message with them
+    public_schema: ClassVar[tuple[ParamSpec, ...]] = ()
 
     def __init__(self, cfg: PrivacyConfig | None, facts: JobFacts | None) -> None:
         """``None``/``None`` only for the device half of plain FedAvg (no server, no ledger)."""
@@ -191,39 +201,58 @@ class Mechanism:
             return frozenset({"norm_bound", "sample_cap"})
         return frozenset({"norm_bound", "sample_cap", "aggregator"})
 
-    #: uplink codecs that keep a decoded delta within the norm it was sent with (no stochastic
-    #: rounding beyond float16's, no error feedback adding earlier rounds' residuals)
-    NORM_PRESERVING_CODECS: ClassVar[frozenset[str]] = frozenset({"f32", "f16"})
-
     @classmethod
     def accepts_codec(cls, codec: str) -> str | None:
         """Why this mechanism's updates must not travel through uplink codec ``codec``
-        (:mod:`edge_fl.codecs`), or None when the combination is sound. Checked when the config
-        is loaded and by the aggregator's decoder.
+        (:mod:`edge_fl.protocol.codecs`), or None when the combination is sound. Checked when the
+        config is loaded and when the job is assembled (the decoder's accepted tags).
 
         A codec runs on the device after the mechanism: for a local mechanism (the release is
         the privatised delta) it is post-processing, so any codec is sound, error feedback
         included (the residual is a function of earlier, already accounted releases). Votes
         (wire kind other than "u") have their own wire format: no codec. Central noise (a
         mechanism that acts on empty rounds) calibrates to a norm bound the server checks on the
-        delta as it arrives: only codecs that keep that norm (float32, float16 within the
-        server's rounding slack); stochastic quantisation and rotation add noise that pushes a
-        clipped delta over the bound, and top-k error feedback adds the previous rounds'
-        residual to it. Override to say otherwise.
+        delta as it arrives: only codecs that keep that norm (``Codec.preserves_norm``:
+        float32, float16 within the server's rounding slack); stochastic quantisation and
+        rotation add noise that pushes a clipped delta over the bound, and top-k error feedback
+        adds the previous rounds' residual to it. Override to say otherwise.
         """
         if cls.wire_kind != "u":
             return (
                 f"{cls.name} defines its own wire format (updates of kind {cls.wire_kind!r}); "
                 "no uplink codec applies to it: leave compression.uplink unset"
             )
-        if cls.acts_on_empty_round and codec not in cls.NORM_PRESERVING_CODECS:
+        if cls.acts_on_empty_round and not codec_class(codec).preserves_norm:
+            keep = [n for n in codec_names() if codec_class(n).preserves_norm]
             return (
                 f"{cls.name} adds noise calibrated to a clip bound that the server checks on "
                 f"each delta as sent; {codec} changes the delta's norm (stochastic rounding, "
                 "rotation or error feedback) so clipped updates would exceed the bound: use "
-                f"one of {', '.join(sorted(cls.NORM_PRESERVING_CODECS))}"
+                f"one of {', '.join(sorted(keep))}"
             )
         return None
+
+    @classmethod
+    def check_public(cls, mp: Mapping[str, Any], n_params: int | None) -> None:
+        """Cross-field checks of a global message's ``mp`` once every key passed its own
+        (``public_schema``); raise :class:`~edge_fl.protocol.PayloadRejected`. ``n_params``: the
+        model dimension, when known."""
+
+    @classmethod
+    def wire_schema(cls, codec_tags: Mapping[str, str]) -> MechanismSchema:
+        """What the wire layer needs to know of this mechanism (registered with it). ``codec_tags``:
+        the registered codecs (tag -> name); the schema lists the tags of those this mechanism
+        accepts, or None when it accepts them all."""
+        accepted = frozenset(
+            dt for dt, name in codec_tags.items() if cls.accepts_codec(name) is None
+        )
+        return MechanismSchema(
+            name=cls.name,
+            params=cls.public_schema,
+            update_kind=cls.wire_kind,
+            check=cls.check_public,
+            codecs=None if accepted == frozenset(codec_tags) else accepted,
+        )
 
     # --- accounting ----------------------------------------------------------------------
     @property
@@ -260,8 +289,6 @@ class Mechanism:
     def public_params(self) -> dict[str, Any]:
         """What a device needs to run this mechanism, for the signed global message (``mp``,
         docs/protocol.md): the local-training settings plus :meth:`public_extra`."""
-        from edge_fl.protocol import mechanism_params
-
         f = self.facts
         return mechanism_params(
             self.name, lr=f.local_lr, ep=f.local_epochs, bs=f.batch_size, **self.public_extra()

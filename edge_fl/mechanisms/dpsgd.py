@@ -17,10 +17,11 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from edge_fl.mechanisms.base import Device, Guarantee, JobFacts, Mechanism, dense_update
+from edge_fl.mechanisms.base import UPLOADS, Device, Guarantee, JobFacts, Mechanism, dense_update
 from edge_fl.privacy.calibration import calibrated
 from edge_fl.privacy.dpsgd import DpSgdConfig, calibrate_dpsgd_noise_multiplier
 from edge_fl.protocol import GlobalModel, Update
+from edge_fl.protocol.params import MAX_COUNT, int_param, number_param
 
 if TYPE_CHECKING:
     from edge_fl.privacy.events import PrivacyEvent
@@ -33,6 +34,17 @@ class DpSgd(Mechanism):
         "replace_special",
         "approximate",
         ("|D| (the device's sample count; it sets q, the steps and the normaliser)",),
+    )
+    public_schema = (
+        number_param("clip", True, "L2 clip bound of each per-example gradient", 0),
+        number_param(
+            "z",
+            False,
+            "noise multiplier sigma; absent: calibrated per dataset size (Python only)",
+            0,
+        ),
+        number_param("q", False, "Poisson sampling rate; absent: min(1, bs / dataset size)", 0, 1),
+        int_param("L", False, UPLOADS + "; absent: no limit", 1, MAX_COUNT),
     )
 
     def __init__(self, cfg: Any, facts: JobFacts) -> None:
@@ -111,6 +123,3 @@ class DpSgd(Mechanism):
             "q": c.sample_rate,
             "L": self.max_exposures(),
         }
-
-
-MECHANISM = DpSgd

@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from edge_fl.mechanisms.base import (
+    UPLOADS,
     Device,
     Guarantee,
     JobFacts,
@@ -20,6 +21,7 @@ from edge_fl.mechanisms.base import (
 from edge_fl.privacy.calibration import calibrated
 from edge_fl.privacy.gaussian import LocalGaussianConfig, calibrate_local_noise_multiplier
 from edge_fl.protocol import GlobalModel, Update
+from edge_fl.protocol.params import MAX_COUNT, int_param, number_param
 
 if TYPE_CHECKING:
     from edge_fl.privacy.events import PrivacyEvent
@@ -28,6 +30,13 @@ if TYPE_CHECKING:
 class LocalGaussian(Mechanism):
     name = "gaussian"
     guarantee = Guarantee("device", "replace_one", "approximate")
+    public_schema = (
+        number_param("clip", True, "L2 clip bound S of the delta", 0),
+        number_param(
+            "z", True, "noise multiplier z: the device adds N(0, (z S)^2) per coordinate", 0
+        ),
+        int_param("L", False, UPLOADS + "; absent: no limit", 1, MAX_COUNT),
+    )
 
     def __init__(self, cfg: Any, facts: JobFacts) -> None:
         super().__init__(cfg, facts)
@@ -66,6 +75,3 @@ def _calibrated(cfg: Any, rounds: int) -> float:
         )
     args = (cfg.epsilon, cfg.delta, rounds)
     return calibrated("gaussian", args, lambda: calibrate_local_noise_multiplier(*args))
-
-
-MECHANISM = LocalGaussian

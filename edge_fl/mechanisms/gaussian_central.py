@@ -29,6 +29,7 @@ from edge_fl.mechanisms.exact_sum import ExactSum
 from edge_fl.privacy.calibration import calibrated
 from edge_fl.privacy.gaussian import CentralGaussianConfig, calibrate_central_noise_multiplier
 from edge_fl.protocol import DenseUpdate, GlobalModel, PayloadRejected, Reject, Update
+from edge_fl.protocol.params import number_param
 
 if TYPE_CHECKING:
     from edge_fl.privacy.events import PrivacyEvent
@@ -44,6 +45,10 @@ class CentralGaussian(Mechanism):
     acts_on_empty_round = True
     guarantee = Guarantee(
         "device", "add_or_remove_one", "approximate", ("the expected participants per round",)
+    )
+    public_schema = (
+        number_param("clip", True, "L2 clip bound S of the delta (the device only clips)", 0),
+        number_param("z", False, "noise multiplier of the aggregator's noise (informational)", 0),
     )
 
     def __init__(self, cfg: Any, facts: JobFacts) -> None:
@@ -168,6 +173,3 @@ class CentralGaussianSum:
             "noise_std": self.central.std,
             "update_norm": float(np.linalg.norm(step)),
         }
-
-
-MECHANISM = CentralGaussian

@@ -9,19 +9,37 @@ may make (uniform or geometric schedule); a device stops when its schedule is sp
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from edge_fl.mechanisms.base import Device, Guarantee, JobFacts, Mechanism, dense_update
+import edge_fl.protocol.fields as F
+from edge_fl.mechanisms.base import UPLOADS, Device, Guarantee, JobFacts, Mechanism, dense_update
 from edge_fl.privacy.laplace import LaplaceConfig
 from edge_fl.protocol import GlobalModel, Update
+from edge_fl.protocol.params import MAX_COUNT, ParamSpec, int_param, number_param
 
 if TYPE_CHECKING:
     from edge_fl.privacy.events import PrivacyEvent
 
 
+DECAY = "geometric schedule decay (required when sched = geometric)"
+
+
 class Laplace(Mechanism):
     name = "laplace"
     guarantee = Guarantee("example", "replace_one", "pure", ("|D| (the device's sample count)",))
+    public_schema = (
+        number_param("clip", True, "L1 clip bound C of each per-example gradient", 0),
+        number_param("eps", True, "total epsilon, split over L uploads by the schedule", 0),
+        int_param("L", True, UPLOADS, 1, MAX_COUNT),
+        ParamSpec("sched", "choice", True, "budget schedule", choices=("uniform", "geometric")),
+        number_param("decay", False, DECAY, 0, 1, hi_open=True),
+    )
+
+    @classmethod
+    def check_public(cls, mp: Mapping[str, Any], n_params: int | None) -> None:
+        if mp["sched"] == "geometric" and "decay" not in mp:
+            raise F.missing("mp.decay", DECAY)
 
     def __init__(self, cfg: Any, facts: JobFacts) -> None:
         super().__init__(cfg, facts)
@@ -77,6 +95,3 @@ class Laplace(Mechanism):
             "sched": p.schedule,
             "decay": p.decay if geometric else None,
         }
-
-
-MECHANISM = Laplace

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from edge_fl.mechanisms.base import (
+    UPLOADS,
     Device,
     FedAvg,
     Guarantee,
@@ -30,6 +31,7 @@ from edge_fl.mechanisms.base import (
 from edge_fl.privacy.nbafl import NbAflCalibrationWarning, NbAflConfig
 from edge_fl.privacy.noise import gaussian_noise
 from edge_fl.protocol import GlobalModel, Update
+from edge_fl.protocol.params import MAX_COUNT, int_param, number_param
 
 if TYPE_CHECKING:
     from edge_fl.privacy.events import PrivacyEvent
@@ -39,6 +41,21 @@ class NbAfl(Mechanism):
     name = "nbafl"
     guarantee = Guarantee(
         "example", "replace_one", "approximate", ("m = the smallest device dataset size",)
+    )
+    public_schema = (
+        number_param(
+            "clip", True, "L2 clip bound C (gradients clipped to C/lr, parameters to C)", 0
+        ),
+        number_param("sigma", True, "uplink noise standard deviation sigma_U", 0),
+        int_param("L", True, UPLOADS, 1, MAX_COUNT),
+        int_param(
+            "mmin",
+            True,
+            "m: the smallest dataset size the noise is calibrated for; a device "
+            "with fewer examples must not upload",
+            1,
+            10_000_000,
+        ),
     )
 
     def __init__(self, cfg: Any, facts: JobFacts) -> None:
@@ -125,6 +142,3 @@ class NbAflFedAvg(FedAvg):
             noise = gaussian_noise(self.rng, sigma, new.shape, n=self.nbafl.secure_draws)
             new = (new.astype(np.float64) + noise).astype(np.float32)
         return new, {**info, "sigma_downlink": sigma}
-
-
-MECHANISM = NbAfl

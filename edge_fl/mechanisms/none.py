@@ -7,6 +7,3 @@ from edge_fl.mechanisms.base import Mechanism
 
 class NoPrivacy(Mechanism):
     name = "none"
-
-
-MECHANISM = NoPrivacy

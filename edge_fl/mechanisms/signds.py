@@ -12,11 +12,13 @@ bit, local DP (any two updates of a device are neighbours).
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+import edge_fl.protocol.fields as F
 from edge_fl.mechanisms.base import (
     Device,
     Guarantee,
@@ -35,6 +37,7 @@ from edge_fl.privacy.magrr import (
     randomized_response,
 )
 from edge_fl.privacy.signds import (
+    SETTINGS,
     SignDSParams,
     check_dimension,
     plan,
@@ -42,7 +45,8 @@ from edge_fl.privacy.signds import (
     signds_global_update,
     vote_parts,
 )
-from edge_fl.protocol import GlobalModel, SignDSUpdate, Update
+from edge_fl.protocol import GlobalModel, PayloadRejected, Reject, SignDSUpdate, Update
+from edge_fl.protocol.params import MAX_DIM, int_param, number_param
 
 if TYPE_CHECKING:
     from edge_fl.privacy.events import PrivacyEvent
@@ -54,6 +58,55 @@ class SignDS(Mechanism):
     name = "signds"
     wire_kind = "s"
     guarantee = Guarantee("device", "replace_one", "pure")
+    public_schema = (
+        int_param(
+            "d", True, "model dimension the plan is for (= number of parameters)", 1, MAX_DIM
+        ),
+        SETTINGS["sign_k"],
+        SETTINGS["sign_eps"],
+        SETTINGS["sign_thr_ratio"],
+        SETTINGS["sign_dim_out"],
+        int_param("hmax", True, "max_dim_out: the cap on h", 1, 100_000),
+        int_param("K", True, "top-k size K = floor(k d)", 0, MAX_DIM),
+        int_param(
+            "h",
+            True,
+            "output dimension h: indices per vote (the plan's, after the cap)",
+            1,
+            100_000,
+        ),
+        int_param("nth", True, "threshold nu_th of the exponential mechanism", 1, 100_000),
+        number_param("rr", True, "rr_eps: randomized-response epsilon of the MagRR bit", 0),
+        number_param(
+            "r0",
+            True,
+            "initial r_est (used when the global message has no 'sd')",
+            0,
+            1,
+            hi_open=True,
+        ),
+        SETTINGS["sign_global_lr"],
+    )
+
+    @classmethod
+    def check_public(cls, mp: Mapping[str, Any], n_params: int | None) -> None:
+        """The plan's numbers agree with each other and with the model."""
+        d, h = mp["d"], mp["h"]
+        if n_params is not None and d != n_params:
+            raise PayloadRejected(
+                Reject.OUT_OF_RANGE,
+                f"field 'mp.d' (SignDS plan dimension) = {d}, but the model has {n_params} "
+                "parameters",
+                field="mp.d",
+            )
+        if mp["K"] > d:
+            raise F.out_of_range("mp.K", "top-k size", mp["K"], f"an int in [0, d = {d}]")
+        if h > min(d, mp["hmax"]):
+            raise F.out_of_range("mp.h", "output dimension", h, "an int in [1, min(d, hmax)]")
+        if mp["hout"] and h != mp["hout"]:
+            raise F.out_of_range("mp.h", "output dimension", h, f"= hout = {mp['hout']}")
+        if mp["nth"] > h:
+            raise F.out_of_range("mp.nth", "threshold nu_th", mp["nth"], f"an int in [1, h = {h}]")
 
     def __init__(self, cfg: Any, facts: JobFacts) -> None:
         super().__init__(cfg, facts)
@@ -238,6 +291,3 @@ class SignDSAggregate:
             "magrr_reached": self._next.is_reached,
             "magrr_ones": info.ones,
         }
-
-
-MECHANISM = SignDS

@@ -135,21 +135,20 @@ def _torch_onnx_bytes(model, params: np.ndarray) -> bytes:
     fresh = model.module_with(params)  # a copy: the model's own module is never mutated
     example = torch.zeros((2, model.n_features), dtype=torch.float32)
     buf = io.BytesIO()
-    kwargs = dict(
-        input_names=[INPUT_NAME],
-        output_names=[OUTPUT_NAME],
-        opset_version=ONNX_OPSET,
-    )
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", DeprecationWarning)  # the TorchScript exporter's notice
             torch.onnx.export(
                 fresh,
                 (example,),
-                buf,
+                # torch types f as a path, but its TorchScript exporter documents and takes any
+                # binary file object
+                buf,  # type: ignore[arg-type]
                 dynamo=False,
                 dynamic_axes={INPUT_NAME: {0: "N"}, OUTPUT_NAME: {0: "N"}},
-                **kwargs,
+                input_names=[INPUT_NAME],
+                output_names=[OUTPUT_NAME],
+                opset_version=ONNX_OPSET,
             )
     except TypeError:  # a torch without the TorchScript exporter: needs onnxscript
         try:
@@ -161,8 +160,16 @@ def _torch_onnx_bytes(model, params: np.ndarray) -> bytes:
             ) from exc
         n = torch.export.Dim("N")
         program = torch.onnx.export(
-            fresh, (example,), dynamo=True, dynamic_shapes=({0: n},), **kwargs
+            fresh,
+            (example,),
+            dynamo=True,
+            dynamic_shapes=({0: n},),
+            input_names=[INPUT_NAME],
+            output_names=[OUTPUT_NAME],
+            opset_version=ONNX_OPSET,
         )
+        if program is None:  # only without f and with dynamo=True, which is this call
+            raise RuntimeError("torch.onnx.export(dynamo=True) returned no program") from None
         return program.model_proto.SerializeToString()
     proto = onnx.load_from_string(buf.getvalue())
     proto.producer_name = "edge-fl/" + proto.producer_name

@@ -314,7 +314,9 @@ class TorchModel:
             else:
                 # correlation of each sample's input with its own output gradient, as one conv
                 # with the batch as groups: (C, n, H, W) * (n*O, 1, Ho, Wo) -> (C, n*O, kh, kw)
-                ph, pw = layer.padding
+                padding = layer.padding
+                assert not isinstance(padding, str)  # _expandable_layers admits no 'same'/'valid'
+                ph, pw = padding
                 a = F.pad(a, (pw, pw, ph, ph)) if ph or pw else a
                 o = w_shape[0]
                 kern = g.reshape(n * o, 1, g.shape[2], g.shape[3])
@@ -323,10 +325,14 @@ class TorchModel:
                 b_out.copy_(g.sum(dim=(2, 3)))
 
 
-def _expandable_layers(net: nn.Module, names: list[str]) -> list[nn.Module] | None:
+#: the layers whose per-sample gradients the expansion trick computes
+ExpandableLayer = nn.Linear | nn.Conv2d
+
+
+def _expandable_layers(net: nn.Module, names: list[str]) -> list[ExpandableLayer] | None:
     """The layers in parameter order if per-sample gradients can use the expansion trick, else None
     (any other parametrised layer, shared layers, or an order that differs from the flat layout)."""
-    layers: list[nn.Module] = []
+    layers: list[ExpandableLayer] = []
     expected: list[str] = []
     for prefix, module in net.named_modules():
         own = [n for n, _ in module.named_parameters(recurse=False)]
@@ -342,6 +348,7 @@ def _expandable_layers(net: nn.Module, names: list[str]) -> list[nn.Module] | No
         )
         if not (isinstance(module, nn.Linear) or ok_conv) or own != ["weight", "bias"]:
             return None
+        assert isinstance(module, ExpandableLayer)  # ok_conv implies a Conv2d
         layers.append(module)
         expected += [f"{prefix}.weight", f"{prefix}.bias"]
     return layers if expected == names else None
@@ -448,9 +455,10 @@ class SmallCNN(TorchModel):
         chunk_size: int | None = 256,
         per_sample: str = "auto",
     ):
-        channels = tuple(int(c) for c in channels)  # type: ignore[assignment]
-        if len(channels) != 2:
-            raise ValueError(f"channels must be a pair of ints, got {channels!r}")
+        given = tuple(int(c) for c in channels)
+        if len(given) != 2:
+            raise ValueError(f"channels must be a pair of ints, got {given!r}")
+        channels = (given[0], given[1])
         _check_positive(
             n_classes=n_classes,
             in_channels=in_channels,

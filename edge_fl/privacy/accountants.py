@@ -396,7 +396,7 @@ def calibrate_noise_multiplier(
             return rdp_lib.RdpAccountant(list(orders))
     elif accountant == "pld":
 
-        def fresh() -> pld_privacy_accountant.PLDAccountant:  # type: ignore[misc]
+        def fresh() -> pld_privacy_accountant.PLDAccountant:
             return pld_privacy_accountant.PLDAccountant()
     else:
         raise ValueError(f"accountant must be 'rdp' or 'pld' for calibration, got {accountant!r}")

@@ -113,7 +113,8 @@ def pure_epsilon_of(event: dp_event.DpEvent, relation: NeighboringRelation) -> f
         return None if inner is None else inner * event.count
     if isinstance(event, dp_event.ComposedDpEvent):
         parts = [pure_epsilon_of(e, relation) for e in event.events]
-        return None if any(p is None for p in parts) else math.fsum(parts)  # type: ignore[arg-type]
+        known = [p for p in parts if p is not None]
+        return math.fsum(known) if len(known) == len(parts) else None
     return None
 
 

@@ -40,6 +40,8 @@ from typing import Any
 
 import numpy as np
 
+from edge_fl.protocol.params import ParamSpec, int_param, number_param
+
 __all__ = [
     "PureDpRelease",
     "SignDSBatch",
@@ -87,6 +89,30 @@ def _domain_error(key: str, value: Any, domain: str) -> ValueError:
     return ValueError(f"signds.{key} = {value!r} is out of domain {domain}")
 
 
+#: The SignDS settings' domains, written once (as the reference server checks them, spec section
+#: 6): :class:`SignDSParams` checks them, and the mechanism's public parameters (``mp``: ``k``,
+#: ``eps``, ``rho``, ``hout``, ``glr``) are these very keys. Keyed by the setting's config name.
+SETTINGS: dict[str, ParamSpec] = {
+    "sign_k": number_param("k", True, "sign_k: top-k fraction", 0, 0.25),
+    "sign_eps": number_param("eps", True, "sign_eps: exponential-mechanism epsilon", 0, 100),
+    "sign_thr_ratio": number_param(
+        "rho", True, "sign_thr_ratio: target top-k fraction of the outputs", 0.5, 1, lo_open=False
+    ),
+    "sign_global_lr": number_param(
+        "glr", False, "sign_global_lr: the server step on MagRR fallback (informational)", 0
+    ),
+    "sign_dim_out": int_param(
+        "hout", True, "sign_dim_out as configured (0: h was optimised)", 0, 50
+    ),
+}
+
+
+def setting_domain(name: str) -> str:
+    """The domain of SignDS setting ``name`` as error messages and help texts write it."""
+    spec = SETTINGS[name]
+    return ("integer " if spec.kind == "int" else "") + spec.domain()
+
+
 @dataclass(frozen=True)
 class SignDSParams:
     """Job-level SignDS settings; domains as the reference server checks them (spec section 6)."""
@@ -99,19 +125,19 @@ class SignDSParams:
     max_dim_out: int = 100  # explicit cap on h (reference server rejects > 100 indices)
 
     def __post_init__(self) -> None:
-        checks = (
-            ("sign_k", "k", lambda v: 0 < v <= 0.25, "(0, 0.25]"),
-            ("sign_eps", "eps", lambda v: 0 < v <= 100, "(0, 100]"),
-            ("sign_thr_ratio", "thr_ratio", lambda v: 0.5 <= v <= 1, "[0.5, 1]"),
-            ("sign_global_lr", "global_lr", lambda v: 0 < v < math.inf, "(0, inf)"),
+        reals = (
+            ("sign_k", "k"),
+            ("sign_eps", "eps"),
+            ("sign_thr_ratio", "thr_ratio"),
+            ("sign_global_lr", "global_lr"),
         )
-        for key, attr, ok, domain in checks:
+        for key, attr in reals:
             v = getattr(self, attr)
-            if not _is_real(v) or not ok(float(v)):
-                raise _domain_error(key, v, domain)
+            if not _is_real(v) or not SETTINGS[key].admits(v):
+                raise _domain_error(key, v, setting_domain(key))
             object.__setattr__(self, attr, float(v))
-        if not _is_int(self.dim_out) or not 0 <= self.dim_out <= 50:
-            raise _domain_error("sign_dim_out", self.dim_out, "integer [0, 50]")
+        if not _is_int(self.dim_out) or not SETTINGS["sign_dim_out"].admits(self.dim_out):
+            raise _domain_error("sign_dim_out", self.dim_out, setting_domain("sign_dim_out"))
         if not _is_int(self.max_dim_out) or self.max_dim_out < 1:
             raise _domain_error("max_dim_out", self.max_dim_out, "integer [1, inf)")
         object.__setattr__(self, "dim_out", int(self.dim_out))

@@ -1,7 +1,9 @@
-"""Wire protocol: topics, message types, the validating msgpack codec, the public parameters of
-the job's mechanism, the device's acceptance window for global messages (imports nothing of ours).
-Ed25519 signing lives in ``edge_fl.protocol.signing`` (imported on demand: it needs the
-``cryptography`` package). Normative specification: ``docs/protocol.md``."""
+"""Wire protocol: topics, message types, the validating msgpack codec, the uplink and downlink
+vector codecs (``edge_fl.protocol.codecs``, with their registry), the public parameters of the
+job's mechanism validated through the schemas mechanisms register (``edge_fl.protocol.params``),
+the device's acceptance window for global messages. Imports nothing else of ours. Ed25519 signing
+lives in ``edge_fl.protocol.signing`` (imported on demand: it needs the ``cryptography``
+package). Normative specification: ``docs/protocol.md``."""
 
 from edge_fl.protocol.codec import (
     DEFAULT_MAX_ABS,

@@ -27,8 +27,18 @@ from typing import Any, Protocol
 import msgpack
 import numpy as np
 
-from edge_fl.protocol import fields as F
-from edge_fl.protocol.indices import CODES, CODINGS, IndexCodingError, decode_indices
+import edge_fl.protocol.fields as F
+from edge_fl.protocol.codecs import codec_for_tag, codec_tags, registered_tags
+from edge_fl.protocol.codecs.base import HEADER_KEYS
+from edge_fl.protocol.codecs.q8 import Q8
+from edge_fl.protocol.codecs.quantised import BLOCK, dequantise, n_blocks, quantise_nearest
+from edge_fl.protocol.indices import (
+    CODES,
+    CODINGS,
+    IndexCodingError,
+    decode_indices,
+    encode_indices,
+)
 from edge_fl.protocol.messages import (
     GLOBAL_CONTEXT,
     MODES,
@@ -44,11 +54,12 @@ from edge_fl.protocol.messages import (
     Status,
     Update,
 )
-from edge_fl.protocol.params import SIGNDS, check_mechanism_params
+from edge_fl.protocol.params import check_mechanism_params, mechanism_schema
 
 WIRE_DTYPES = {"f4": np.dtype("<f4"), "f2": np.dtype("<f2")}
+_FLOAT_TAGS = frozenset(WIRE_DTYPES)
 #: the global model's third dtype: 8-bit levels per block of 256 values (downlink compression)
-GLOBAL_Q8 = "q8"
+GLOBAL_Q8 = Q8.dt
 MAX_SAMPLES = 10_000_000
 MAX_COUNTER = 2**40  # rounds and versions
 MAX_DEADLINE_S = 1e9
@@ -80,11 +91,13 @@ class UpdateLimits:
 
     ``n_params``: the model dimension d. ``max_indices``: the cap on a SignDS vote's h.
     ``allowed_kinds``: "u" (dense) and/or "s" (SignDS vote). ``mechanism``: the job's mechanism
-    name; a dense update whose ``m`` differs, or a vote when the job is not SignDS, is
-    ``wrong_mechanism`` (None: not checked). ``codecs``: the wire tags ``dt`` a dense update may
-    use (docs/protocol.md, "Compressed dense updates"); None: f4, f2 and every registered codec
-    the job's mechanism accepts (``Mechanism.accepts_codec``; all when ``mechanism`` is None);
-    another is ``bad_dtype``. ``signds_h``: the h of the job's SignDS plan; a vote
+    name; a dense update whose ``m`` differs, or a vote when the job's mechanism does not send
+    votes (its registered schema, :mod:`edge_fl.protocol.params`), is ``wrong_mechanism`` (None:
+    not checked). ``codecs``: the wire tags ``dt`` a dense update may use (docs/protocol.md,
+    "Compressed dense updates"), decided when the job is assembled (which codecs are sound with
+    its mechanism); None: f4, f2 and the tags the mechanism's registered schema lists (every
+    registered codec when it lists none or ``mechanism`` is None); another is ``bad_dtype``.
+    ``signds_h``: the h of the job's SignDS plan; a vote
     with another h is ``wrong_h`` (None: any h up to ``max_indices``). ``max_abs``: a dense delta
     with any |value| above it is ``implausible`` (None: no bound); 1e4 is far beyond any real
     delta and catches byte-swapped float32/float16 vectors.
@@ -102,9 +115,10 @@ class UpdateLimits:
         """The ``dt`` values a dense update may carry for this job."""
         if self.codecs is not None:
             return self.codecs
-        from edge_fl.codecs import accepted_tags
-
-        return frozenset(WIRE_DTYPES) | accepted_tags(self.mechanism)
+        schema = mechanism_schema(self.mechanism)
+        if schema is not None and schema.codecs is not None:
+            return _FLOAT_TAGS | schema.codecs
+        return _FLOAT_TAGS | registered_tags()
 
     @property
     def max_bytes(self) -> int:
@@ -169,8 +183,6 @@ def _model_fields(params: np.ndarray, dt: str) -> dict[str, bytes]:
     each value rounded to its nearest level; docs/protocol.md, "Quantised global model")."""
     if dt != GLOBAL_Q8:
         return {"w": _vector_bytes(params, dt)}
-    from edge_fl.codecs._quant import quantise_nearest
-
     vec = np.asarray(params, dtype=np.float64)
     if vec.ndim != 1 or not vec.size or not np.isfinite(vec).all():
         raise ValueError("a q8 global model needs a non-empty, finite, flat parameter vector")
@@ -201,7 +213,8 @@ def encode_update(
 ) -> bytes:
     """Encode an update; SignDS needs the model dimension ``dim`` to choose its index coding.
 
-    ``coded``: for a dense update, ``(dt, fields)`` from an uplink codec (:mod:`edge_fl.codecs`,
+    ``coded``: for a dense update, ``(dt, fields)`` from an uplink codec
+    (:mod:`edge_fl.protocol.codecs`,
     ``codec.dt`` and ``codec.encode(...)[0]``): the update then carries those fields instead of
     ``x`` in ``update.wire_dtype`` (whose ``delta`` is not sent).
 
@@ -222,7 +235,7 @@ def encode_update(
     if isinstance(update, DenseUpdate):
         if coded is not None:
             dt, fields = coded
-            if dt not in _codec_tags() or not isinstance(fields, dict):
+            if dt not in registered_tags() or not isinstance(fields, dict):
                 raise ValueError(f"coded = ({dt!r}, ...) is not a registered codec's output")
             extra = set(fields) - _codec_keys(dt)
             if extra:
@@ -239,8 +252,6 @@ def encode_update(
         )
     if dim is None:
         raise ValueError("encoding a SignDS update needs the model dimension (dim=...)")
-    from edge_fl.protocol.indices import encode_indices
-
     tag, blob = encode_indices(update.indices, dim)
     return _pack(
         {
@@ -381,15 +392,7 @@ def _optional_nonce(obj: dict[str, Any]) -> bytes | None:
     return nonce
 
 
-def _codec_tags() -> dict[str, str]:
-    from edge_fl.codecs import codec_tags
-
-    return codec_tags()
-
-
 def _codec_keys(dt: str) -> frozenset[str]:
-    from edge_fl.codecs import codec_for_tag
-
     return codec_for_tag(dt).keys
 
 
@@ -398,7 +401,7 @@ def _dense_dtype(obj: dict[str, Any], accepted: frozenset[str]) -> str:
     dt = F.get(obj, "dt", str, "wire dtype", "str")
     if dt in WIRE_DTYPES and dt in accepted | frozenset(WIRE_DTYPES):
         return dt
-    tags = _codec_tags()
+    tags = codec_tags()
     if dt not in tags or dt not in accepted:
         extra = sorted(accepted - frozenset(WIRE_DTYPES))
         others = (
@@ -478,7 +481,7 @@ def _plausible(vec: np.ndarray, peak: float, max_abs: float | None, key: str, wh
 
 
 _UPDATE_COMMON = frozenset({"v", "k", "dev", "r", "bv", "n", "nc"})
-_DENSE_COMMON = _UPDATE_COMMON | {"dt", "m"}
+_DENSE_COMMON = HEADER_KEYS
 _DENSE_KEYS = _DENSE_COMMON | {"x"}
 _SIGNDS_KEYS = _UPDATE_COMMON | {"sb", "h", "c", "ix"}
 
@@ -504,7 +507,7 @@ def decode_update(payload: bytes, limits: UpdateLimits, topic_device: str | None
     if kind == "u":
         dt = obj.get("dt")
         keys = _DENSE_KEYS
-        if type(dt) is str and dt not in WIRE_DTYPES and dt in _codec_tags():
+        if type(dt) is str and dt not in WIRE_DTYPES and dt in registered_tags():
             keys = _DENSE_COMMON | _codec_keys(dt)
     F.check_keys(obj, keys, f"an update of kind {kind!r}")
     rnd: int | None = None
@@ -537,7 +540,7 @@ def _decode_update(
     n = F.int_field(obj, "n", "sample count", 1, MAX_SAMPLES)
     nonce = _optional_nonce(obj)
     if kind == "s":
-        if limits.mechanism is not None and limits.mechanism != SIGNDS:
+        if limits.mechanism is not None and _update_kind(limits.mechanism) != "s":
             raise PayloadRejected(
                 Reject.WRONG_MECHANISM,
                 f"a SignDS vote (k = 's'), but this job runs mechanism {limits.mechanism!r}",
@@ -545,13 +548,14 @@ def _decode_update(
             )
         return _decode_signds(obj, limits, device, rnd, base, n, nonce)
     mech = F.name_field(obj, "m", "mechanism") if "m" in obj else "none"
-    if mech == SIGNDS or (limits.mechanism is not None and mech != limits.mechanism):
+    votes = _update_kind(mech) == "s"
+    if votes or (limits.mechanism is not None and mech != limits.mechanism):
         expected = limits.mechanism if limits.mechanism is not None else "a dense mechanism"
         raise PayloadRejected(
             Reject.WRONG_MECHANISM,
             f"field 'm' (mechanism) is {mech!r}{' (the default)' if 'm' not in obj else ''}; "
             f"this job expects {expected!r} (the global message's mp.m)"
-            + ("; SignDS updates are votes of kind 's'" if mech == SIGNDS else ""),
+            + (f"; {mech} updates are votes of kind 's'" if votes else ""),
             field="m",
         )
     dt = _dense_dtype(obj, limits.dense_tags())
@@ -559,13 +563,17 @@ def _decode_update(
         blob = F.get(obj, "x", bytes, "delta vector", "bin")
         delta, peak = _vector(blob, dt, limits.n_params, "x", "delta vector")
     else:
-        from edge_fl.codecs import codec_for_tag
-
         codec = codec_for_tag(dt)
         delta = codec.decode({k: obj[k] for k in codec.keys if k in obj}, limits.n_params)
         peak = _peak(delta, "x", "delta vector")
     _plausible(delta, peak, limits.max_abs, "x", "delta vector")
     return DenseUpdate(device, rnd, base, n, delta, dt, mech, nonce, peak=peak)
+
+
+def _update_kind(mechanism: str) -> str | None:
+    """The update kind the registered schema of ``mechanism`` gives (None: not registered)."""
+    schema = mechanism_schema(mechanism)
+    return None if schema is None else schema.update_kind
 
 
 def _decode_signds(
@@ -752,8 +760,6 @@ def _global_float(obj: dict[str, Any], expected_dim: int | None) -> tuple[str, n
 def _global_q8(obj: dict[str, Any], expected_dim: int | None) -> np.ndarray:
     """The parameters of a ``dt = "q8"`` global message: d level bytes in ``w``, per block of 256
     values (lo, step) float32 in ``qp``; value i of block b is lo_b + w_i step_b."""
-    from edge_fl.codecs._quant import BLOCK, dequantise, n_blocks
-
     levels = F.get(obj, "w", bytes, "parameters (8-bit levels)", "bin")
     if not levels:
         raise PayloadRejected(Reject.WRONG_SHAPE, "field 'w' (parameters) is empty", field="w")

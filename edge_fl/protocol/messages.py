@@ -134,7 +134,7 @@ class GlobalModel:
     done: bool = False  # the job is over: devices disconnect
     issued_at: float = 0.0  # aggregator wall clock, for latency metrics
     nonce: bytes | None = None  # the round's nonce; an update must echo it (signed with the model)
-    # public parameters of the job's mechanism (wire ``mp``; schema in edge_fl/protocol/params.py)
+    # public parameters of the job's mechanism (wire ``mp``; each mechanism registers its schema, edge_fl/protocol/params.py)
     mechanism_params: dict | None = None
 
     def selects(self, device: str) -> bool:

@@ -3,14 +3,16 @@
 A device must be able to run the job's mechanism from the global message alone: the aggregator
 puts every public number the device rule needs into ``mp``, a flat map from short names to
 scalars, inside the signed body. ``docs/protocol.md`` ("Mechanism parameters") is the normative
-description; :data:`SCHEMAS` is the same table as code, used by the encoder (which refuses to
-publish an incomplete or ill-typed map) and by the decoder (which rejects one with a specific
-reason: ``missing_field``, ``bad_type``, ``out_of_range``, ``unknown_field``).
+description. The wire layer knows no mechanism: each one registers its :class:`MechanismSchema`
+(:func:`register_schema`: the keys of its ``mp``, a cross-field check, the kind of update its
+devices send), and the encoder (which refuses to publish an incomplete or ill-typed map) and the
+decoder (which rejects one with a specific reason: ``missing_field``, ``bad_type``,
+``out_of_range``, ``unknown_field``) look it up by the map's ``m``.
 
 Every map has ``m`` (the mechanism name) and the local-training keys ``lr``, ``ep``, ``bs``. For a
-mechanism this module knows, the keys are exactly its schema's (required ones present, no others);
-for a mechanism it does not know, any flat map of at most 64 scalar entries is accepted (a device
-that does not implement that mechanism cannot take part anyway).
+registered mechanism, the keys are exactly its schema's (required ones present, no others); for
+one that is not registered, any flat map of at most 64 scalar entries is accepted (a device that
+does not implement that mechanism cannot take part anyway).
 
 Values: ``int`` is a msgpack int; ``number`` is a msgpack int or float (the encoder always writes
 a float64), finite; ``name`` is a str of the topic-segment alphabet; ``choice`` is one of a list.
@@ -20,24 +22,30 @@ from __future__ import annotations
 
 import math
 import numbers
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from edge_fl.protocol import fields as F
+import edge_fl.protocol.fields as F
 from edge_fl.protocol.messages import PayloadRejected, Reject
 
 __all__ = [
     "COMMON",
+    "MAX_COUNT",
+    "MAX_DIM",
     "MAX_PARAMS",
-    "SCHEMAS",
-    "SIGNDS",
+    "MechanismSchema",
     "ParamSpec",
     "check_mechanism_params",
+    "int_param",
     "mechanism_params",
+    "mechanism_schema",
+    "number_param",
+    "register_schema",
+    "schemas",
 ]
 
 MAX_PARAMS = 64  # entries in ``mp``
-SIGNDS = "signds"  # the one mechanism whose updates are votes (kind "s"), not dense deltas
 MAX_COUNT = 2**40
 MAX_DIM = 2**32 - 1
 
@@ -56,6 +64,24 @@ class ParamSpec:
     hi_open: bool = False
     choices: tuple[str, ...] = ()
 
+    def admits(self, value: Any) -> bool:
+        """Whether ``value`` is in this key's domain (an int for ``int``, a finite real number in
+        range for ``number``: no bools; the name and choice kinds compare strings)."""
+        if isinstance(value, bool):
+            return self.kind == "bool"
+        if self.kind == "int":
+            return isinstance(value, numbers.Integral) and self.lo <= value <= self.hi
+        if self.kind == "number":
+            if not isinstance(value, numbers.Real) or not math.isfinite(float(value)):
+                return False
+            v = float(value)
+            above = v > self.lo if self.lo_open else v >= self.lo
+            below = v < self.hi if self.hi_open else v <= self.hi
+            return above and below
+        if self.kind == "choice":
+            return value in self.choices
+        return isinstance(value, str) and bool(F.NAME.fullmatch(value))
+
     def domain(self) -> str:
         if self.kind == "choice":
             return "one of " + ", ".join(repr(c) for c in self.choices)
@@ -72,7 +98,7 @@ class ParamSpec:
         return f"{left}{lo}, {hi}{right}"
 
 
-def _num(
+def number_param(
     key: str,
     required: bool,
     meaning: str,
@@ -82,110 +108,68 @@ def _num(
     lo_open: bool = True,
     hi_open: bool = False,
 ) -> ParamSpec:
+    """A ``number`` key in (lo, hi] (``lo_open``/``hi_open`` say which ends are excluded)."""
     return ParamSpec(key, "number", required, meaning, lo, hi, lo_open, hi_open or hi == math.inf)
 
 
-def _int(key: str, required: bool, meaning: str, lo: int, hi: int) -> ParamSpec:
+def int_param(key: str, required: bool, meaning: str, lo: int, hi: int) -> ParamSpec:
+    """An ``int`` key in [lo, hi]."""
     return ParamSpec(key, "int", required, meaning, lo, hi)
 
 
 COMMON: tuple[ParamSpec, ...] = (
     ParamSpec("m", "name", True, "mechanism name (equals the 'm' a dense update must carry)"),
-    _num("lr", True, "local SGD learning rate eta", 0, 100),
-    _int("ep", True, "local epochs (passes over the device's data per round)", 1, 1_000_000),
-    _int("bs", True, "local minibatch size", 1, 10_000_000),
+    number_param("lr", True, "local SGD learning rate eta", 0, 100),
+    int_param("ep", True, "local epochs (passes over the device's data per round)", 1, 1_000_000),
+    int_param("bs", True, "local minibatch size", 1, 10_000_000),
 )
 
-_L = "uploads L a device may make before it stops (its budget is spent)"
-
-SCHEMAS: dict[str, tuple[ParamSpec, ...]] = {
-    "none": (),
-    "gaussian": (
-        _num("clip", True, "L2 clip bound S of the delta", 0),
-        _num("z", True, "noise multiplier z: the device adds N(0, (z S)^2) per coordinate", 0),
-        _int("L", False, _L + "; absent: no limit", 1, MAX_COUNT),
-    ),
-    "gaussian-central": (
-        _num("clip", True, "L2 clip bound S of the delta (the device only clips)", 0),
-        _num("z", False, "noise multiplier of the aggregator's noise (informational)", 0),
-    ),
-    "laplace": (
-        _num("clip", True, "L1 clip bound C of each per-example gradient", 0),
-        _num("eps", True, "total epsilon, split over L uploads by the schedule", 0),
-        _int("L", True, _L, 1, MAX_COUNT),
-        ParamSpec("sched", "choice", True, "budget schedule", choices=("uniform", "geometric")),
-        _num(
-            "decay",
-            False,
-            "geometric schedule decay (required when sched = geometric)",
-            0,
-            1,
-            hi_open=True,
-        ),
-    ),
-    "dpsgd": (
-        _num("clip", True, "L2 clip bound of each per-example gradient", 0),
-        _num(
-            "z",
-            False,
-            "noise multiplier sigma; absent: calibrated per dataset size (Python only)",
-            0,
-        ),
-        _num("q", False, "Poisson sampling rate; absent: min(1, bs / dataset size)", 0, 1),
-        _int("L", False, _L + "; absent: no limit", 1, MAX_COUNT),
-    ),
-    "nbafl": (
-        _num("clip", True, "L2 clip bound C (gradients clipped to C/lr, parameters to C)", 0),
-        _num("sigma", True, "uplink noise standard deviation sigma_U", 0),
-        _int("L", True, _L, 1, MAX_COUNT),
-        _int(
-            "mmin",
-            True,
-            "m: the smallest dataset size the noise is calibrated for; a device "
-            "with fewer examples must not upload",
-            1,
-            10_000_000,
-        ),
-    ),
-    SIGNDS: (
-        _int("d", True, "model dimension the plan is for (= number of parameters)", 1, MAX_DIM),
-        _num("k", True, "sign_k: top-k fraction", 0, 0.25),
-        _num("eps", True, "sign_eps: exponential-mechanism epsilon", 0, 100),
-        _num(
-            "rho",
-            True,
-            "sign_thr_ratio: target top-k fraction of the outputs",
-            0.5,
-            1,
-            lo_open=False,
-        ),
-        _int("hout", True, "sign_dim_out as configured (0: h was optimised)", 0, 50),
-        _int("hmax", True, "max_dim_out: the cap on h", 1, 100_000),
-        _int("K", True, "top-k size K = floor(k d)", 0, MAX_DIM),
-        _int(
-            "h",
-            True,
-            "output dimension h: indices per vote (the plan's, after the cap)",
-            1,
-            100_000,
-        ),
-        _int("nth", True, "threshold nu_th of the exponential mechanism", 1, 100_000),
-        _num("rr", True, "rr_eps: randomized-response epsilon of the MagRR bit", 0),
-        _num(
-            "r0",
-            True,
-            "initial r_est (used when the global message has no 'sd')",
-            0,
-            1,
-            hi_open=True,
-        ),
-        _num("glr", False, "sign_global_lr: the server step on MagRR fallback (informational)", 0),
-    ),
-}
+#: a cross-field check of a validated ``mp`` (and the model dimension, when known); raises
+#: PayloadRejected (``edge_fl.protocol.fields`` builds the usual reasons)
+CrossCheck = Callable[[Mapping[str, Any], "int | None"], None]
 
 
-def _fail(reason: Reject, key: str, detail: str) -> PayloadRejected:
-    return PayloadRejected(reason, detail, field=f"mp.{key}")
+@dataclass(frozen=True)
+class MechanismSchema:
+    """What the wire layer knows of one mechanism, as its registration gives it.
+
+    ``params``: the keys of its ``mp`` besides :data:`COMMON`. ``update_kind``: the kind of update
+    its devices send, ``"u"`` (a dense delta naming the mechanism in ``m``) or ``"s"`` (a SignDS
+    vote). ``check``: a cross-field check after every key passed its own. ``codecs``: the wire
+    tags its dense updates may use when the job does not say (``UpdateLimits.codecs``); None: any.
+    """
+
+    name: str
+    params: tuple[ParamSpec, ...] = ()
+    update_kind: str = "u"
+    check: CrossCheck | None = None
+    codecs: frozenset[str] | None = None
+
+
+_SCHEMAS: dict[str, MechanismSchema] = {}
+
+
+def register_schema(schema: MechanismSchema) -> MechanismSchema:
+    """Register (or replace) the wire schema of ``schema.name``; ValueError if it is malformed."""
+    if type(schema.name) is not str or not F.NAME.fullmatch(schema.name):
+        raise ValueError(f"mechanism name {schema.name!r} is not of {F.NAME_DOMAIN}")
+    if schema.update_kind not in ("u", "s"):
+        raise ValueError(f"update_kind {schema.update_kind!r} is not 'u' (dense) or 's' (vote)")
+    keys = [spec.key for spec in COMMON + schema.params]
+    if len(set(keys)) != len(keys) or len(keys) > MAX_PARAMS:
+        raise ValueError(f"mechanism {schema.name!r}: mp keys {keys} repeat or exceed {MAX_PARAMS}")
+    _SCHEMAS[schema.name] = schema
+    return schema
+
+
+def mechanism_schema(name: str | None) -> MechanismSchema | None:
+    """The registered schema of mechanism ``name`` (None: not registered)."""
+    return _SCHEMAS.get(name) if type(name) is str else None
+
+
+def schemas() -> dict[str, MechanismSchema]:
+    """Every registered schema, by mechanism name."""
+    return dict(_SCHEMAS)
 
 
 def _value(spec: ParamSpec, value: Any, what: str) -> Any:
@@ -224,7 +208,7 @@ def _generic(name: Any, value: Any) -> None:
 
 def check_mechanism_params(mp: Any, n_params: int | None = None) -> dict[str, Any]:
     """Validate a decoded ``mp``; return it with numbers as Python floats, or raise
-    :class:`PayloadRejected`. ``n_params``: the model dimension (SignDS's ``d`` must equal it)."""
+    :class:`PayloadRejected`. ``n_params``: the model dimension (for cross-field checks)."""
     if type(mp) is not dict:
         raise F.bad_type("mp", "mechanism parameters", mp, "map")
     if len(mp) > MAX_PARAMS:
@@ -232,10 +216,10 @@ def check_mechanism_params(mp: Any, n_params: int | None = None) -> dict[str, An
     for name, value in mp.items():
         _generic(name, value)
     mechanism = F.name_field(mp, "m", "mechanism name", prefix="mp.")
-    schema = SCHEMAS.get(mechanism)
+    schema = mechanism_schema(mechanism)
     if schema is None:
         return dict(mp)
-    specs = COMMON + schema
+    specs = COMMON + schema.params
     F.check_keys(mp, frozenset(s.key for s in specs), f"mp of mechanism {mechanism!r}", "mp.")
     out: dict[str, Any] = {}
     for spec in specs:
@@ -244,29 +228,16 @@ def check_mechanism_params(mp: Any, n_params: int | None = None) -> dict[str, An
                 raise F.missing(f"mp.{spec.key}", spec.meaning)
             continue
         out[spec.key] = _value(spec, mp[spec.key], spec.meaning)
-    if mechanism == SIGNDS:
-        _check_signds(out, n_params)
-    if mechanism == "laplace" and out["sched"] == "geometric" and "decay" not in out:
-        raise F.missing("mp.decay", "geometric schedule decay (required when sched = geometric)")
+    if schema.check is not None:
+        try:
+            schema.check(out, n_params)
+        except PayloadRejected:
+            raise
+        except Exception as exc:  # a registered check must say why with PayloadRejected
+            raise PayloadRejected(
+                Reject.OUT_OF_RANGE, f"mp of mechanism {mechanism!r}: {exc}", field="mp"
+            ) from None
     return out
-
-
-def _check_signds(mp: dict[str, Any], n_params: int | None) -> None:
-    d, h = mp["d"], mp["h"]
-    if n_params is not None and d != n_params:
-        raise _fail(
-            Reject.OUT_OF_RANGE,
-            "d",
-            f"field 'mp.d' (SignDS plan dimension) = {d}, but the model has {n_params} parameters",
-        )
-    if mp["K"] > d:
-        raise F.out_of_range("mp.K", "top-k size", mp["K"], f"an int in [0, d = {d}]")
-    if h > min(d, mp["hmax"]):
-        raise F.out_of_range("mp.h", "output dimension", h, "an int in [1, min(d, hmax)]")
-    if mp["hout"] and h != mp["hout"]:
-        raise F.out_of_range("mp.h", "output dimension", h, f"= hout = {mp['hout']}")
-    if mp["nth"] > h:
-        raise F.out_of_range("mp.nth", "threshold nu_th", mp["nth"], f"an int in [1, h = {h}]")
 
 
 def _canonical(mp: dict[str, Any]) -> dict[str, Any]:
@@ -279,7 +250,8 @@ def mechanism_params(mechanism: str, **values: Any) -> dict[str, Any]:
     ints as Python ints, numbers as floats, ``m`` first. Raises ValueError naming the key if the
     map would be rejected by a device (e.g. a required key is missing)."""
     mp: dict[str, Any] = {"m": mechanism}
-    schema = {s.key: s for s in COMMON + SCHEMAS.get(mechanism, ())}
+    registered = mechanism_schema(mechanism)
+    schema = {s.key: s for s in COMMON + (registered.params if registered else ())}
     for key, value in values.items():
         if value is None:
             continue  # an optional parameter the mechanism does not have

@@ -33,6 +33,11 @@ _FALSE = {"0", "false", "no", "off"}
 Node = tuple[str, int]
 
 
+class BrokerUrlError(ValueError):
+    """A broker URL an operator must fix (syntax, an option, a TLS file): the message is one line
+    that names the offending part, with any password masked; the CLI prints it as it is."""
+
+
 @dataclass(frozen=True)
 class BrokerSpec:
     """Where and how to connect to an MQTT broker (parsed from a URL by `parse_broker_url`).
@@ -127,14 +132,27 @@ class BrokerSpec:
             ("key", self.key_file),
         ):
             if path is not None and not os.path.isfile(path):
-                raise ValueError(
+                raise BrokerUrlError(
                     f"broker URL option {option}={path!r}: file does not exist "
                     f"(broker {self.redacted()})"
                 )
-        context = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cafile=self.ca_file)
+        try:
+            context = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cafile=self.ca_file)
+        except (ssl.SSLError, OSError) as exc:
+            raise BrokerUrlError(
+                f"broker URL option ca={self.ca_file!r}: not a readable PEM CA certificate "
+                f"({exc.__class__.__name__}: {exc}) (broker {self.redacted()})"
+            ) from None
         context.minimum_version = ssl.TLSVersion.TLSv1_2
         if self.cert_file is not None:
-            context.load_cert_chain(self.cert_file, self.key_file)
+            try:
+                context.load_cert_chain(self.cert_file, self.key_file)
+            except (ssl.SSLError, OSError) as exc:
+                raise BrokerUrlError(
+                    f"broker URL options cert={self.cert_file!r}, key={self.key_file!r}: not a "
+                    f"readable PEM certificate and key ({exc.__class__.__name__}: {exc}) "
+                    f"(broker {self.redacted()})"
+                ) from None
         if self.insecure:
             context.check_hostname = False
             context.verify_mode = ssl.CERT_NONE
@@ -160,8 +178,10 @@ class BrokerSpec:
         is set once per client: paho refuses a second `tls_set_context`) for the next node."""
         if self.username is not None:
             client.username_pw_set(self.username, self.password)
+        from edge_fl.transport.client_adapter import tls_configured
+
         context = self.tls_context()
-        if context is not None and client._ssl_context is None:
+        if context is not None and not tls_configured(client):
             client.tls_set_context(context)
         return self.next_node()
 
@@ -180,7 +200,7 @@ def _parse_bool(name: str, value: str, url: str) -> bool:
         return True
     if lowered in _FALSE:
         return False
-    raise ValueError(
+    raise BrokerUrlError(
         f"broker URL option {name}={value!r} in {url!r}: expected one of {sorted(_TRUE | _FALSE)}"
     )
 
@@ -195,14 +215,14 @@ def _parse_query(query: str, url: str) -> dict[str, str]:
         name, sep, value = item.partition("=")
         name = unquote(name)
         if name not in QUERY_KEYS:
-            raise ValueError(
+            raise BrokerUrlError(
                 f"broker URL {url!r}: unknown option {name!r}; "
                 f"allowed options are {list(QUERY_KEYS)}"
             )
         if name in options:
-            raise ValueError(f"broker URL {url!r}: option {name!r} given more than once")
+            raise BrokerUrlError(f"broker URL {url!r}: option {name!r} given more than once")
         if not sep or not value:
-            raise ValueError(f"broker URL {url!r}: option {name!r} needs a value ({name}=...)")
+            raise BrokerUrlError(f"broker URL {url!r}: option {name!r} needs a value ({name}=...)")
         options[name] = unquote(value)
     return options
 
@@ -213,23 +233,23 @@ def _parse_node(hostport: str, scheme: str, url: str) -> Node:
         parts = urlsplit(f"{scheme}://{hostport}")
         host = parts.hostname
     except ValueError as exc:
-        raise ValueError(f"broker URL {url!r} is malformed: {exc}") from None
+        raise BrokerUrlError(f"broker URL {url!r} is malformed: {exc}") from None
     if not host:
         where = f" in node {hostport!r}" if hostport else ""
-        raise ValueError(f"broker URL {url!r}: missing host{where}")
+        raise BrokerUrlError(f"broker URL {url!r}: missing host{where}")
     try:
         port = parts.port
     except ValueError:
         raw = hostport.rpartition(":")[2]
-        raise ValueError(
+        raise BrokerUrlError(
             f"broker URL {url!r}: port {raw!r} is not an integer in 1..65535"
         ) from None
     if port is None:
         if hostport.endswith(":"):
-            raise ValueError(f"broker URL {url!r}: empty port after ':'")
+            raise BrokerUrlError(f"broker URL {url!r}: empty port after ':'")
         port = DEFAULT_PORTS[scheme]
     if not 1 <= port <= 65535:
-        raise ValueError(f"broker URL {url!r}: port {port} is not in 1..65535")
+        raise BrokerUrlError(f"broker URL {url!r}: port {port} is not in 1..65535")
     return host, port
 
 
@@ -237,56 +257,56 @@ def parse_broker_url(url: str) -> BrokerSpec:
     """Parse `mqtt://[user[:pass]@]host[:port][,host2[:port2]...]` or
     `mqtts://...[?ca=&cert=&key=&insecure=1]` (credentials and options apply to every node).
 
-    Raises ValueError naming the offending part for anything else, so a typo in a device config
+    Raises BrokerUrlError naming the offending part for anything else, so a typo in a device config
     fails at start-up instead of as a connection timeout.
     """
     if not isinstance(url, str) or not url.strip():
-        raise ValueError(
+        raise BrokerUrlError(
             f"broker URL must be a non-empty string like mqtt://host:1883, got {url!r}"
         )
     raw_url = url.strip()
     url = _safe(raw_url)  # only the masked form appears in error messages
     if "://" not in url:
-        raise ValueError(
+        raise BrokerUrlError(
             f"broker URL {url!r} has no scheme; expected mqtt://host[:port] or mqtts://host[:port]"
         )
     try:
         parts = urlsplit(raw_url)
     except ValueError as exc:
-        raise ValueError(f"broker URL {url!r} is malformed: {exc}") from None
+        raise BrokerUrlError(f"broker URL {url!r} is malformed: {exc}") from None
     scheme = parts.scheme.lower()
     if scheme not in DEFAULT_PORTS:
-        raise ValueError(
+        raise BrokerUrlError(
             f"broker URL {url!r}: scheme {parts.scheme!r} is not supported; "
             f"use one of {sorted(DEFAULT_PORTS)}"
         )
     if parts.path not in ("", "/"):
-        raise ValueError(
+        raise BrokerUrlError(
             f"broker URL {url!r}: unexpected path {parts.path!r} (MQTT URLs have none)"
         )
     if parts.fragment:
-        raise ValueError(f"broker URL {url!r}: unexpected fragment #{parts.fragment}")
+        raise BrokerUrlError(f"broker URL {url!r}: unexpected fragment #{parts.fragment}")
     hostlist = parts.netloc.rpartition("@")[2]
     nodes = [_parse_node(item, scheme, url) for item in hostlist.split(",")]
     if len(set(nodes)) != len(nodes):
-        raise ValueError(f"broker URL {url!r}: a node is listed more than once")
+        raise BrokerUrlError(f"broker URL {url!r}: a node is listed more than once")
 
     username = unquote(parts.username) if parts.username is not None else None
     password = unquote(parts.password) if parts.password is not None else None
     if username == "":
         if password is not None:
-            raise ValueError(f"broker URL {url!r}: password given without a username")
+            raise BrokerUrlError(f"broker URL {url!r}: password given without a username")
         username = None
 
     options = _parse_query(parts.query, url)
     tls = scheme == "mqtts"
     tls_options = [name for name in QUERY_KEYS if name in options]
     if tls_options and not tls:
-        raise ValueError(
+        raise BrokerUrlError(
             f"broker URL {url!r}: options {tls_options} only apply to TLS; use mqtts:// instead"
         )
     if "key" in options and "cert" not in options:
-        raise ValueError(f"broker URL {url!r}: key= given without cert= (client certificate)")
+        raise BrokerUrlError(f"broker URL {url!r}: key= given without cert= (client certificate)")
 
     def path(name: str) -> str | None:
         value = options.get(name)

@@ -6,12 +6,11 @@ Two parts:
 * :func:`mqtt_packet_bytes`: the exact size of an MQTT 3.1.1 packet (fixed header with its
   remaining-length varint, variable header, payload), a pure function. ``edge-fl comm-cost``
   prices a round with it.
-* :class:`WireCounter` and :func:`install`: measured counts. ``install()`` wraps two methods of
-  paho's ``Client`` (aiomqtt wraps paho): ``_sock_send`` (each write of MQTT bytes, exact even
-  on partial writes) and ``_packet_handle`` (each whole packet received: 1 + varint +
-  remaining length). A client with a counter attached (:func:`attach`) adds to it; every client
-  in the process adds to :data:`PROCESS` (which is what a broker's ``$SYS/broker/bytes/*`` sees
-  of this process). Cost: a few integer additions per packet, nothing per payload byte, so it
+* :class:`WireCounter` and :func:`install`: measured counts. ``install()`` has paho report each
+  write of MQTT bytes (exact even on partial writes) and each whole packet received (1 + varint
+  + remaining length), through :mod:`edge_fl.transport.client_adapter`'s packet hooks. A client
+  with a counter attached (:func:`attach`) adds to it; every client in the process adds to
+  :data:`PROCESS` (which is what a broker's ``$SYS/broker/bytes/*`` sees of this process). Cost: a few integer additions per packet, nothing per payload byte, so it
   runs for thousands of simulated devices.
 
 The TLS/TCP/IP figures are a model (:class:`LinkModel`), applied per MQTT packet (paho writes
@@ -203,6 +202,16 @@ class WireCounter:
         "connections",
     )
 
+    up: int
+    down: int
+    up_packets: int
+    down_packets: int
+    up_tcp: int
+    down_tcp: int
+    up_segments: int
+    down_segments: int
+    connections: int
+
     def __init__(self, link: LinkModel | None = None) -> None:
         self.link = link or DEFAULT_LINK
         for name in self.FIELDS:
@@ -308,53 +317,21 @@ def percentiles(values: list[int]) -> dict[str, int]:
 # ---------------------------------------------------------------------------------- paho hooks
 
 PROCESS = WireCounter()  # every paho client of this process (once install() ran)
-_ATTR = "_edge_fl_wire"
-_installed = False
-_install_lock = threading.Lock()
 
 
 def install() -> None:
-    """Wrap paho's ``Client._sock_send`` and ``Client._packet_handle`` (idempotent)."""
-    global _installed
-    with _install_lock:
-        if _installed:
-            return
-        from paho.mqtt.client import Client
+    """Count every paho client's packets into :data:`PROCESS` (idempotent)."""
+    from edge_fl.transport.client_adapter import install_packet_hooks
 
-        sock_send = Client._sock_send
-        packet_handle = Client._packet_handle
-
-        def _sock_send(self: Any, buf: bytes | bytearray) -> int:
-            n = sock_send(self, buf)
-            if n:
-                tls = bool(self._ssl)
-                connect = (buf[0] >> 4) == CONNECT if len(buf) else False
-                PROCESS.sent(n, tls, connect)
-                counter = getattr(self, _ATTR, None)
-                if counter is not None:
-                    counter.sent(n, tls, connect)
-            return n
-
-        def _packet_handle(self: Any) -> Any:
-            packet = self._in_packet
-            n = 1 + len(packet["remaining_count"]) + packet["remaining_length"]
-            tls = bool(self._ssl)
-            PROCESS.received(n, tls)
-            counter = getattr(self, _ATTR, None)
-            if counter is not None:
-                counter.received(n, tls)
-            return packet_handle(self)
-
-        Client._sock_send = _sock_send  # type: ignore[method-assign]
-        Client._packet_handle = _packet_handle  # type: ignore[method-assign]
-        _installed = True
+    install_packet_hooks(PROCESS)
 
 
 def attach(client: Any, counter: WireCounter) -> WireCounter:
     """Count ``client``'s packets (an ``aiomqtt.Client`` or a paho client) into ``counter``.
 
     Attach before connecting, so CONNECT/CONNACK are counted."""
+    from edge_fl.transport.client_adapter import listen_to_packets
+
     install()
-    paho = getattr(client, "_client", client)
-    setattr(paho, _ATTR, counter)
+    listen_to_packets(client, counter)
     return counter

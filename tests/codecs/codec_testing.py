@@ -7,8 +7,8 @@ from collections.abc import Callable
 
 import numpy as np
 
-from edge_fl.codecs import Codec
 from edge_fl.protocol import PayloadRejected
+from edge_fl.protocol.codecs import Codec
 
 #: family-wise false-alarm probability of an unbiasedness test (seeded, so it is deterministic)
 ALPHA = 1e-6

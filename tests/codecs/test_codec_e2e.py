@@ -6,8 +6,8 @@ from typing import Any
 
 import pytest
 
-from edge_fl.codecs import build_codec
 from edge_fl.config import load_config
+from edge_fl.protocol.codecs import build_codec
 from edge_fl.simulation import simulate
 
 

@@ -7,8 +7,8 @@ import json
 from click.testing import CliRunner
 
 from edge_fl.cli.comm_cmds import comm_cost, round_wire, session_wire
-from edge_fl.codecs import build_codec
 from edge_fl.protocol import Topics
+from edge_fl.protocol.codecs import build_codec
 from edge_fl.transport.wire import mqtt_packet_bytes
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 from codec_testing import decodes, hoeffding_unbiased
 
-from edge_fl.codecs import build_codec
+from edge_fl.protocol.codecs import build_codec
 
 
 def test_f32_is_float32_rounding() -> None:

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 from codec_testing import decodes, hoeffding_unbiased, rejects
 
-from edge_fl.codecs import build_codec
-from edge_fl.codecs._quant import BLOCK, block_params
+from edge_fl.protocol.codecs import build_codec
+from edge_fl.protocol.codecs.quantised import BLOCK, block_params
 
 
 @pytest.mark.parametrize("name,levels", [("q8", 256), ("q4", 16)])

@@ -9,17 +9,21 @@ from codec_testing import rejects
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from edge_fl.codecs import (
+from edge_fl.mechanisms import accepted_tags, check_combination
+from edge_fl.protocol import PayloadRejected
+from edge_fl.protocol.codecs import (
+    Codec,
     UnknownCodecError,
-    accepted_tags,
     build_codec,
-    check_combination,
+    codec_class,
     codec_for_tag,
     codec_names,
     codec_tags,
+    downlink_names,
+    downlink_tag,
+    register_codec,
 )
-from edge_fl.codecs.base import packed_size
-from edge_fl.protocol import PayloadRejected
+from edge_fl.protocol.codecs.base import packed_size
 
 ALL = codec_names()
 
@@ -137,3 +141,36 @@ def test_mechanisms_decide_which_codecs_are_sound() -> None:
     assert check_combination("no-such-mechanism", "q8") is None  # the job build names it
     assert accepted_tags("gaussian-central") == frozenset({"f4", "f2"})
     assert accepted_tags("none") == frozenset(codec_tags())
+
+
+def test_codecs_declare_downlink_use_and_norm_preservation() -> None:
+    assert downlink_names() == ("f32", "f16", "q8")
+    assert [downlink_tag(n) for n in downlink_names()] == ["f4", "f2", "q8"]
+    with pytest.raises(UnknownCodecError, match="does not carry the global model"):
+        downlink_tag("topk")
+    assert [n for n in ALL if codec_class(n).preserves_norm] == ["f32", "f16"]
+    assert codec_class("topk").options == {"fraction": 0.01, "error_feedback": True}
+    assert build_codec("topk").describe()["fraction"] == 0.01
+
+
+def test_register_codec_refuses_clashes_and_malformed_codecs() -> None:
+    before = codec_tags()
+    assert register_codec(codec_class("q8")) is codec_class("q8")  # the same class: a no-op
+
+    def codec(name: str, dt: str, keys: frozenset[str]) -> type[Codec]:
+        return type("Own", (Codec,), {"name": name, "dt": dt, "keys": keys})
+
+    cases = [
+        (codec("q8", "zz", frozenset({"x"})), "codec name 'q8' is already registered"),
+        (codec("own", "f4", frozenset({"x"})), "wire tag 'f4' is already registered"),
+        (codec("own", "zz", frozenset({"x", "m"})), r"keys \['m'\] are an update's own fields"),
+        (codec("own", "far-too-long", frozenset({"x"})), "is not a name of 1-8 chars"),
+        (codec("Own code", "zz", frozenset({"x"})), "is not a short lower-case name"),
+        (codec("own", "zz", frozenset()), "non-empty frozenset"),
+    ]
+    for cls, message in cases:
+        with pytest.raises(ValueError, match=message):
+            register_codec(cls)
+    with pytest.raises(ValueError, match="is not a Codec subclass"):
+        register_codec(dict)
+    assert codec_tags() == before  # nothing refused was registered

@@ -7,8 +7,8 @@ import math
 import numpy as np
 from codec_testing import decodes, rejects
 
-from edge_fl.codecs import build_codec
-from edge_fl.codecs.rot1 import fwht, padded_dim, rotation_signs
+from edge_fl.protocol.codecs import build_codec
+from edge_fl.protocol.codecs.rot1 import fwht, padded_dim, rotation_signs
 
 
 def test_rotation_is_orthonormal_and_reproducible_from_the_seed() -> None:

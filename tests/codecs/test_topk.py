@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 from codec_testing import rejects
 
-from edge_fl.codecs import CodecState, build_codec
-from edge_fl.codecs.topk import CODE_BITMAP, CODE_BITPACK, index_coding
+from edge_fl.protocol.codecs import CodecState, build_codec
+from edge_fl.protocol.codecs.topk import CODE_BITMAP, CODE_BITPACK, index_coding
 
 
 def test_sends_the_largest_coordinates_exactly() -> None:

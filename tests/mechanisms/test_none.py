@@ -5,14 +5,15 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-import edge_fl.mechanisms.laplace as laplace_module
 from edge_fl.mechanisms import (
     UnknownMechanismError,
     build_mechanism,
     mechanism_class,
     mechanism_names,
+    register_mechanism,
 )
 from edge_fl.mechanisms.base import FedAvg
+from edge_fl.mechanisms.laplace import Laplace
 from edge_fl.mechanisms.none import NoPrivacy
 from edge_fl.models.training import LocalTraining
 from edge_fl.privacy.rng import seeded_generator
@@ -30,12 +31,17 @@ def test_registry_lists_every_module_with_none_first():
         assert cls.acts_on_empty_round == (name == "gaussian-central")
 
 
-def test_registry_refuses_unknown_and_misnamed_modules(monkeypatch):
+def test_registry_refuses_unknown_and_misnamed_mechanisms():
     with pytest.raises(UnknownMechanismError, match=r"unknown privacy mechanism 'lapalce'; one of"):
         mechanism_class("lapalce")
-    monkeypatch.setattr(laplace_module, "MECHANISM", NoPrivacy)
-    with pytest.raises(RuntimeError, match=r"registers 'none', not 'laplace'"):
-        mechanism_class("laplace")
+    with pytest.raises(ValueError, match=r"NoPrivacy is named 'none', not 'laplace'"):
+        register_mechanism("laplace", NoPrivacy)
+    with pytest.raises(ValueError, match=r"'laplace' is already registered \(Laplace\)"):
+        register_mechanism("laplace", type("Other", (Laplace,), {}))
+    with pytest.raises(ValueError, match="not a Mechanism subclass"):
+        register_mechanism("laplace", object)
+    assert register_mechanism("laplace", Laplace) is Laplace  # the same class again: a no-op
+    assert mechanism_class("laplace") is Laplace
 
 
 def test_device_rule_is_plain_local_sgd(make_device, global_msg, ref):

@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from edge_fl.codecs.base import Codec, CodecState, bin_size, check_vector
+from edge_fl.protocol.codecs.base import Codec, CodecState, bin_size, check_vector
 
 F2 = np.dtype("<f2")
 F16_MAX = float(np.finfo(np.float16).max)
@@ -40,6 +40,8 @@ class F16(Codec):
     dt = "f2"
     keys = frozenset({"x"})
     unbiased = True
+    preserves_norm = True  # within the server's float16 rounding slack
+    downlink = True
 
     def encode(
         self, x: np.ndarray, rng: np.random.Generator, state: CodecState | None = None
@@ -52,6 +54,3 @@ class F16(Codec):
 
     def payload_bytes(self, dim: int) -> int:
         return 6 + 2 + bin_size(2 * dim)
-
-
-CODEC = F16

@@ -27,8 +27,8 @@ from typing import Any
 
 import numpy as np
 
-from edge_fl.codecs.base import Codec, CodecState, bin_size, check_vector
-from edge_fl.protocol import fields as F
+import edge_fl.protocol.fields as F
+from edge_fl.protocol.codecs.base import Codec, CodecState, bin_size, check_vector
 
 SEED_BYTES = 16
 CONTEXT = b"edge-fl/rot1\x00"
@@ -99,6 +99,3 @@ class Rot1(Codec):
 
     def payload_bytes(self, dim: int) -> int:
         return 6 + 2 + bin_size(-(-padded_dim(dim) // 8)) + 2 + 9 + 3 + bin_size(SEED_BYTES)
-
-
-CODEC = Rot1

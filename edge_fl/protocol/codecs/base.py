@@ -4,7 +4,7 @@ A codec encodes a device's (already privatised) delta ``x`` into the fields of a
 (``dt`` = its wire tag, then its own keys: bins and small ints/floats, docs/protocol.md section
 "Compressed dense updates"), and decodes such fields back into a float32 vector of the model's
 dimension. Encoding may be random (stochastic rounding, rotations); the generator is injected
-(production: the device's ChaCha20 CSPRNG, :mod:`edge_fl.privacy.rng`). A codec with memory (top-k
+(production: the device's ChaCha20 CSPRNG). A codec with memory (top-k
 error feedback) returns its next state; the device owns it (:class:`CodecState`), the codec keeps
 nothing between calls.
 
@@ -21,8 +21,11 @@ from typing import Any, ClassVar
 import msgpack
 import numpy as np
 
-from edge_fl.protocol import fields as F
+import edge_fl.protocol.fields as F
 from edge_fl.protocol.messages import PayloadRejected, Reject
+
+#: the keys of a dense update that are the message's, not its codec's (docs/protocol.md)
+HEADER_KEYS = frozenset({"v", "k", "dev", "r", "bv", "n", "nc", "dt", "m"})
 
 
 @dataclass(frozen=True)
@@ -51,15 +54,22 @@ def int_size(v: int) -> int:
 
 
 class Codec:
-    """Base class. ``name``: config name (= module); ``dt``: wire tag; ``keys``: the update keys
-    its fields use besides ``dt``; ``unbiased``: E[decode(encode(x))] = x over the encoder's
-    randomness; ``stateful``: encode reads and returns a :class:`CodecState`."""
+    """Base class. ``name``: config name (``compression.uplink``); ``dt``: wire tag; ``keys``:
+    the update keys its fields use besides ``dt``; ``unbiased``: E[decode(encode(x))] = x over
+    the encoder's randomness; ``stateful``: encode reads and returns a :class:`CodecState`;
+    ``preserves_norm``: a decoded delta keeps the norm it was sent with (no stochastic rounding
+    beyond float16's, no error feedback), which a mechanism that checks a clip bound on arrival
+    needs; ``downlink``: it may also carry the global model (``compression.downlink``);
+    ``options``: the keyword options ``__init__`` takes, with their defaults."""
 
     name: ClassVar[str]
     dt: ClassVar[str]
     keys: ClassVar[frozenset[str]]
     unbiased: ClassVar[bool] = False
     stateful: ClassVar[bool] = False
+    preserves_norm: ClassVar[bool] = False
+    downlink: ClassVar[bool] = False
+    options: ClassVar[dict[str, Any]] = {}
 
     def __init__(self, **options: Any) -> None:
         if options:

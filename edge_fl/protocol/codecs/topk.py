@@ -20,12 +20,12 @@ post-processing of releases already accounted; mechanisms that need the delta to
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 
-from edge_fl.codecs.base import Codec, CodecState, bin_size, check_vector, int_size
-from edge_fl.protocol import fields as F
+import edge_fl.protocol.fields as F
+from edge_fl.protocol.codecs.base import Codec, CodecState, bin_size, check_vector, int_size
 from edge_fl.protocol.indices import IndexCodingError, decode_indices, encode_bitpack, index_width
 from edge_fl.protocol.messages import PayloadRejected, Reject
 
@@ -51,6 +51,7 @@ class TopK(Codec):
     dt = "tk"
     keys = frozenset({"h", "c", "ix", "x"})
     stateful = True
+    options: ClassVar[dict[str, Any]] = {"fraction": 0.01, "error_feedback": True}
 
     def __init__(self, fraction: float = 0.01, error_feedback: bool = True) -> None:
         if isinstance(fraction, bool) or not isinstance(fraction, int | float):
@@ -140,6 +141,3 @@ class TopK(Codec):
         h = sent_count(dim, self.fraction)
         _, ix = index_coding(dim, h)
         return 6 + 2 + int_size(h) + 3 + 3 + bin_size(ix) + 2 + bin_size(4 * h)
-
-
-CODEC = TopK

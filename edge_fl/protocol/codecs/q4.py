@@ -2,7 +2,7 @@
 
 Two values per byte (value 2i in the low nibble, 2i+1 in the high one; an odd d leaves the last
 high nibble 0, which the decoder requires) plus 8 bytes per block of 256 values: about 7.5x
-smaller than float32. Scheme and bounds: :mod:`edge_fl.codecs._quant` (|x_hat - x| < s_b =
+smaller than float32. Scheme and bounds: :mod:`edge_fl.protocol.codecs.quantised` (|x_hat - x| < s_b =
 (max_b - min_b) / 15 per block, E[x_hat] = x, Var <= s_b^2 / 4).
 """
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from edge_fl.codecs._quant import Quantised
+from edge_fl.protocol.codecs.quantised import Quantised
 from edge_fl.protocol.messages import PayloadRejected, Reject
 
 
@@ -37,6 +37,3 @@ class Q4(Quantised):
         out = np.empty(raw.size * 2, np.uint8)
         out[0::2], out[1::2] = raw & 0x0F, raw >> 4
         return out[:dim]
-
-
-CODEC = Q4

@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from edge_fl.codecs.base import Codec, CodecState, bin_size, check_vector
+from edge_fl.protocol.codecs.base import Codec, CodecState, bin_size, check_vector
 
 F4 = np.dtype("<f4")
 
@@ -20,6 +20,8 @@ class F32(Codec):
     dt = "f4"
     keys = frozenset({"x"})
     unbiased = True  # exact for the float32 deltas devices send
+    preserves_norm = True
+    downlink = True
 
     def encode(
         self, x: np.ndarray, rng: np.random.Generator, state: CodecState | None = None
@@ -32,6 +34,3 @@ class F32(Codec):
 
     def payload_bytes(self, dim: int) -> int:
         return 6 + 2 + bin_size(4 * dim)
-
-
-CODEC = F32

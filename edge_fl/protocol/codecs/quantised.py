@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from edge_fl.codecs.base import Codec, CodecState, bin_size, check_vector
+from edge_fl.protocol.codecs.base import Codec, CodecState, bin_size, check_vector
 from edge_fl.protocol.messages import PayloadRejected, Reject
 
 BLOCK = 256

@@ -1,5 +1,8 @@
 """Empirical DP audit of a whole release: neighbouring datasets through the REAL device rule.
 
+Test harness (used by tests/test_release_audit.py and tools/bench_release_audit.py), not part of
+the edge_fl package.
+
 :mod:`edge_fl.privacy.audit` audits the bare noise functions on worst-case *outputs*; this module
 audits what a device actually uploads: two neighbouring local datasets D0, D1 go through a
 mechanism's own ``device_update`` (its local training, clipping, projection and noise), ``n`` times

@@ -1,0 +1,189 @@
+"""The one place that reaches inside paho-mqtt and aiomqtt.
+
+aiomqtt is an asyncio front for a paho ``Client``; a few things edge-fl needs exist only on that
+paho client, or only as its private attributes:
+
+* the paho client under an ``aiomqtt.Client`` (aiomqtt keeps it as ``_client``): manual
+  acknowledgements after the journal's fsync, publishing from a paho callback without awaiting,
+  whether the session is up, and its socket (a simulated crash shuts it without a DISCONNECT);
+* the socket paho reads and writes (``_sock``), replaced by a wrapper that parses PUBLISH packets
+  in large reads (the aggregator's ingest tap);
+* whether a connection uses TLS (``_ssl``) and whether TLS was already configured
+  (``_ssl_context``: paho refuses a second ``tls_set_context``);
+* per-packet byte counts: paho has no hook for them, so :func:`install_packet_hooks` wraps two
+  methods of paho's ``Client`` class, ``_sock_send`` (each write of MQTT bytes) and
+  ``_packet_handle`` (each whole packet read; ``_in_packet`` holds its length fields).
+
+Everything else in edge-fl calls the functions below and names no private attribute of either
+library. ``tests/test_transport_adapter.py`` checks each behaviour relied on here against a real
+Mosquitto, so an upgrade of paho-mqtt or aiomqtt that breaks one fails there, by name.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Protocol, TypeAlias
+
+import paho.mqtt.client as paho
+
+if TYPE_CHECKING:
+    import aiomqtt
+
+    #: an aiomqtt client, or a paho client (the light agent and tools use paho directly)
+    MqttClient: TypeAlias = aiomqtt.Client | paho.Client
+
+__all__ = [
+    "PacketListener",
+    "ack",
+    "install_packet_hooks",
+    "is_connected",
+    "is_mqtt5",
+    "listen_to_packets",
+    "manual_acks",
+    "paho_client",
+    "publish_nowait",
+    "raw_socket",
+    "tls_configured",
+    "uses_tls",
+    "wrap_sockets",
+]
+
+
+class PacketListener(Protocol):
+    """What :func:`install_packet_hooks` reports to (``edge_fl.transport.wire.WireCounter``)."""
+
+    def sent(self, n: int, tls: bool, connect: bool = False) -> None: ...
+
+    def received(self, n: int, tls: bool) -> None: ...
+
+
+def paho_client(client: MqttClient) -> paho.Client:
+    """The paho client doing the work of ``client`` (``client`` itself if it is one)."""
+    if isinstance(client, paho.Client):
+        return client
+    return client._client  # aiomqtt keeps its paho client here (aiomqtt 2.x)
+
+
+def is_connected(client: MqttClient) -> bool:
+    """Whether the client's MQTT session is up now (aiomqtt has no public flag for it)."""
+    return bool(paho_client(client).is_connected())
+
+
+def raw_socket(client: MqttClient) -> Any:
+    """The socket of the current connection (a ``socket.socket``, an ``ssl.SSLSocket``, or the
+    wrapper :func:`wrap_sockets` installed), or None when not connected."""
+    return paho_client(client).socket()
+
+
+def manual_acks(client: MqttClient, on_message: Callable[[paho.MQTTMessage], None]) -> None:
+    """Acknowledge QoS 1/2 messages only through :func:`ack`, and deliver every message paho
+    parses to ``on_message`` instead of aiomqtt's queue. Call before connecting."""
+    pc = paho_client(client)
+    pc.manual_ack_set(True)
+    pc.on_message = lambda _client, _userdata, message: on_message(message)
+
+
+def ack(client: MqttClient, mid: int, qos: int) -> None:
+    """Acknowledge message ``mid`` now (PUBACK for QoS 1, PUBCOMP for QoS 2); with
+    :func:`manual_acks` on, this is the only acknowledgement the broker gets (so calling it on
+    receipt acknowledges on receipt). Safe from any paho callback or the event loop's thread."""
+    paho_client(client).ack(mid, qos)
+
+
+def publish_nowait(client: MqttClient, topic: str, payload: bytes, qos: int = 1) -> None:
+    """Queue a publish from synchronous code (a paho callback), without awaiting its ack as
+    ``aiomqtt.Client.publish`` would; paho writes it when its loop next runs."""
+    paho_client(client).publish(topic, payload, qos=qos)
+
+
+def is_mqtt5(client: MqttClient) -> bool:
+    """Whether the client speaks MQTT 5 (its PUBLISH packets carry properties)."""
+    return bool(paho_client(client).protocol == paho.MQTTv5)
+
+
+def uses_tls(client: MqttClient) -> bool:
+    """Whether the client's connections use TLS (set by ``tls_set_context``)."""
+    return bool(paho_client(client)._ssl)
+
+
+def tls_configured(client: MqttClient) -> bool:
+    """Whether TLS was already set on the client: paho raises on a second ``tls_set_context``,
+    so a reconnect that applies the same settings again must skip it."""
+    return paho_client(client)._ssl_context is not None
+
+
+def wrap_sockets(client: MqttClient, wrap: Callable[[Any], Any]) -> None:
+    """Make paho read and write every socket it opens from now on through ``wrap(sock)``.
+
+    The wrapper must offer what paho and aiomqtt use of a socket (``recv``, ``send``,
+    ``fileno``, ``close``, ``setblocking``, and ``pending`` for a TLS socket): paho keeps it as its
+    socket, and aiomqtt registers it with the event loop. Call before connecting."""
+    pc = paho_client(client)
+    opened = pc.on_socket_open  # aiomqtt's: registers the socket with the event loop
+
+    def on_socket_open(inner: paho.Client, userdata: Any, sock: Any) -> None:
+        wrapped = wrap(sock)
+        inner._sock = wrapped  # paho reads and writes through it from now on
+        if opened is not None:
+            opened(inner, userdata, wrapped)
+
+    pc.on_socket_open = on_socket_open
+
+
+# ------------------------------------------------------------------------ packet byte counts
+
+_LISTENER_ATTR = "_edge_fl_packet_listener"
+_process_listeners: list[PacketListener] = []
+_hooks_lock = threading.Lock()
+_hooks_installed = False
+
+
+def install_packet_hooks(process: PacketListener) -> None:
+    """Report every MQTT packet any paho client of this process sends or reads to ``process``
+    (and to the client's own listener, :func:`listen_to_packets`). Idempotent per listener.
+
+    Sent: each ``_sock_send`` write (exact on partial writes; paho writes one packet per call),
+    ``connect`` when it starts a CONNECT. Read: each whole packet, ``1 + len(varint) + remaining
+    length`` bytes. Cost: a few integer additions per packet, nothing per payload byte."""
+    global _hooks_installed
+    with _hooks_lock:
+        if process not in _process_listeners:
+            _process_listeners.append(process)
+        if _hooks_installed:
+            return
+        sock_send = paho.Client._sock_send
+        packet_handle = paho.Client._packet_handle
+
+        def _sock_send(self: paho.Client, buf: bytes | bytearray) -> int:
+            n = sock_send(self, buf)
+            if n:
+                tls = bool(self._ssl)
+                connect = bool(buf) and (buf[0] & 0xF0) == paho.CONNECT
+                for listener in _process_listeners:
+                    listener.sent(n, tls, connect)
+                own = getattr(self, _LISTENER_ATTR, None)
+                if own is not None:
+                    own.sent(n, tls, connect)
+            return n
+
+        def _packet_handle(self: paho.Client) -> Any:
+            packet = self._in_packet
+            n = 1 + len(packet["remaining_count"]) + packet["remaining_length"]
+            tls = bool(self._ssl)
+            for listener in _process_listeners:
+                listener.received(n, tls)
+            own = getattr(self, _LISTENER_ATTR, None)
+            if own is not None:
+                own.received(n, tls)
+            return packet_handle(self)
+
+        paho.Client._sock_send = _sock_send  # type: ignore[method-assign]
+        paho.Client._packet_handle = _packet_handle  # type: ignore[method-assign]
+        _hooks_installed = True
+
+
+def listen_to_packets(client: MqttClient, listener: PacketListener) -> None:
+    """Also report ``client``'s packets to ``listener`` (once :func:`install_packet_hooks` ran).
+    Attach before connecting, so CONNECT/CONNACK are counted."""
+    setattr(paho_client(client), _LISTENER_ATTR, listener)

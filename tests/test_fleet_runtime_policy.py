@@ -1,0 +1,115 @@
+"""The fleet runtime carries out the devices' policy (edge_fl/device/policy.py), without a broker:
+device sessions are stand-ins that record (or refuse) what is published."""
+
+from __future__ import annotations
+
+import asyncio
+
+import aiomqtt
+import numpy as np
+
+from edge_fl.device.agent import DeviceAgent
+from edge_fl.fleet.runtime import Fleet
+from edge_fl.models import make_model
+from edge_fl.models.training import LocalTraining
+from edge_fl.privacy.rng import seeded_generator
+from edge_fl.protocol import GlobalModel, Topics
+from edge_fl.transport.url import parse_broker_url
+
+TOPICS = Topics("job")
+N_PARAMS = 4 * 3 + 3
+
+
+class Session:
+    """A device's MQTT session: records publishes; the first ``fail`` update publishes raise."""
+
+    def __init__(self, fail: int = 0) -> None:
+        self.fail = fail
+        self.updates: list[bytes] = []
+        self.statuses: list[bytes] = []
+
+    async def publish(self, topic: str, payload: bytes, qos: int = 0, retain: bool = False):
+        if "/up/" in topic:
+            if self.fail:
+                self.fail -= 1
+                raise aiomqtt.MqttError("the broker went away")
+            self.updates.append(payload)
+        else:
+            self.statuses.append(payload)
+
+
+def agent(i: int) -> DeviceAgent:
+    g = np.random.default_rng(i)
+    X = g.normal(size=(12, 4)).astype(np.float32)
+    y = (np.arange(12) % 3).astype(np.int64)
+    return DeviceAgent(
+        f"d{i}", X, y, make_model("logreg", 4, 3), LocalTraining(1, 4, 0.1), seeded_generator(i)
+    )
+
+
+def fleet(n: int, **sessions: Session) -> Fleet:
+    f = Fleet([agent(i) for i in range(n)], parse_broker_url("mqtt://127.0.0.1:1"), TOPICS)
+    for i in range(n):
+        f.clients[f"d{i}"] = sessions.get(f"d{i}", Session())  # type: ignore[assignment]
+    return f
+
+
+def gm(version: int, selected: tuple[str, ...] | None) -> GlobalModel:
+    return GlobalModel(
+        "job", version, version, np.zeros(N_PARAMS, np.float32), mode="fedbuff", selected=selected
+    )
+
+
+def updates(f: Fleet) -> dict[str, int]:
+    return {d: len(c.updates) for d, c in f.clients.items()}  # type: ignore[attr-defined]
+
+
+def test_a_dispatch_of_replacements_makes_no_answered_device_publish_again():
+    """FedBuff with a concurrency limit re-publishes version 1 to dispatch d2: d0 and d1, which
+    answered version 1, send nothing more (before: both re-sent, counted as duplicates)."""
+
+    async def scenario() -> Fleet:
+        f = fleet(4)
+        f.hand_out(gm(1, ("d0", "d1")), 100)
+        await f.settled()
+        f.hand_out(gm(1, ("d2",)), 100)
+        await f.settled()
+        return f
+
+    f = asyncio.run(scenario())
+    assert updates(f) == {"d0": 1, "d1": 1, "d2": 1, "d3": 0}
+    assert (f.published, f.resent) == (3, 0)
+
+
+def test_the_published_count_includes_an_update_that_only_a_resend_delivered():
+    """Issue 24 item 10: d0's first publish fails (the broker went away); the re-broadcast round
+    brings the same bytes through. The fleet's "updates published" counts it once, as the ledger
+    does; a further re-send is a re-send, not another update."""
+
+    async def scenario() -> Fleet:
+        f = fleet(2, d0=Session(fail=1))
+        msg = gm(1, ("d0", "d1"))
+        f.hand_out(msg, 100)
+        await f.settled()
+        assert (f.published, f.publish_failures, f.resent) == (1, 1, 0)
+        f.hand_out(msg, 100)  # the aggregator re-broadcasts the open round
+        await f.settled()
+        return f
+
+    f = asyncio.run(scenario())
+    assert updates(f) == {"d0": 1, "d1": 2}  # d1 re-sent too: a copy the aggregator counts
+    assert (f.published, f.resent) == (2, 2)
+    assert f.agents["d0"].state.exposures == 1  # one release, delivered late
+
+
+def test_a_device_busy_training_answers_only_the_newest_model_next():
+    async def scenario() -> Fleet:
+        f = fleet(1)
+        for v in (1, 2, 3):  # 2 and 3 arrive while it trains on 1
+            f.hand_out(gm(v, None), 100)
+        await f.settled()
+        return f
+
+    f = asyncio.run(scenario())
+    assert updates(f) == {"d0": 2}
+    assert f.agents["d0"].state.answered_round == 3
