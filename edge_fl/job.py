@@ -9,14 +9,15 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
 
 import numpy as np
 
-from edge_fl.config import ConfigError, JobConfig
-from edge_fl.data import load_federated
+from edge_fl.config import ConfigError, JobConfig, set_path, validate_config
+from edge_fl.data import known_datasets, load_federated
 from edge_fl.data.base import FederatedDataset
 from edge_fl.device.agent import DeviceAgent, DeviceBudget
 from edge_fl.fleet.clock import SimClock
@@ -29,7 +30,7 @@ from edge_fl.identity import (
     device_id,
 )
 from edge_fl.mechanisms import JobFacts, Mechanism, UnknownMechanismError, build_mechanism
-from edge_fl.models import evaluate, make_model
+from edge_fl.models import evaluate, known_models, make_model, onnx_exporter
 from edge_fl.models.base import Model
 from edge_fl.models.training import LocalTraining
 from edge_fl.privacy.rng import RngInfo, make_generator
@@ -46,12 +47,18 @@ log = logging.getLogger("edge_fl.job")
 DEVICE_LOCAL_SECTIONS = {"broker", "security", "fleet", "device", "ingest"}
 
 
+#: ``device_factory(job, index) -> DeviceAgent``: the agent of device ``index`` (e.g. an attacker
+#: for a robustness study); ``job.default_agent(index)`` is the honest one it may wrap
+DeviceFactory = Callable[["Job", int], DeviceAgent]
+
+
 @dataclass
 class Job:
     cfg: JobConfig
     dataset: FederatedDataset
     model: Model
     warnings: list[str] = field(default_factory=list)
+    device_factory: DeviceFactory | None = None
 
     @cached_property
     def mechanism(self) -> Mechanism:
@@ -109,6 +116,14 @@ class Job:
         return self.model.init_params(np.random.default_rng([self.cfg.seed, STREAM_INIT]))
 
     def agent(self, index: int) -> DeviceAgent:
+        """Device ``index``'s agent: the job's ``device_factory``'s, else the honest one."""
+        if self.device_factory is not None:
+            return self.device_factory(self, index)
+        return self.default_agent(index)
+
+    def default_agent(self, index: int) -> DeviceAgent:
+        """The honest agent of device ``index``: its share of the data, the job's model,
+        training, mechanism, budget and codec, and its own generator stream."""
         X, y = self.dataset.device_data(index)
         t = self.cfg.training
         rng, _ = self.rng(STREAM_DEVICE, index)
@@ -196,25 +211,35 @@ class Job:
         )
         return core
 
+    @cached_property
+    def onnx(self) -> Callable[[np.ndarray], bytes] | None:
+        """The model's ONNX export (``params -> bytes``), or None: a model without one is
+        evaluated natively and leaves no model.onnx (``edge_fl.models.onnx_exporter``)."""
+        return onnx_exporter(self.model)
+
     def _evaluator(self):
         """Held-out accuracy and loss of the global model, by default through onnxruntime: the
         model that is evaluated is exactly the ONNX file a device would run."""
         X_test, y_test = self.dataset.X_test, self.dataset.y_test
-        if self.cfg.model.evaluate_with == "native":
+        to_onnx = self.onnx
+        if self.cfg.model.evaluate_with == "native" or to_onnx is None:
             return lambda w: evaluate(self.model, w, X_test, y_test)
 
         def with_onnxruntime(w: np.ndarray) -> tuple[float, float]:
-            from edge_fl.models.onnx_export import onnx_bytes
             from edge_fl.models.onnx_runtime import OnnxClassifier
 
-            return OnnxClassifier(onnx_bytes(self.model, w)).evaluate(X_test, y_test)
+            return OnnxClassifier(to_onnx(w)).evaluate(X_test, y_test)
 
         return with_onnxruntime
 
-    def export_model(self, params: np.ndarray, path: Any) -> None:
-        from edge_fl.models.onnx_export import export_onnx
+    def export_model(self, params: np.ndarray, path: Any) -> bool:
+        """Write the model with ``params`` to ``path`` as ONNX; False if it has no export."""
+        if self.onnx is None:
+            return False
+        from pathlib import Path
 
-        export_onnx(self.model, params, path)
+        Path(path).write_bytes(self.onnx(params))
+        return True
 
     @cached_property
     def clock(self) -> SimClock:
@@ -328,17 +353,40 @@ def dataset_sizes(dataset: Any) -> Any:
     return sizes if sizes is not None else tuple(len(ix) for ix in dataset.device_indices)
 
 
-def build_job(cfg: JobConfig) -> Job:
+def build_job(
+    cfg: JobConfig,
+    *,
+    dataset: FederatedDataset | None = None,
+    model: Model | None = None,
+    device_factory: DeviceFactory | None = None,
+) -> Job:
+    """The job ``cfg`` describes, every part built and checked before anything runs.
+
+    ``dataset`` / ``model``: objects to use instead of the registered ``data.dataset`` /
+    ``model.name`` (the config then takes their names and the dataset's device count, unless it
+    sets another count: an error). ``device_factory``: see :data:`DeviceFactory`. Every name the
+    config gives (model, dataset, mechanism, codec) must be registered: ConfigError lists the
+    known ones."""
+    if dataset is not None or model is not None:
+        cfg = _adopt(cfg, dataset, model)
+    check_registered(cfg, dataset=dataset is None, model=model is None)
     d = cfg.data
+    data: Any = dataset  # a FederatedDataset, or a population's lazily drawn one
     if cfg.population.online is not None:
         from edge_fl.data.lazy_synthetic import lazy_dataset
 
+        if dataset is not None or device_factory is not None:
+            what = "a dataset object" if dataset is not None else "a device_factory"
+            raise ConfigError(
+                f"invalid configuration:\n  population: {what} does not apply to a modelled "
+                "population (its devices draw their data lazily)"
+            )
         try:
-            dataset: Any = lazy_dataset(cfg)
+            data = lazy_dataset(cfg)
         except ValueError as exc:
             raise ConfigError(f"invalid configuration:\n  population: {exc}") from None
-    else:
-        dataset = load_federated(
+    elif data is None:
+        data = load_federated(
             d.dataset,
             d.devices,
             partition=d.partition,
@@ -347,9 +395,11 @@ def build_job(cfg: JobConfig) -> Job:
             data_dir=d.data_dir,
             samples_per_device=d.samples_per_device,
         )
-    options = {"hidden": cfg.model.hidden} if cfg.model.name == "mlp" else {}
-    model = make_model(cfg.model.name, dataset.n_features, dataset.n_classes, **options)
-    job = Job(cfg, dataset, model)
+    if model is None:
+        options = {"hidden": cfg.model.hidden} if cfg.model.name == "mlp" else {}
+        model = make_model(cfg.model.name, data.n_features, data.n_classes, **options)
+    _check_fit(model, data)
+    job = Job(cfg, data, model, device_factory=device_factory)
     try:
         mechanism = job.mechanism  # built now, so a bad privacy setting fails before anything runs
     except (UnknownMechanismError, ValueError) as exc:
@@ -358,10 +408,83 @@ def build_job(cfg: JobConfig) -> Job:
         job.robust  # noqa: B018 (resolved now: a setting the mechanism cannot take fails here)
     except ValueError as exc:
         raise ConfigError(f"invalid configuration:\n  robust: {exc}") from None
+    if job.onnx is None and cfg.model.evaluate_with == "onnxruntime":
+        if "evaluate_with" in cfg.model.model_fields_set:
+            raise ConfigError(
+                f"invalid configuration:\n  model.evaluate_with = 'onnxruntime': model "
+                f"{model.name!r} has no ONNX export (give it onnx_bytes(params), or use 'native')"
+            )
+        job.warnings.append(
+            f"model {model.name!r} has no ONNX export: the aggregator evaluates it natively and "
+            "writes no model.onnx"
+        )
     for warning in mechanism.warnings():
-        log.warning("%s", warning)
         job.warnings.append(warning)
+    for warning in job.warnings:
+        log.warning("%s", warning)
     return job
+
+
+def check_registered(cfg: JobConfig, *, dataset: bool = True, model: bool = True) -> None:
+    """Every registry name in ``cfg`` is registered in this process, and the uplink codec is
+    sound with the mechanism; ConfigError has one line per problem, listing the known names.
+
+    Names are checked here, when the job is built, rather than by the config's schema, so that a
+    model, dataset, mechanism or codec registered from Python is a valid name."""
+    from edge_fl.mechanisms import check_combination, mechanism_names
+    from edge_fl.protocol.codecs import codec_names
+
+    checks = [
+        ("privacy.mechanism", cfg.privacy.mechanism, mechanism_names(), "privacy mechanism"),
+        ("compression.uplink", cfg.compression.uplink, codec_names(), "codec"),
+    ]
+    if model:
+        checks.append(("model.name", cfg.model.name, tuple(known_models()), "model"))
+    if dataset and cfg.population.online is None:
+        checks.append(("data.dataset", cfg.data.dataset, tuple(known_datasets()), "dataset"))
+    problems = [
+        f"{key} = {value!r}: unknown {kind} {value!r}; one of: {', '.join(known)}"
+        for key, value, known, kind in checks
+        if value is not None and value not in known
+    ]
+    codec, mechanism = cfg.compression.uplink, cfg.privacy.mechanism
+    if not problems and codec is not None:
+        why = check_combination(mechanism, codec)
+        if why is not None:
+            problems.append(
+                f"compression.uplink = {codec!r} is not sound with privacy.mechanism = "
+                f"{mechanism!r}: {why}"
+            )
+    if problems:
+        raise ConfigError("invalid configuration:\n  " + "\n  ".join(problems))
+
+
+def _adopt(cfg: JobConfig, dataset: FederatedDataset | None, model: Model | None) -> JobConfig:
+    """``cfg`` naming the given objects: their names, and the dataset's device count (a count
+    the config sets explicitly must agree)."""
+    data = cfg.model_dump(exclude_unset=True)  # what was set stays set (e.g. clients_per_round)
+    if dataset is not None:
+        n = dataset.n_devices
+        if "devices" in cfg.data.model_fields_set and cfg.data.devices != n:
+            raise ConfigError(
+                f"invalid configuration:\n  data.devices = {cfg.data.devices}: the dataset "
+                f"{dataset.name!r} given is split over {n} devices"
+            )
+        set_path(data, "data.devices", n)
+        set_path(data, "data.dataset", dataset.name)
+    if model is not None:
+        set_path(data, "model.name", model.name)
+    return validate_config(data, source="configuration (with the objects given)")
+
+
+def _check_fit(model: Model, dataset: Any) -> None:
+    """The model takes the dataset's rows and labels."""
+    if model.n_features != dataset.n_features or model.n_classes < dataset.n_classes:
+        raise ConfigError(
+            f"invalid configuration:\n  model {model.name!r} takes {model.n_features} features "
+            f"and {model.n_classes} classes; dataset {dataset.name!r} has {dataset.n_features} "
+            f"and {dataset.n_classes}"
+        )
 
 
 def default_max_uploads(rounds: int, target: int, devices: int, mode: str) -> int:

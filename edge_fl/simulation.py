@@ -1,7 +1,11 @@
-"""``edge-fl simulate``: broker + aggregator + fleet in one process, over real MQTT sockets.
+"""``edge-fl simulate`` and ``edge_fl.run_simulation``: broker + aggregator + fleet in one process,
+over real MQTT sockets; and :class:`AggregatorRun`, the aggregator's composition that
+``edge-fl aggregator`` uses too.
 
 The embedded broker is a private Mosquitto (or amqtt as a slow fallback) on a free loopback port;
-with ``broker.url`` set the same run goes to an external broker instead.
+with ``broker.url`` set the same run goes to an external broker instead. The async entry point
+runs on the caller's event loop (a notebook's), so it neither calls ``asyncio.run`` nor installs
+signal handlers unless asked.
 
 Every round record carries the fleet's wire bytes (``edge_fl.transport.wire``): ``wire_up`` /
 ``wire_down`` (all devices' MQTT packets, exact), ``wire_up_ip`` / ``wire_down_ip`` (the link
@@ -15,17 +19,19 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+import numpy as np
 
 from edge_fl.config import JobConfig
 from edge_fl.job import Job, build_job
 from edge_fl.metrics import OutputError, RunRecorder, lock_run_dir, write_json
 from edge_fl.server.service import AggregatorService, StopSignals
-from edge_fl.transport.broker import EmbeddedBroker
 from edge_fl.transport.url import BrokerSpec, parse_broker_url
 from edge_fl.transport.wire import DEFAULT_LINK, LinkModel
 
@@ -34,6 +40,14 @@ log = logging.getLogger("edge_fl.simulate")
 
 class _ProgressBar:
     def __init__(self, total: int, enabled: bool) -> None:
+        if enabled:
+            from rich.progress import (
+                BarColumn,
+                MofNCompleteColumn,
+                Progress,
+                TextColumn,
+                TimeElapsedColumn,
+            )
         self.progress = (
             Progress(
                 TextColumn("[bold]round"),
@@ -47,7 +61,7 @@ class _ProgressBar:
             else None
         )
         self.total = total
-        self.task = None
+        self.task: Any = None  # rich's TaskID once the bar is shown
 
     def __enter__(self) -> _ProgressBar:
         if self.progress is not None:
@@ -69,10 +83,232 @@ class _ProgressBar:
         self.progress.update(self.task, advance=1, info=info)
 
 
+class RunDirError(ValueError):
+    """An output directory a run cannot start in (an unfinished job there, say)."""
+
+
+class AggregatorRun:
+    """The aggregator's half of a job, composed once for ``edge-fl aggregator`` and simulations.
+
+    Its core, its records and, with an output directory, crash safety: the directory is locked,
+    every round checkpointed and everything accepted in between journaled, so ``resume=True``
+    continues a run that crashed (even kill -9) with nothing lost or counted twice. ``finish``
+    writes summary.json and model.onnx (whole or not at all). Use :func:`open_run` to make one."""
+
+    def __init__(self, job: Job, recorder: RunRecorder, *, resume: bool = False) -> None:
+        self.job = job
+        self.recorder = recorder
+        self.out_dir = recorder.out_dir
+        self.core = job.aggregator_core()
+        self.notes: list[str] = []  # what resuming did, for the console
+        self.resumed: Any = None  # edge_fl.server.journal.Resumed
+        self.journal: Any = None  # edge_fl.server.journal.Journal
+        self.service: AggregatorService | None = None
+        self.summary: dict[str, Any] | None = None
+        self.lock: Any = None  # the output directory's lock, held until close()
+        if resume:
+            self._resume()
+        if self.out_dir is not None:
+            from edge_fl.server.journal import Journal
+
+            r = self.resumed
+            self.journal = Journal.start(
+                self.out_dir,
+                job=job.cfg.job,
+                digest=job.cfg.digest(),
+                after=r.journal_seq if r else 0,
+                records=r.records if r else None,
+            )
+
+    def _resume(self) -> None:
+        from edge_fl.server.journal import resume
+
+        if self.out_dir is None:
+            raise RunDirError("resuming needs an output directory (where the checkpoint is)")
+        r = self.resumed = resume(self.core, self.out_dir)
+        if r.checkpoint_round is None and not r.records:
+            self.notes.append(f"nothing to resume in {self.out_dir}: starting the job from round 1")
+            return
+        for note in self.recorder.reconcile(self.core.round_number, r.last_record):
+            self.notes.append(f"metrics: {note}")
+        self.notes.append(
+            f"resumed at round {r.checkpoint_round or 0}, model version {self.core.version}; "
+            f"{r.describe()}"
+        )
+
+    def make_service(
+        self,
+        spec: BrokerSpec,
+        *,
+        on_record: Callable[[dict[str, Any]], None] | None = None,
+        annotate: Callable[[dict[str, Any]], None] | None = None,
+        finish_before_done: bool = False,
+        **options: Any,
+    ) -> AggregatorService:
+        """The MQTT service around the core, checkpointing and journaling into the output
+        directory. Each round's record gets ``annotate(record)``'s additions, is recorded, then
+        passed to ``on_record``. ``finish_before_done``: write summary and model before devices
+        are told the job ended (a lone aggregator; a simulation finishes after its fleet left).
+        ``options`` go to :class:`AggregatorService` (signals, signer, acks, job_document,
+        sharding)."""
+        job, cfg = self.job, self.job.cfg
+
+        def record(r: dict[str, Any]) -> None:
+            if annotate is not None:
+                annotate(r)
+            self.recorder.add(r)
+            if on_record is not None:
+                on_record(r)
+
+        self.service = AggregatorService(
+            self.core,
+            spec,
+            job.topics,
+            wait_for_devices_s=cfg.rounds.wait_for_devices_s,
+            expected_devices=job.expected_devices,
+            on_record=record,
+            checkpoint_dir=None if self.out_dir is None else str(self.out_dir),
+            journal=self.journal,
+            on_finish=self._finish_before_done if finish_before_done else None,
+            resumed_payload=self.resumed.open_payload if self.resumed else None,
+            **({"acks": cfg.security.acks, "signer": job.signer} | options),
+        )
+        return self.service
+
+    def finish(self, extra: dict[str, Any] | None = None) -> dict[str, Any]:
+        """summary.json and model.onnx, once; returns the summary."""
+        if self.summary is not None:
+            return self.summary
+        core, service = self.core, self.service
+        journal = dict(service.stats) if service is not None else {}
+        if self.journal is not None:
+            journal |= {"records": self.journal.appended, "fsyncs": self.journal.syncs}
+        if self.resumed is not None:
+            journal["replayed"] = len(self.resumed.records)
+        self.summary = self.recorder.close(
+            {
+                "privacy": core.privacy.report() if core.privacy is not None else None,
+                "ended_early": core.ended_early,
+                "stopped": service.stopped if service is not None else None,
+                "after_last_round": core.after_last_round(),
+                "journal": journal,
+                **(extra or {}),
+            }
+        )
+        if self.out_dir is not None:
+            self.export_model(self.out_dir / "model.onnx")
+        return self.summary
+
+    def _finish_before_done(self) -> None:
+        self.finish()
+
+    def export_model(self, final: Path) -> None:
+        """The global model as ONNX, exported beside ``final`` then renamed: whole or absent."""
+        partial = final.with_name(final.name + ".partial")
+        try:
+            if self.job.export_model(self.core.params, partial):
+                os.replace(partial, final)
+        except OSError as exc:
+            with contextlib.suppress(OSError):
+                partial.unlink(missing_ok=True)
+            raise OutputError(final, exc) from None
+
+    def close(self) -> None:
+        """The journal closed and the output directory released."""
+        if self.journal is not None:
+            self.journal.close()
+            self.journal = None
+        if self.lock is not None:
+            self.lock.close()
+            self.lock = None
+
+
+def open_run(
+    job: Job,
+    out_dir: str | Path | None,
+    *,
+    resume: bool = False,
+    meta: dict[str, Any] | None = None,
+) -> AggregatorRun:
+    """An :class:`AggregatorRun` writing into ``out_dir`` (None: records in memory only).
+
+    Starting afresh over an unfinished job's directory is refused (RunDirError): it would discard
+    its checkpoint and journal; resume it or use another directory. ``meta`` (default: the
+    job's metadata) becomes run.json, kept as it was when a run is resumed."""
+    if out_dir is not None and not resume:
+        refuse_unfinished(out_dir)
+    lock = lock_run_dir(out_dir)
+    try:
+        run = AggregatorRun(job, RunRecorder(out_dir, append=resume), resume=resume)
+    except BaseException:
+        if lock is not None:
+            lock.close()
+        raise
+    run.lock = lock
+    if not (out_dir is not None and resume and (Path(out_dir) / "run.json").exists()):
+        run.recorder.write_meta(meta if meta is not None else job.metadata())
+    return run
+
+
+def refuse_unfinished(out_dir: str | Path) -> None:
+    """RunDirError if ``out_dir`` holds an unfinished job (a checkpoint or journaled updates)."""
+    from edge_fl.server.checkpoint import STATE
+    from edge_fl.server.journal import JOURNAL, read_journal
+
+    d = Path(out_dir)
+    if not d.is_dir() or (d / "summary.json").exists():
+        return  # nothing there yet, or a finished job: starting again over it is allowed
+    state = d / STATE
+    if state.exists() or read_journal(d / JOURNAL).records:
+        what = "a checkpoint" if state.exists() else "a journal of accepted updates"
+        raise RunDirError(
+            f"{out_dir} holds an unfinished job ({what}): continue it with --resume, or use "
+            "another --out"
+        )
+
+
+@dataclass
+class SimulationResult:
+    """What :func:`run_simulation` returns: the summary (as in summary.json), every round's
+    record, the final global model's parameters and the job that ran."""
+
+    summary: dict[str, Any]
+    records: list[dict[str, Any]] = field(repr=False)
+    params: np.ndarray = field(repr=False)
+    job: Job = field(repr=False)
+
+
 async def run_job(
     job: Job,
     spec: BrokerSpec,
     recorder: RunRecorder,
+    *,
+    progress: bool = False,
+    fleet_hook: Any = None,
+    signals: StopSignals | None = None,
+    link: LinkModel | None = None,
+    device_downlink: bool = False,
+) -> dict[str, Any]:
+    """Aggregator and fleet on one event loop, records into ``recorder``; returns the summary.
+    (The composition without an output directory's crash safety; see :func:`run_simulation`.)"""
+    run = AggregatorRun(job, recorder)
+    try:
+        return await _run_with_fleet(
+            run,
+            spec,
+            progress=progress,
+            fleet_hook=fleet_hook,
+            signals=signals,
+            link=link,
+            device_downlink=device_downlink,
+        )
+    finally:
+        run.close()
+
+
+async def _run_with_fleet(
+    run: AggregatorRun,
+    spec: BrokerSpec,
     *,
     progress: bool = False,
     fleet_hook: Any = None,
@@ -86,20 +322,21 @@ async def run_job(
     told the job ended (and leaves), and the summary says ``stopped``. ``link``: the model of the
     wire IP estimate (default: Ethernet MSS 1448); ``device_downlink``: every device receives
     the global model on its own session (measured rather than charged; N copies on the wire)."""
+    job = run.job
     cfg = job.cfg
-    core = job.aggregator_core()
     t0 = time.perf_counter()
     timings: dict[str, float] = {}
     bar = _ProgressBar(cfg.rounds.rounds, progress)
 
-    def on_record(record: dict[str, Any]) -> None:
+    def annotate(record: dict[str, Any]) -> None:
         record["elapsed_s"] = round(time.perf_counter() - t0, 4)
         record["sim_time_s"] = round(job.clock.now() - job.clock.start_s, 3)
         record["dropouts"] = fleet.dropouts
         record.update(fleet.wire_round())
         if "first_round_s" not in timings:
             timings["first_round_s"] = record["elapsed_s"]
-        recorder.add(record)
+
+    def on_record(record: dict[str, Any]) -> None:
         bar.update(record)
         if fleet_hook is not None:
             fleet_hook(record, fleet)
@@ -108,16 +345,8 @@ async def run_job(
     from edge_fl.protocol.signing import Signer
 
     signer = job.signer or Signer.generate()
-    service = AggregatorService(
-        core,
-        spec,
-        job.topics,
-        wait_for_devices_s=cfg.rounds.wait_for_devices_s,
-        expected_devices=job.expected_devices,
-        on_record=on_record,
-        signals=signals,
-        signer=signer,
-        acks=cfg.security.acks,
+    service = run.make_service(
+        spec, on_record=on_record, annotate=annotate, signals=signals, signer=signer
     )
     fleet = job.fleet_runtime(spec, trust=job.trust(signer.verifier))
     fleet.link = link or DEFAULT_LINK
@@ -144,28 +373,18 @@ async def run_job(
         if not fleet_task.done():
             fleet_task.cancel()
     timings["run_s"] = round(time.perf_counter() - t0, 4)
-    wire = _wire_summary(recorder, fleet)
-    if recorder.out_dir is not None:
-        path = recorder.out_dir / "model.onnx"
-        try:
-            job.export_model(core.params, path)
-        except OSError as exc:
-            raise OutputError(path, exc) from None
-    return recorder.close(
+    wire = _wire_summary(run.recorder, fleet)
+    return run.finish(
         {
             "mechanism": cfg.privacy.mechanism,
             "devices": cfg.data.devices,
             "model": job.model.name,
             "n_params": job.model.n_params,
-            "dataset": cfg.data.dataset,
+            "dataset": job.dataset.name,
             "timings": timings,
             "fleet_published": fleet.published,
             "fleet_publish_failures": fleet.publish_failures,
             "stopped_devices": sum(1 for a in fleet.agents.values() if a.state.stopped_reason),
-            "privacy": core.privacy.report() if core.privacy is not None else None,
-            "ended_early": core.ended_early,
-            "stopped": service.stopped,
-            "after_last_round": core.after_last_round(),
             **wire,
         }
     )
@@ -201,59 +420,106 @@ def _wire_summary(recorder: RunRecorder, fleet: Any) -> dict[str, Any]:
     }
 
 
+async def run_simulation_async(
+    job: Job | JobConfig,
+    out_dir: str | Path | None = None,
+    *,
+    resume: bool = False,
+    on_record: Callable[[dict[str, Any]], None] | None = None,
+    progress: bool = False,
+    handle_signals: bool = False,
+    fleet_hook: Any = None,
+    signals: StopSignals | None = None,
+) -> SimulationResult:
+    """Run a whole simulation on the running event loop (a notebook's, say).
+
+    ``job``: a :class:`~edge_fl.job.Job` (``build_job`` with your own dataset, model or device
+    factory) or a config. The embedded broker is started unless ``broker.url`` is set.
+    ``out_dir``: metrics.jsonl, run.json, summary.json, model.onnx, and the checkpoint and journal
+    that ``resume=True`` continues from. ``on_record(record)``: after every round.
+    ``handle_signals``: SIGTERM/SIGINT stop the job cleanly (never installed unless asked);
+    ``signals``: handlers the caller installed already (the CLI, before building the job)."""
+    t_start = time.perf_counter()
+    job = job if isinstance(job, Job) else build_job(job)
+    cfg = job.cfg
+    timings = {"build_s": round(time.perf_counter() - t_start, 4)}
+    meta = job.metadata()
+    with contextlib.ExitStack() as stack:
+        if cfg.broker.url:
+            spec = parse_broker_url(cfg.broker.url)
+            meta["broker"] = {"kind": "external", "url": spec.redacted()}
+        else:
+            from edge_fl.transport.broker import EmbeddedBroker
+
+            broker = EmbeddedBroker(kind=cfg.broker.embedded)
+            if broker.max_devices is not None and cfg.data.devices > broker.max_devices:
+                raise ValueError(
+                    f"data.devices = {cfg.data.devices} exceeds the {broker.kind} fallback "
+                    f"broker's cap of {broker.max_devices}; install mosquitto (apt-get install "
+                    "mosquitto) or pass --broker mqtt://HOST:PORT"
+                )
+            stack.enter_context(broker)
+            spec = parse_broker_url(broker.url)
+            meta["broker"] = {"kind": f"embedded-{broker.kind}", "url": broker.url}
+            timings["broker_ready_s"] = round(time.perf_counter() - t_start, 4)
+        run = open_run(job, out_dir, resume=resume, meta=meta)
+        stack.callback(run.close)
+        for note in run.notes:
+            log.warning("%s", note)
+        if signals is None and handle_signals:
+            signals = StopSignals().install()
+            stack.callback(signals.restore)
+
+        def hook(record: dict[str, Any], fleet: Any) -> None:
+            if on_record is not None:
+                on_record(record)
+            if fleet_hook is not None:
+                fleet_hook(record, fleet)
+
+        summary = await _run_with_fleet(
+            run, spec, progress=progress, fleet_hook=hook, signals=signals
+        )
+    summary["timings"] = {**timings, **summary.get("timings", {})}
+    summary["timings"]["total_s"] = round(time.perf_counter() - t_start, 4)
+    if out_dir:
+        write_json(Path(out_dir) / "summary.json", summary)
+    return SimulationResult(summary, run.recorder.records, run.core.params.copy(), job)
+
+
+def run_simulation(
+    job: Job | JobConfig,
+    out_dir: str | Path | None = None,
+    **options: Any,
+) -> SimulationResult:
+    """:func:`run_simulation_async` from a script (its own event loop; none may be running:
+    inside one, ``await run_simulation_async(...)``)."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(run_simulation_async(job, out_dir, **options))
+    raise RuntimeError(
+        "run_simulation() was called inside a running event loop (a notebook?): use "
+        "`await edge_fl.run_simulation_async(...)` there"
+    )
+
+
 def simulate(
     cfg: JobConfig,
     out_dir: str | Path | None = None,
     *,
     progress: bool = False,
     fleet_hook: Any = None,
+    resume: bool = False,
 ) -> dict[str, Any]:
-    """Run a whole simulation; the embedded broker unless ``cfg.broker.url`` is set.
+    """``edge-fl simulate``: a whole simulation; returns the summary.
 
     SIGTERM and SIGINT (from the main thread's point of view) stop it cleanly: the summary and
     model are written, the fleet leaves, and the summary's ``stopped`` names the signal."""
-    signals = StopSignals().install()
+    signals = StopSignals().install()  # before the job is built: a signal then is kept too
     try:
-        return _simulate(cfg, out_dir, progress=progress, fleet_hook=fleet_hook, signals=signals)
+        result = run_simulation(
+            cfg, out_dir, resume=resume, progress=progress, fleet_hook=fleet_hook, signals=signals
+        )
     finally:
         signals.restore()
-
-
-def _simulate(
-    cfg: JobConfig,
-    out_dir: str | Path | None,
-    *,
-    progress: bool,
-    fleet_hook: Any,
-    signals: StopSignals,
-) -> dict[str, Any]:
-    t_start = time.perf_counter()
-    job = build_job(cfg)
-    run_lock = lock_run_dir(out_dir)  # noqa: F841 (held until this process ends)
-    recorder = RunRecorder(out_dir)
-    meta = job.metadata()
-    timings = {"build_s": round(time.perf_counter() - t_start, 4)}
-    with contextlib.ExitStack() as stack:
-        if cfg.broker.url:
-            spec = parse_broker_url(cfg.broker.url)
-            meta["broker"] = {"kind": "external", "url": spec.redacted()}
-        else:
-            broker = stack.enter_context(EmbeddedBroker(kind=cfg.broker.embedded))
-            spec = parse_broker_url(broker.url)
-            if broker.max_devices is not None and cfg.data.devices > broker.max_devices:
-                raise ValueError(
-                    f"data.devices = {cfg.data.devices} exceeds the {broker.kind} fallback "
-                    f"broker's cap of {broker.max_devices}; install mosquitto (apt-get install mosquitto) "
-                    "or pass --broker mqtt://HOST:PORT"
-                )
-            meta["broker"] = {"kind": f"embedded-{broker.kind}", "url": broker.url}
-            timings["broker_ready_s"] = round(time.perf_counter() - t_start, 4)
-        recorder.write_meta(meta)
-        summary = asyncio.run(
-            run_job(job, spec, recorder, progress=progress, fleet_hook=fleet_hook, signals=signals)
-        )
-    summary["timings"] = {**timings, **summary.get("timings", {})}
-    summary["timings"]["total_s"] = round(time.perf_counter() - t_start, 4)
-    if out_dir:
-        write_json(Path(out_dir) / "summary.json", summary)
-    return summary
+    return result.summary

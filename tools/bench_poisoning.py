@@ -2,12 +2,13 @@
 
     .venv/bin/python tools/bench_poisoning.py [--repeats 3] [--rounds 20] [--only attacked-default]
 
-Each run is the real ``edge_fl.simulation.simulate`` (embedded Mosquitto, aggregator and the
+Each run is the real ``edge_fl.run_simulation`` (embedded Mosquitto, aggregator and the
 50-device fleet in this process) on the default job: digits, MLP, 50 IID devices, 20 per round,
 20 rounds. The attack (issue: "model poisoning"): in every round ONE selected device (the first of
 the selection) uploads its honest delta scaled x100 and claims n = 10,000,000 samples; it is
-injected by wrapping the job's device rule (:func:`poisoned`), so the update goes over MQTT and
-through the aggregator's decoder, admission and strategy like any other. Variant ``liar``: every
+built by the job's device factory (:func:`attackers`, the public hook of ``build_job``), so the
+update goes over MQTT and through the aggregator's decoder, admission and strategy like any
+other. Variant ``liar``: every
 device also declares 10,000,000 samples in its retained status, which defeats the aggregator's cap
 at the declared count. Runs are sequential; noise and training use the production CSPRNG, so
 repeats differ: the table gives the mean, min and max, and the cost against the clean job with
@@ -18,7 +19,6 @@ has a one-run version).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import json
 import logging
@@ -27,14 +27,14 @@ import statistics
 import sys
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-import edge_fl.simulation as simulation
-from edge_fl.config import load_config
+from edge_fl import DeviceAgent, Job, build_job, load_config, run_simulation
+from edge_fl.protocol import Status, encode_status
 
 SCALE = 100.0
 CLAIM = 10_000_000
@@ -61,48 +61,49 @@ ROWS: tuple[tuple[str, str | None, str], ...] = (
 )
 
 
-@contextlib.contextmanager
-def poisoned(
-    scale: float = SCALE, claim: int = CLAIM, lie_in_status: bool = False
-) -> Iterator[dict[str, int]]:
-    """Within the block, every job ``simulate`` builds has one malicious device per sync round:
-    the first device of the round's selection sends ``scale`` x its honest delta and claims
-    ``claim`` samples. ``lie_in_status``: every device declares ``claim`` in its status too.
-    Yields a counter of poisoned updates sent."""
-    from edge_fl.device.agent import DeviceAgent
-    from edge_fl.protocol import Status, encode_status
+class FirstSelectedPoisons:
+    """A device's mechanism that, when its device is the first of the round's selection, sends
+    ``scale`` x its honest delta claiming ``claim`` samples; honest otherwise."""
 
-    sent = {"poisoned": 0}
-    build = simulation.build_job
-    honest_status = DeviceAgent.status
+    def __init__(self, honest: Any, scale: float, claim: int, sent: dict[str, int]) -> None:
+        self.honest, self.scale, self.claim, self.sent = honest, scale, claim, sent
 
-    def build_poisoned(cfg: Any) -> Any:
-        job = build(cfg)
-        mechanism = job.mechanism  # shared by every agent of the job (device half)
-        honest = mechanism.device_update
+    def __getattr__(self, name: str) -> Any:  # the privacy events, limits, ...: the honest ones
+        return getattr(self.honest, name)
 
-        def device_update(device: Any, msg: Any, exposure: int) -> Any:
-            update = honest(device, msg, exposure)
-            if msg.selected and device.device_id == min(msg.selected):
-                sent["poisoned"] += 1
-                delta = (update.delta.astype(np.float64) * scale).astype(np.float32)
-                return dataclasses.replace(update, delta=delta, n_samples=claim)
+    def device_update(self, device: Any, msg: Any, exposure: int) -> Any:
+        update = self.honest.device_update(device, msg, exposure)
+        if not (msg.selected and device.device_id == min(msg.selected)):
             return update
+        self.sent["poisoned"] += 1
+        delta = (update.delta.astype(np.float64) * self.scale).astype(np.float32)
+        return dataclasses.replace(update, delta=delta, n_samples=self.claim)
 
-        mechanism.device_update = device_update
-        return job
 
-    def lying_status(self: DeviceAgent, online: bool) -> bytes:
-        return encode_status(Status(self.device_id, online, claim, {}))
+class LyingAgent(DeviceAgent):
+    """A device that declares ``claim`` samples in its status, whatever it holds."""
 
-    simulation.build_job = build_poisoned
-    if lie_in_status:
-        DeviceAgent.status = lying_status  # type: ignore[method-assign]
-    try:
-        yield sent
-    finally:
-        simulation.build_job = build
-        DeviceAgent.status = honest_status  # type: ignore[method-assign]
+    claim = CLAIM
+
+    def status(self, online: bool) -> bytes:
+        return encode_status(Status(self.device_id, online, self.claim, {}))
+
+
+def attackers(
+    sent: dict[str, int], scale: float = SCALE, claim: int = CLAIM, lie_in_status: bool = False
+) -> Callable[[Job, int], DeviceAgent]:
+    """The device factory of an attacked job: one malicious device per sync round (the first of
+    the selection) sends ``scale`` x its honest delta and claims ``claim`` samples;
+    ``lie_in_status``: every device also declares ``claim`` in its status. ``sent`` counts the
+    poisoned updates."""
+
+    def factory(job: Job, index: int) -> DeviceAgent:
+        a = job.default_agent(index)
+        mechanism = FirstSelectedPoisons(a.mechanism, scale, claim, sent)
+        kind = LyingAgent if lie_in_status else DeviceAgent
+        return kind(a.device_id, a.X, a.y, a.model, a.training, a.rng, mechanism, a.budget, a.codec)
+
+    return factory
 
 
 def job_config(robust: str, rounds: int, seed: int, **extra: Any) -> Any:
@@ -124,14 +125,12 @@ def job_config(robust: str, rounds: int, seed: int, **extra: Any) -> Any:
 def run_one(attack: str | None, robust: str, rounds: int, seed: int, **extra: Any) -> dict:
     """One simulation; accuracy and what the aggregator counted."""
     cfg = job_config(robust, rounds, seed, **extra)
-    records: list[dict[str, Any]] = []
-    with contextlib.ExitStack() as stack:
-        sent = {"poisoned": 0}
-        if attack is not None:
-            sent = stack.enter_context(poisoned(lie_in_status=attack == "liar"))
-        t0 = time.perf_counter()
-        summary = simulation.simulate(cfg, fleet_hook=lambda record, _fleet: records.append(record))
-        elapsed = time.perf_counter() - t0
+    sent = {"poisoned": 0}
+    factory = attackers(sent, lie_in_status=attack == "liar") if attack is not None else None
+    t0 = time.perf_counter()
+    result = run_simulation(build_job(cfg, device_factory=factory))
+    elapsed = time.perf_counter() - t0
+    summary, records = result.summary, result.records
     return {
         "accuracy": summary["final_accuracy"],
         "rounds_closed": summary["rounds_closed"],

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import sys
 
@@ -110,88 +109,26 @@ def aggregator(out, resume, verbose, config, workers, spawn_workers, **kw) -> No
 
 def _run_aggregator(cfg, out, resume, signals) -> None:
     from edge_fl.job import build_job
-    from edge_fl.metrics import OutputError, RunRecorder, lock_run_dir
+    from edge_fl.metrics import OutputError
     from edge_fl.protocol.jobdoc import encode_job_document
-    from edge_fl.server.service import AggregatorService
+    from edge_fl.simulation import RunDirError, open_run, refuse_unfinished
     from edge_fl.transport.url import parse_broker_url
 
-    if out and not resume:
-        _refuse_unfinished(out)
-    run_lock = lock_run_dir(out)  # noqa: F841 (held until this process ends)
-    job = build_job(cfg)
-    recorder = RunRecorder(out, append=resume)
-    core = job.aggregator_core()
-    journal = resumed = None
-    if resume:
-        from edge_fl.server.journal import resume as resume_core
-
-        try:
-            resumed = resume_core(core, out)
-        except ValueError as exc:
-            _fail(str(exc))
-        if resumed.checkpoint_round is None and not resumed.records:
-            click.echo(f"nothing to resume in {out}: starting the job from round 1")
-        else:
-            for note in recorder.reconcile(core.round_number, resumed.last_record):
-                click.echo(f"metrics: {note}")
-            where = resumed.checkpoint_round or 0
-            click.echo(
-                f"resumed at round {where}, model version {core.version}; {resumed.describe()}"
-            )
-    if not (out and resume and (recorder.out_dir / "run.json").exists()):
-        recorder.write_meta(job.metadata())
-    if out:
-        from edge_fl.server.journal import Journal
-
-        journal = Journal.start(
-            out,
-            job=cfg.job,
-            digest=cfg.digest(),
-            after=resumed.journal_seq if resumed else 0,
-            records=resumed.records if resumed else None,
-        )
-    finished: dict = {}
-
-    def finish() -> None:
-        """summary.json and model.onnx, once: before devices are told the job ended."""
-        if finished:
-            return
-        finished["summary"] = recorder.close(
-            {
-                "privacy": core.privacy.report() if core.privacy else None,
-                "ended_early": core.ended_early,
-                "stopped": service.stopped,
-                "after_last_round": core.after_last_round(),
-                "journal": dict(service.stats) | _journal_stats(journal, resumed),
-            }
-        )
-        if out:  # whole or not at all: exported beside it, then renamed
-            import os
-
-            final = recorder.out_dir / "model.onnx"
-            partial = recorder.out_dir / "model.onnx.partial"
-            try:
-                job.export_model(core.params, partial)
-                os.replace(partial, final)
-            except OSError as exc:
-                with contextlib.suppress(OSError):
-                    partial.unlink(missing_ok=True)
-                raise OutputError(final, exc) from None
-
-    service = AggregatorService(
-        core,
+    try:
+        if out and not resume:
+            refuse_unfinished(out)  # before the job is built: the cheap refusal first
+        job = build_job(cfg)
+        run = open_run(job, out, resume=resume)
+    except (RunDirError, ValueError) as exc:
+        _fail(str(exc))
+    for note in run.notes:
+        click.echo(note)
+    core = run.core
+    service = run.make_service(
         parse_broker_url(cfg.broker.url),
-        job.topics,
-        wait_for_devices_s=cfg.rounds.wait_for_devices_s,
-        expected_devices=job.expected_devices,
-        on_record=lambda r: (recorder.add(r), click.echo(_line(r))),
-        checkpoint_dir=out,
-        journal=journal,
-        on_finish=finish,
+        on_record=lambda r: click.echo(_line(r)),
+        finish_before_done=True,
         signals=signals,
-        resumed_payload=resumed.open_payload if resumed else None,
-        signer=job.signer,
-        acks=cfg.security.acks,
         job_document=encode_job_document(job.job_document(), job.signer),
         sharding=_coordinator(cfg, core),
     )
@@ -206,19 +143,18 @@ def _run_aggregator(cfg, out, resume, signals) -> None:
         raise
     except (RuntimeError, ValueError) as exc:
         try:
-            finish()  # what the run did is still worth its summary and model
+            run.finish()  # what the run did is still worth its summary and model
         except OutputError as write_exc:
             click.echo(f"edge-fl: error: {write_exc}", err=True)
         _fail(str(exc))
     finally:
-        if journal is not None:
-            journal.close()
+        run.close()
     if service.stopped is not None:
         click.echo(
             f"stopped on {service.stopped} after round {core.round_number}"
             + ("" if service.done_published else " (devices were not told: no broker)")
         )
-    click.echo(_final_line(finished.get("summary") or {}, out))
+    click.echo(_final_line(run.summary or {}, out))
 
 
 def _coordinator(cfg, core):
@@ -245,36 +181,6 @@ def _final_line(summary: dict, out: str | None) -> str:
             f", epsilon {privacy['epsilon']:.4g} (delta {privacy.get('delta', 0):g}, all rounds)"
         )
     return line + (f" -> {out}" if out else "")
-
-
-def _refuse_unfinished(out: str) -> None:
-    """Starting afresh over a job that did not finish would discard its checkpoint and journal
-    (accepted updates, ledger releases): that takes --resume, or another --out."""
-    from pathlib import Path
-
-    from edge_fl.server.checkpoint import STATE
-    from edge_fl.server.journal import JOURNAL, read_journal
-
-    d = Path(out)
-    if not d.is_dir() or (d / "summary.json").exists():
-        return  # nothing there yet, or a finished job: starting again over it is allowed
-    state = d / STATE
-    if state.exists() or read_journal(d / JOURNAL).records:
-        what = "a checkpoint" if state.exists() else "a journal of accepted updates"
-        _fail(
-            f"{out} holds an unfinished job ({what}): continue it with --resume, or use "
-            "another --out"
-        )
-
-
-def _journal_stats(journal, resumed) -> dict:
-    out = {}
-    if journal is not None:
-        out["records"] = journal.appended
-        out["fsyncs"] = journal.syncs
-    if resumed is not None:
-        out["replayed"] = len(resumed.records)
-    return out
 
 
 def _line(r: dict) -> str:
@@ -334,7 +240,10 @@ def fleet(shard, indices, credentials, verbose, config, **kw) -> None:
     from edge_fl.transport.credentials import device_specs, without_user
     from edge_fl.transport.url import parse_broker_url
 
-    job = build_job(cfg)
+    try:
+        job = build_job(cfg)
+    except ValueError as exc:  # ConfigError: a name not registered, an unsound combination
+        _fail(str(exc))
     pool = _parse_indices(indices, cfg.data.devices)
     part = _parse_shard(shard, len(pool))
     selected = pool[part.start :: part.step]

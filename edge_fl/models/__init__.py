@@ -8,6 +8,7 @@ imports torch and a missing torch only fails when such a model is actually reque
 from __future__ import annotations
 
 import importlib
+import sys
 from collections.abc import Callable
 
 import numpy as np
@@ -25,6 +26,7 @@ __all__ = [
     "flatten",
     "known_models",
     "make_model",
+    "onnx_exporter",
     "register_lazy_model",
     "register_model",
     "unflatten",
@@ -87,6 +89,30 @@ register_lazy_model("cnn", "edge_fl.models.torch_models", "CNN")
 
 def known_models() -> list[str]:
     return sorted(_REGISTRY)
+
+
+def onnx_exporter(model: Model) -> Callable[[np.ndarray], bytes] | None:
+    """How to write ``model`` as ONNX (``params -> bytes``), or None when it cannot be.
+
+    A model of one's own exports itself with an ``onnx_bytes(params)`` method (the torch wrapper,
+    ``edge_fl.models.torch_module``, has one); the packaged models go through
+    ``edge_fl.models.onnx_export``. onnx is imported only when the export runs."""
+    own = getattr(model, "onnx_bytes", None)
+    if callable(own):
+        return own
+    torch_models = sys.modules.get("edge_fl.models.torch_models")  # not imported: no torch model
+    packaged: tuple[type, ...] = (LogisticRegression, MLP)
+    if torch_models is not None:
+        packaged += (torch_models.TorchModel,)
+    if not isinstance(model, packaged):
+        return None
+
+    def export(params: np.ndarray) -> bytes:
+        from edge_fl.models.onnx_export import onnx_bytes
+
+        return onnx_bytes(model, params)
+
+    return export
 
 
 def make_model(name: str, n_features: int, n_classes: int, **options) -> Model:

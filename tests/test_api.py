@@ -1,0 +1,346 @@
+"""The public Python API (docs/api.md): what a Flower user brings (model, data, attacker) and
+how a job runs from a script, a notebook's event loop, and after a crash."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import subprocess
+import sys
+import uuid
+
+import numpy as np
+import pytest
+
+import edge_fl
+from edge_fl.config import ConfigError
+from edge_fl.models.logreg import LogisticRegression
+
+
+def small(**overrides):
+    base = {
+        "job": f"api-{uuid.uuid4().hex[:8]}",
+        "model.name": "logreg",
+        "data.devices": 6,
+        "rounds.rounds": 3,
+        "rounds.clients_per_round": 6,
+    }
+    return edge_fl.load_config(None, {**base, **overrides})
+
+
+def blobs(n=300, seed=0):
+    rng = np.random.default_rng(seed)
+    y = rng.integers(0, 3, size=n)
+    x = np.array([[0.0, 3.0], [3.0, -2.0], [-3.0, -2.0]])[y] + rng.normal(size=(n, 2))
+    return x[: n - 60], y[: n - 60], x[n - 60 :], y[n - 60 :]
+
+
+class OwnLogreg(LogisticRegression):
+    """A model of one's own (the packaged logreg's math under another name and class)."""
+
+    name = "own-logreg"
+
+
+# --------------------------------------------------------------------------- the package
+
+
+def test_import_is_cheap_and_every_public_name_resolves():
+    code = (
+        "import sys, edge_fl; heavy = {'numpy', 'pydantic', 'torch', 'rich', 'onnx', 'aiomqtt'};"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in heavy))"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "[]"
+    for name in edge_fl.__all__:
+        if name == "TorchModule" and not _has_torch():
+            continue
+        assert getattr(edge_fl, name) is not None
+    with pytest.raises(AttributeError, match="no attribute 'nope'"):
+        edge_fl.nope  # noqa: B018
+
+
+def _has_torch() -> bool:
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+# --------------------------------------------------------------------------- registries
+
+
+REGISTERED = """
+import numpy as np
+import edge_fl
+from edge_fl.models.logreg import LogisticRegression
+
+class OwnLogreg(LogisticRegression):
+    name = "own-logreg"
+
+rng = np.random.default_rng(0)
+y = rng.integers(0, 3, size=300)
+x = np.array([[0.0, 3.0], [3.0, -2.0], [-3.0, -2.0]])[y] + rng.normal(size=(300, 2))
+
+def blobs(n_devices, *, partition=None, alpha=0.5, seed=0):
+    return edge_fl.FederatedDataset.from_arrays(
+        x[:240], y[:240], x[240:], y[240:], devices=n_devices, seed=seed)
+
+edge_fl.register_model("mynet", OwnLogreg)
+edge_fl.register_dataset("mydata", blobs)
+cfg = edge_fl.load_config(None, {"model.name": "mynet", "data.dataset": "mydata",
+                                 "data.devices": 6, "rounds.clients_per_round": 6})
+job = edge_fl.build_job(cfg)
+assert isinstance(job.model, OwnLogreg), job.model
+print(job.dataset.n_devices, job.dataset.n_features, job.model.n_classes)
+"""
+
+
+def test_a_registered_model_and_dataset_are_valid_names():
+    """register_model('mynet', ...) then model.name = 'mynet' (refused by a Literal before).
+    In its own interpreter: a registration lasts as long as the process."""
+    done = subprocess.run(
+        [sys.executable, "-c", REGISTERED], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["6", "2", "3"]
+
+
+@pytest.mark.parametrize(
+    ("overrides", "line"),
+    [
+        ({"model.name": "mynet"}, "model.name = 'mynet': unknown model 'mynet'; one of: "),
+        ({"data.dataset": "mydata"}, "data.dataset = 'mydata': unknown dataset 'mydata'; one of: "),
+        ({"privacy.mechanism": "mine"}, "privacy.mechanism = 'mine': unknown privacy mechanism"),
+        (
+            {"compression.uplink": "zip"},
+            "compression.uplink = 'zip': unknown codec 'zip'; one of: ",
+        ),
+    ],
+)
+def test_an_unregistered_name_fails_at_build_with_the_known_names(overrides, line):
+    cfg = small(**overrides)  # a well-formed name loads: it may be registered later
+    with pytest.raises(ConfigError) as info:
+        edge_fl.build_job(cfg)
+    text = str(info.value)
+    assert line in text
+    key = next(iter(overrides))
+    known = {
+        "model.name": edge_fl.known_models(),
+        "data.dataset": edge_fl.known_datasets(),
+    }.get(key, [])
+    assert all(name in text for name in known)  # every registered name is listed
+    assert len(text.splitlines()) == 2  # "invalid configuration:" and the one line
+
+
+def test_objects_given_to_build_job_name_the_job():
+    x, y, xt, yt = blobs()
+    data = edge_fl.FederatedDataset.from_arrays(x, y, xt, yt, devices=4, name="blobs")
+    model = OwnLogreg(2, 3)
+    cfg = edge_fl.load_config(None, {"job": "api-objects", "rounds.clients_per_round": 4})
+    job = edge_fl.build_job(cfg, dataset=data, model=model)
+    assert job.model is model and job.dataset is data
+    assert (job.cfg.data.devices, job.cfg.data.dataset, job.cfg.model.name) == (
+        4,
+        "blobs",
+        "own-logreg",
+    )
+    assert job.metadata()["dataset"]["name"] == "blobs"
+    with pytest.raises(ConfigError, match=r"data\.devices = 5: the dataset 'blobs' given is split"):
+        edge_fl.build_job(small(**{"data.devices": 5, "rounds.clients_per_round": 2}), dataset=data)
+    with pytest.raises(
+        ConfigError, match="takes 2 features and 3 classes; dataset 'digits' has 64"
+    ):
+        edge_fl.build_job(small(), model=model)
+
+
+def test_a_model_without_onnx_export_is_evaluated_natively():
+    class Plain:  # the Model protocol by delegation: no class edge-fl knows how to export
+        def __init__(self):
+            self.inner = LogisticRegression(64, 10)
+            self.name, self.n_features, self.n_classes = "plain", 64, 10
+            self.n_params = self.inner.n_params
+
+        def __getattr__(self, name):
+            return getattr(self.inner, name)
+
+    model = Plain()
+    assert isinstance(model, edge_fl.Model)
+    job = edge_fl.build_job(small(), model=model)
+    assert job.onnx is None
+    assert any("has no ONNX export" in w for w in job.warnings)
+    accuracy, loss = job.aggregator_core().evaluate(job.initial_params())
+    assert accuracy == pytest.approx(0.1, abs=0.1) and loss == pytest.approx(np.log(10), rel=1e-3)
+    assert job.export_model(job.initial_params(), "unused.onnx") is False
+    with pytest.raises(ConfigError, match="model 'plain' has no ONNX export"):
+        edge_fl.build_job(small(**{"model.evaluate_with": "onnxruntime"}), model=model)
+
+
+def test_the_device_factory_builds_every_agent():
+    built = []
+
+    def factory(job, index):
+        built.append(index)
+        return job.default_agent(index)
+
+    job = edge_fl.build_job(small(), device_factory=factory)
+    agents = job.agents()
+    assert built == list(range(6)) and [a.device_id for a in agents] == [
+        job.default_agent(i).device_id for i in range(6)
+    ]
+    with pytest.raises(ConfigError, match="a device_factory does not apply to a modelled"):
+        edge_fl.build_job(
+            small(**{"data.dataset": "synthetic", "data.devices": 50, "population.online": 6}),
+            device_factory=factory,
+        )
+
+
+# --------------------------------------------------------------------------- datasets
+
+
+def test_from_arrays_splits_with_the_partitioners():
+    x, y, xt, yt = blobs(600)
+    iid = edge_fl.FederatedDataset.from_arrays(x, y, xt, yt, devices=5)
+    sizes = [len(iid.device_data(i)[1]) for i in range(5)]
+    assert sum(sizes) == len(y) and max(sizes) - min(sizes) <= 1
+    rows = np.concatenate(iid.device_indices)
+    assert np.array_equal(np.sort(rows), np.arange(len(y)))  # every row once
+    skew = edge_fl.FederatedDataset.from_arrays(
+        x, y, xt, yt, devices=5, partition="dirichlet", alpha=0.05, min_size=3
+    )
+    per_device = [np.bincount(skew.device_data(i)[1], minlength=3) for i in range(5)]
+    assert min(c.sum() for c in per_device) >= 3
+    assert max(c.max() / c.sum() for c in per_device) > 0.9  # some device sees mostly one class
+    again = edge_fl.FederatedDataset.from_arrays(
+        x, y, xt, yt, devices=5, partition="dirichlet", alpha=0.05, min_size=3
+    )
+    assert all(
+        np.array_equal(a, b) for a, b in zip(skew.device_indices, again.device_indices, strict=True)
+    )
+    own = edge_fl.FederatedDataset.from_arrays(
+        x, y, xt, yt, devices=2, partition=[np.arange(0, 100), np.arange(100, len(y))]
+    )
+    assert [len(p) for p in own.device_indices] == [100, len(y) - 100]
+    images = edge_fl.FederatedDataset.from_arrays(
+        np.zeros((20, 4, 4)), np.arange(20) % 2, np.zeros((4, 4, 4)), np.arange(4) % 2, devices=2
+    )
+    assert images.n_features == 16 and images.X_train.dtype == np.float32
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"y_train": np.full(240, 0.5)}, "y_train must hold integer class labels"),
+        ({"x_test": np.zeros((60, 3))}, "x_test has 3 features per row, x_train 2"),
+        ({"y_test": np.zeros(7, dtype=int)}, "y_test has shape (7,); expected (60,)"),
+        ({"devices": 1000}, "n_devices=1000 exceeds n_samples=240"),
+        ({"partition": "natural"}, "partition = 'natural': 'iid', 'dirichlet' or one index"),
+        ({"partition": [np.arange(5)]}, "partition gives 1 index arrays for devices = 3"),
+        ({"n_classes": 2}, "n_classes = 2: labels go up to 2"),
+    ],
+)
+def test_from_arrays_refuses_what_cannot_be_split(change, message):
+    x, y, xt, yt = blobs()
+    args = {"x_train": x, "y_train": y, "x_test": xt, "y_test": yt, "devices": 3, **change}
+    with pytest.raises(ValueError) as info:
+        edge_fl.FederatedDataset.from_arrays(**args)
+    assert message in str(info.value)
+
+
+# --------------------------------------------------------------------------- torch wrapper
+
+
+def test_a_torch_module_is_a_model_with_per_example_grads_and_onnx():
+    torch = pytest.importorskip("torch")
+    from torch import nn
+
+    from edge_fl.models.onnx_runtime import OnnxClassifier
+
+    torch.manual_seed(0)
+    net = nn.Sequential(
+        nn.Unflatten(1, (1, 4, 4)), nn.Conv2d(1, 2, 3, padding=1), nn.Tanh(), nn.Flatten()
+    )
+    net.append(nn.Linear(32, 3))
+    before = [p.detach().clone() for p in net.parameters()]
+    for per_sample in ("expand", "vmap"):
+        model = edge_fl.TorchModule(net, 16, name="tiny", per_sample=per_sample)
+        assert isinstance(model, edge_fl.Model) and model.n_classes == 3
+        params = model.init_params(np.random.default_rng(0))
+        assert np.array_equal(params, np.concatenate([p.numpy().ravel() for p in before]))
+        X = np.random.default_rng(1).normal(size=(6, 16)).astype(np.float32)
+        y = np.array([0, 1, 2, 0, 1, 2])
+        rows = model.per_sample_grads(params, X, y)
+        loop = np.stack([model.grad(params, X[i : i + 1], y[i : i + 1]) for i in range(6)])
+        np.testing.assert_allclose(rows, loop, atol=1e-5)
+        np.testing.assert_allclose(rows.mean(axis=0), model.grad(params, X, y), atol=1e-5)
+        job_onnx = edge_fl.build_job(
+            edge_fl.load_config(None, {"rounds.clients_per_round": 2}),
+            dataset=edge_fl.FederatedDataset.from_arrays(
+                np.tile(X, (5, 1)), np.tile(y, 5), X, y, devices=2
+            ),
+            model=model,
+        ).onnx
+        assert job_onnx is not None
+        accuracy, _ = OnnxClassifier(job_onnx(params)).evaluate(X, y)
+        expected = float(np.mean(model.logits(params, X).argmax(axis=1) == y))
+        assert accuracy == pytest.approx(expected)
+    assert all(
+        torch.equal(a, b) for a, b in zip(before, net.parameters(), strict=True)
+    )  # untouched
+    assert net.training  # not even switched to eval mode
+    he = edge_fl.TorchModule(net, 16, init="he").init_params(np.random.default_rng(0))
+    assert not np.array_equal(he, params)
+    with pytest.raises(ValueError, match="returns 3 logits per row; n_classes = 4"):
+        edge_fl.TorchModule(net, 16, 4)
+
+
+# --------------------------------------------------------------------------- running
+
+
+@pytest.mark.broker
+def test_run_simulation_async_inside_a_running_loop(mosquitto, tmp_path):
+    """As in a notebook: the caller's loop, no asyncio.run inside, no signal handlers."""
+    handlers = []
+
+    async def notebook_cell():
+        with pytest.raises(RuntimeError, match=r"use `await edge_fl\.run_simulation_async"):
+            edge_fl.run_simulation(small())
+        return await edge_fl.run_simulation_async(
+            small(**{"broker.url": mosquitto.url}),
+            tmp_path,
+            on_record=lambda r: handlers.append(signal.getsignal(signal.SIGTERM)),
+        )
+
+    result = asyncio.run(notebook_cell())
+    assert result.summary["rounds_closed"] == 3 and len(result.records) == 3
+    assert handlers == [signal.SIG_DFL] * 3
+    assert result.params.shape == (result.job.model.n_params,)
+    files = {p.name for p in tmp_path.iterdir()}
+    assert {"model.onnx", "summary.json", "metrics.jsonl", "run.json", "journal.bin"} <= files
+    assert "model.onnx.partial" not in files
+    assert json.loads((tmp_path / "summary.json").read_text())["journal"]["fsyncs"] > 0
+
+
+@pytest.mark.broker
+def test_a_crashed_simulation_resumes_from_its_checkpoint_and_journal(mosquitto, tmp_path):
+    cfg = small(**{"broker.url": mosquitto.url, "rounds.rounds": 4})
+
+    class Crash(Exception):
+        pass
+
+    def crash_after_round_2(record):
+        if record["round"] == 2:
+            raise Crash
+
+    with pytest.raises(Crash):
+        edge_fl.run_simulation(cfg, tmp_path, on_record=crash_after_round_2)
+    assert not (tmp_path / "summary.json").exists()
+    from edge_fl.simulation import RunDirError
+
+    with pytest.raises(RunDirError, match="holds an unfinished job"):
+        edge_fl.run_simulation(cfg, tmp_path)
+    result = edge_fl.run_simulation(cfg, tmp_path, resume=True)
+    assert result.summary["rounds_closed"] == 4
+    rounds = [json.loads(line)["round"] for line in (tmp_path / "metrics.jsonl").open()]
+    assert rounds == [1, 2, 3, 4]  # rounds 1-2 from the first run, 3-4 after the resume
