@@ -147,7 +147,7 @@ class RoundsConfig(_Section):
 
 
 class SignDSConfig(_Section):
-    """Domains exactly as the reference (MindSpore Federated); see specs/signds.md section 6."""
+    """Domains exactly as the reference (MindSpore Federated); see docs/specs/signds.md section 6."""
 
     sign_k: float = Field(0.01, description="top-k fraction, (0, 0.25]")
     sign_eps: float = Field(100.0, description="exponential-mechanism epsilon, (0, 100]")

@@ -7,7 +7,7 @@ the edge_fl package.
 audits what a device actually uploads: two neighbouring local datasets D0, D1 go through a
 mechanism's own ``device_update`` (its local training, clipping, projection and noise), ``n`` times
 each, and a distinguishing test on the uploads gives a statistical lower bound on epsilon (method:
-``specs/privacy.md`` section 5). A sensitivity that the local training does not actually enforce
+``docs/specs/privacy.md`` section 5). A sensitivity that the local training does not actually enforce
 (several local steps, a clip in the wrong place, a data-dependent normaliser) shows up here and
 not in the noise-function audit.
 

@@ -6,7 +6,7 @@ every round, also to an empty one: skipping it would reveal that nobody came. De
 add/remove one device. Amplification by sampling (q = expected participants / population) is
 claimed only with ``privacy.poisson_selection``: devices then flip secret coins from their CSPRNG,
 the global message carries q instead of a selection list, and participation counts stay out of
-everything devices can read (pitfall 8).
+everything devices can read (docs/specs/privacy.md pitfall 8).
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 Device: per-example gradients at the broadcast model, L1-clipped to C, one averaged step, then
 Laplace noise of scale ``2 lr C / |D| / eps_r`` on every coordinate. One step only: more local
-iterations void the sensitivity bound (pitfall 7), so ``training.epochs``/``batch_size`` are unused.
+iterations void the sensitivity bound (docs/specs/privacy.md pitfall 7), so ``training.epochs``/``batch_size`` are unused.
 The job budget ``privacy.epsilon`` is split over the L = ``privacy.max_uploads`` uploads a device
 may make (uniform or geometric schedule); a device stops when its schedule is spent.
 """

@@ -1,4 +1,4 @@
-"""SignDS with MagRR step-size estimation (mechanism E, ``specs/signds.md``).
+"""SignDS with MagRR step-size estimation (mechanism E, ``docs/specs/signds.md``).
 
 Device: local SGD, then a random sign, h indices drawn by the exponential mechanism around the
 signed top-k set, and a MagRR bit (is my top-k magnitude below the server's estimate?) sent

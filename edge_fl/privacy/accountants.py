@@ -45,7 +45,7 @@ __all__ = [
     "compose_epsilon",
 ]
 
-#: Opacus / TF-Privacy orders (specs/privacy.md 1.3); identical results to dp-accounting's default
+#: Opacus / TF-Privacy orders (docs/specs/privacy.md 1.3); identical results to dp-accounting's default
 #: for the project's reference cases.
 RDP_ORDERS: tuple[float, ...] = tuple([1 + x / 10 for x in range(1, 100)] + list(range(12, 64)))
 DP_ACCOUNTING_VERSION: str = _pkg_version("dp-accounting")

@@ -1,6 +1,6 @@
 """Empirical DP audit: a statistical lower bound on eps from a distinguishing test.
 
-Method (``specs/privacy.md`` section 5; Jagielski et al. 2020, Nasr et al. 2021, Kairouz-Oh-
+Method (``docs/specs/privacy.md`` section 5; Jagielski et al. 2020, Nasr et al. 2021, Kairouz-Oh-
 Viswanath 2015): run the PRODUCTION mechanism n times on each of two worst-case neighbouring inputs,
 count k0 / k1 outputs in a test event S fixed in advance, bound the false-positive and
 false-negative rates from above with one-sided Clopper-Pearson bounds at alpha/2 each, and turn them

@@ -2,13 +2,13 @@
 
 Each step: Poisson-sample a batch (every example independently with prob q, from the CSPRNG),
 clip each per-sample gradient in L2 to C, sum, add N(0, sigma^2 C^2) with the hardened sampler,
-divide by the EXPECTED batch size q |D| (the realised size would leak, pitfall 4), step.
+divide by the EXPECTED batch size q |D| (the realised size would leak, docs/specs/privacy.md pitfall 4), step.
 Accounting per step: ``PoissonSampledDpEvent(q, GaussianDpEvent(sigma))`` under REPLACE_SPECIAL:
 one example replaced by a null example (|D| stays what it is, and public: q and the normaliser q|D|
 depend on it; under add/remove they would change with the neighbour and leak, measured by
 ``tests/test_release_audit.py``); ``steps`` steps compose as ``SelfComposedDpEvent(..., steps)``, counting every local step
 of every round. Poisson sampling, not shuffled fixed batches, is what the accounting assumes
-(pitfall 8); an empty sample still gets the noise.
+(docs/specs/privacy.md pitfall 8); an empty sample still gets the noise.
 """
 
 from __future__ import annotations

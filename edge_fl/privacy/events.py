@@ -1,6 +1,6 @@
 """Privacy events: a dp-accounting ``DpEvent`` with the relation and unit its numbers hold under.
 
-Conventions (they matter, see ``specs/privacy.md`` pitfalls 4, 6 and 8):
+Conventions (they matter, see ``docs/specs/privacy.md`` pitfalls 4, 6 and 8):
 
 * A :class:`PrivacyEvent` is a ``DpEvent`` plus the neighbouring relation and the unit (``example``
   or ``device``) under which its numbers hold. Noise multipliers are always relative to the

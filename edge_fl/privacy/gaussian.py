@@ -1,11 +1,11 @@
 """Mechanism B: Gaussian DP-FedAvg, local and central variants (McMahan et al., ICLR 2018).
 
-Both clip the client's whole update ``Delta = w_local - w_global`` in L2 to S (pitfall 5: the
+Both clip the client's whole update ``Delta = w_local - w_global`` in L2 to S (docs/specs/privacy.md pitfall 5: the
 update, not the per-step gradient) and add N(0, (z S)^2) per coordinate.
 
 * Local: the client adds the noise before upload (local DP on the update). Two updates in the S-ball
   differ by up to 2S, so under the honest local-DP relation (``replace_one``: any two inputs of the
-  device) one release is ``GaussianDpEvent(z / 2)`` (pitfall 4). ``replace_special`` (the device's
+  device) one release is ``GaussianDpEvent(z / 2)`` (docs/specs/privacy.md pitfall 4). ``replace_special`` (the device's
   update replaced by zero) gives ``GaussianDpEvent(z)``; it is the weaker, commonly quoted claim.
 * Central: clients only clip; the aggregator adds N(0, (z S)^2) to the SUM of clipped updates and
   divides by a FIXED denominator, the expected number of participants (dividing by the realised
@@ -70,7 +70,7 @@ class LocalGaussianConfig:
 
     clip_norm: float
     noise_multiplier: float
-    secure_draws: int = 2  # Gaussian = sum of 2n draws / sqrt(2n) (pitfall 2)
+    secure_draws: int = 2  # Gaussian = sum of 2n draws / sqrt(2n) (docs/specs/privacy.md pitfall 2)
 
     unit = "device"
 

@@ -3,7 +3,7 @@
 The client clips each per-sample gradient in L1 to C, takes ONE averaged step
 ``w_c = w_s - eta * mean(g_i)`` and uploads ``w_c + Lap(Delta / eps_r)`` per coordinate, with
 ``Delta = 2 eta C / |D|`` (replace-one neighbours, L1). One step only: more local iterations void
-the sensitivity bound (pitfall 7). The job budget eps is split over the T rounds a device may take
+the sensitivity bound (docs/specs/privacy.md pitfall 7). The job budget eps is split over the T rounds a device may take
 part in (basic composition: the sum of the per-round eps is exactly eps); the ledger additionally
 reports the tighter PLD/RDP composition of the same Laplace events, labelled as such.
 """

@@ -171,7 +171,7 @@ class PrivacyLedger:
 
     # --- reporting -------------------------------------------------------------------------
     def report(self, delta: float, device: Hashable | None = None) -> dict:
-        """The total guarantee with everything needed to interpret it (pitfall 6): the tightest
+        """The total guarantee with everything needed to interpret it (docs/specs/privacy.md pitfall 6): the tightest
         valid epsilon, every accountant's value (None plus a reason when skipped), the scope."""
         bound, worst = self.best(delta, device)
         events = self._events_for(worst)

@@ -1,4 +1,4 @@
-"""MagRR: the SignDS step-size estimator (``specs/signds.md`` section 4), as a pure state machine.
+"""MagRR: the SignDS step-size estimator (``docs/specs/signds.md`` section 4), as a pure state machine.
 
 SignDS uploads carry no magnitudes, so the aggregator learns a step from one randomized-response bit
 per client: "is the mean of my signed top-k values below the current estimate?". In a fast phase the

@@ -1,6 +1,6 @@
 """Mechanism D: NbAFL, noise before model aggregation (Wei et al., IEEE TIFS 2020, 1911.00222).
 
-Paper formulas implemented here (``specs/privacy.md`` section 4.1):
+Paper formulas implemented here (``docs/specs/privacy.md`` section 4.1):
 
 * each client clips its uploaded local PARAMETERS (not the update) in L2 to C,
   ``w / max(1, ||w|| / C)``; uplink sensitivity ``2 C / m`` with m = min_i |D_i| (replace-one);

@@ -2,7 +2,7 @@
 
 Why not ``rng.laplace`` / ``rng.normal``: textbook floating-point samplers leave input-dependent
 gaps in the set of reachable outputs, so the low-order bits of a noisy release can reveal the
-input (Mironov, CCS 2012; Jin et al., IEEE S&P 2022; ``specs/privacy.md`` pitfalls 1-2). The
+input (Mironov, CCS 2012; Jin et al., IEEE S&P 2022; ``docs/specs/privacy.md`` pitfalls 1-2). The
 samplers here follow Holohan & Braghin (Secure Random Sampling in DP, ESORICS 2021):
 
 * Laplace: ``b * (log(1-U1) cos(pi U2) + log(1-U3) cos(pi U4))`` with four independent 53-bit
@@ -94,7 +94,7 @@ def gaussian_noise(rng: np.random.Generator, std: float, size: Size, n: int = 2)
 def poisson_mask(rng: np.random.Generator, size: int, q: float) -> np.ndarray:
     """Bernoulli(q) inclusion mask: Poisson sampling, the assumption behind amplification by q.
 
-    The mask must come from the CSPRNG and stay secret (pitfall 8): shuffled fixed-size batches or
+    The mask must come from the CSPRNG and stay secret (docs/specs/privacy.md pitfall 8): shuffled fixed-size batches or
     observable selection void the PoissonSampled accounting.
     """
     _check_rng(rng)

@@ -2,7 +2,7 @@
 
 Noise, sampling and selection randomness decide privacy, so the default generator is ChaCha20
 (randomgen) keyed from ``os.urandom``: its outputs cannot be predicted or its state recovered, unlike
-numpy's PCG64 or Python's Mersenne Twister (``specs/privacy.md``, pitfall 3). A seeded PCG64 is
+numpy's PCG64 or Python's Mersenne Twister (``docs/specs/privacy.md``, pitfall 3). A seeded PCG64 is
 available only when the caller passes ``reproducible=True`` with a seed; the run metadata records it.
 """
 

@@ -1,6 +1,6 @@
 """SignDS: sign-based dimension selection, a pure eps-LDP exponential mechanism.
 
-Spec: ``specs/signds.md``. A client releases only a random sign s and h coordinate indices J; the
+Spec: ``docs/specs/signds.md``. A client releases only a random sign s and h coordinate indices J; the
 aggregator moves every selected coordinate by a common step in direction s. Privacy comes from the
 exponential mechanism over h-subsets J with utility ``1(|J ∩ S_topk| >= nu_th)``: the number nu
 of top-k members in J has ``P(nu = tau) ∝ C(K, tau) C(d-K, h-tau) e^{eps 1(tau >= nu_th)}``, and
