@@ -589,11 +589,15 @@ class AggregatorService:
                         sorted(want - online))  # fmt: skip
 
     async def _sleep_until(self, deadline: float | None) -> None:
-        """Wait for a wake-up (update, status, stop) or until ``deadline`` on the loop clock."""
-        self._wake.clear()
+        """Wait for a wake-up (update, status, stop) or until ``deadline`` on the loop clock.
+
+        A wake-up that came since the last one was consumed (e.g. a stop signal during the
+        global publish, before this sleep began) returns at once: the event is cleared when it
+        is consumed, never before waiting, so none is lost; every caller re-checks its state."""
         timeout = None if deadline is None else max(0.0, deadline - self._now())
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._wake.wait(), timeout)
+        self._wake.clear()
 
     def _now(self) -> float:
         return asyncio.get_running_loop().time()
