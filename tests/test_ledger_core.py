@@ -106,7 +106,9 @@ def test_held_updates_and_refused_ones_are_in_the_settled_record():
         assert c.on_update(d, update(c, d, 0)) is None
     # the window is full: these wait for a window that never comes
     assert c.on_update("d2", update(c, "d2", 0)) is None
-    assert c.on_update("d3", update(c, "d3", 0, value=1e6)) is None
+    # refused for its values: never held, but the device's release, so charged at once
+    assert c.on_update("d3", update(c, "d3", 0, value=1e6)) is Reject.IMPLAUSIBLE
+    assert ("d3", 0, 50) in c.releases
     record = c.close_round(1.0, 1.0)
     c.settle(record)
     assert sorted(d for d, _, _ in c.releases) == ["d0", "d1", "d2", "d3"]

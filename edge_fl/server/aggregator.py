@@ -367,8 +367,16 @@ class AggregatorCore:
             self.tally.messages_up += 1
         policy = self.policy
         if policy.holds() and policy.known(device):  # async: no window has room; strangers
-            policy.hold(device, payload)  # are refused now, not held
-            return None
+            self.last_rejection = None  # are refused now, not held
+            before = len(self.releases)
+            held = policy.hold(device, payload)
+            if held is not None:
+                self.count_rejection(held)
+                if str(held) not in self.tally.samples:
+                    self._sample(device, held)
+            if len(self.releases) > before:
+                policy.answered(device, self.releases[before:])
+            return held
         before = len(self.releases)
         try:
             reason = self._on_update(device, payload)

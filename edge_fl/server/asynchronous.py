@@ -148,6 +148,7 @@ class AsyncPolicy:
         self.applied: set[tuple[str, int]] = set()  # (device, base version) applied, recently
         self.nonces: dict[int, bytes] = {}  # version -> nonce, for versions within max_staleness
         self.held: list[tuple[str, bytes]] = []  # arrived while no window had room
+        self._held_keys: set[tuple[str, int]] = set()  # their (device, version): one each
         # concurrency limit. The selections are kept in the engine's ``history`` (version ->
         # (nonce, devices selected to train on it)), which checkpoints carry; the in-flight set is
         # derived from it and the ledger's releases, so a resumed core rebuilds it (None: rebuild
@@ -341,8 +342,37 @@ class AsyncPolicy:
         window = e.current
         return window is None or window.count >= window.target
 
-    def hold(self, device: str, payload: bytes) -> None:
+    def hold(self, device: str, payload: bytes) -> Reject | None:
+        """Keep an update for the next window, if it can ever be admitted: it decodes within
+        the job's limits (so at most ``limits.max_bytes``), echoes the nonce of a published
+        version within ``max_staleness``, and is the first held for its (device, version).
+        Memory is then bounded by devices x versions x max_bytes, whatever one device sends
+        (issue 24: 1,000 x 1 MiB from one device grew RSS by 1 GB). A refused one is judged
+        now; one that is a release (a stale answer, or refused for its values) is charged now."""
+        e = self.engine
+        try:
+            update = decode_update(payload, e.limits, topic_device=device)
+        except PayloadRejected as exc:
+            if exc.reason is Reject.IMPLAUSIBLE:
+                e.charge_refused(device, payload)
+            e.last_rejection = exc
+            return exc.reason
+        if update.round not in self.nonces:  # never published: it cannot be admitted
+            return Reject.FUTURE if update.round > e.version else Reject.WRONG_NONCE
+        if update.nonce != self.nonces[update.round]:
+            return Reject.WRONG_NONCE
+        if update.base_version != update.round:
+            return Reject.WRONG_NONCE  # as AsyncWindow.admit: the nonce binds r only
+        key = (device, update.round)
+        if key in self.applied or key in self._held_keys:
+            return Reject.DUPLICATE
+        if e.version - update.round > e.settings.max_staleness:
+            if self.chargeable(device, update) and not e.is_released(*key):
+                e.record_release(device, update.round, e.samples_cap(device, update.n_samples))
+            return Reject.STALE
+        self._held_keys.add(key)
         self.held.append((device, payload))
+        return None
 
     def answered(self, device: str, releases: list[tuple[str, int, int]]) -> None:
         """The device answered (whatever the verdict): a new release on the version it was
@@ -429,7 +459,7 @@ class AsyncPolicy:
             window.selected_on = self.selected_on
         e.current = window
         e.strategy = e.new_strategy()
-        held, self.held = self.held, []
+        held, self.held, self._held_keys = self.held, [], set()
         for device, payload in held:
             e.on_update(device, payload, counted=True)
 
@@ -550,6 +580,7 @@ class AsyncPolicy:
     def restore(self, state: dict[str, Any]) -> None:
         if "held" in state:
             self.held = [(dev, base64.b64decode(p)) for dev, p in state["held"]]
+            self._held_keys = set()  # a held payload decoded once; a re-delivery is no harm
         if "applied" in state:
             self.applied = {(dev, int(v)) for dev, v in state["applied"]}
         if "nonces" in state:
@@ -557,7 +588,7 @@ class AsyncPolicy:
         self._flight = None
 
     def forget(self) -> None:
-        self.applied, self.nonces, self.held = set(), {}, []
+        self.applied, self.nonces, self.held, self._held_keys = set(), {}, [], set()
         self._flight, self._since, self.unsent = None, {}, []
 
 
