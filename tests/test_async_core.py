@@ -392,7 +392,7 @@ def limited_core(
 
 
 def answer(c: AsyncAggregatorCore, device: str, version: int | None = None) -> Reject | None:
-    v = c.in_flight[device] if version is None else version
+    v = c.policy.in_flight[device] if version is None else version
     return c.on_update(device, update(c, device, v, 0.5, 10))
 
 
@@ -400,8 +400,8 @@ def test_a_window_selects_c_devices_and_its_message_names_them():
     c = limited_core(c=4)
     msg = c.open_round(0.0)
     assert msg.selected is not None and len(msg.selected) == 4
-    assert set(msg.selected) == set(c.in_flight) == c.current.selected
-    assert all(v == 0 for v in c.in_flight.values())
+    assert set(msg.selected) == set(c.policy.in_flight) == c.current.selected
+    assert all(v == 0 for v in c.policy.in_flight.values())
     assert not msg.selects(next(d for d in MANY if d not in msg.selected))
 
 
@@ -410,12 +410,14 @@ def test_an_arrival_frees_its_slot_and_selects_one_replacement_sent_by_dispatch(
     msg = c.open_round(0.0)
     first = msg.selected[0]
     assert answer(c, first) is None
-    assert len(c.in_flight) == 4 and first not in c.in_flight  # replaced at once: C stay busy
-    (new,) = set(c.in_flight) - set(msg.selected)
+    assert (
+        len(c.policy.in_flight) == 4 and first not in c.policy.in_flight
+    )  # replaced at once: C stay busy
+    (new,) = set(c.policy.in_flight) - set(msg.selected)
     out = c.dispatch(1.0)
     assert out is not None and out.selected == (new,) and out.round == out.version == 0
     assert c.dispatch(1.0) is None  # nothing new to send
-    assert c.dispatched == 5
+    assert c.policy.dispatched == 5
 
 
 def test_in_flight_never_exceeds_c_and_nobody_is_selected_twice_while_in_flight():
@@ -427,7 +429,7 @@ def test_in_flight_never_exceeds_c_and_nobody_is_selected_twice_while_in_flight(
         assert msg is not None
         sent = set(msg.selected)
         while c.current is not None:
-            flight = dict(c.in_flight)
+            flight = dict(c.policy.in_flight)
             assert len(flight) <= 5
             event = rng.integers(3)
             if event == 0 and flight:  # an in-flight device answers
@@ -438,32 +440,34 @@ def test_in_flight_never_exceeds_c_and_nobody_is_selected_twice_while_in_flight(
                 dev = MANY[rng.integers(len(MANY))]
                 online = bool(rng.integers(2))
                 c.on_status(dev, encode_status(Status(dev, online, 100)))
-            training = c.training
+            training = c.policy.training
             out = c.dispatch(now)
             if out is not None:
                 assert not (set(out.selected) & sent)  # never sent twice on this version
                 assert not (set(out.selected) & training)  # nor while still training
                 sent |= set(out.selected)
-            assert len(c.in_flight) <= 5
+            assert len(c.policy.in_flight) <= 5
             decision = c.decide(now)
             if decision in (Decision.CLOSE, Decision.SKIP):
                 c.close_round(now, 0.1, skipped=decision is Decision.SKIP)
-    assert c.dispatched > 40
+    assert c.policy.dispatched > 40
 
 
 def test_a_timeout_frees_the_slot_and_selects_a_replacement():
     c = limited_core(c=3, timeout=5.0)
     msg = c.open_round(0.0)
     assert c.deadline == 5.0  # the service wakes at the first timeout
-    assert c.decide(4.9) is Decision.WAIT and set(c.in_flight) == set(msg.selected)
+    assert c.decide(4.9) is Decision.WAIT and set(c.policy.in_flight) == set(msg.selected)
     assert c.decide(5.0) in (Decision.SKIP, Decision.WAIT)
-    assert c.timeouts == 3 and not (set(c.in_flight) & set(msg.selected))
-    assert len(c.in_flight) == 3  # three replacements, not yet sent
+    assert c.policy.timeouts == 3 and not (set(c.policy.in_flight) & set(msg.selected))
+    assert len(c.policy.in_flight) == 3  # three replacements, not yet sent
     # they go out mid-window (the service's dispatch), so the window waits for them instead of
     # closing short (a FedBuff window once applied 1 of K updates that way)
     assert c.decide(5.0) is Decision.WAIT
     out = c.dispatch(5.0)
-    assert set(out.selected) == set(c.in_flight) and not (set(out.selected) & set(msg.selected))
+    assert set(out.selected) == set(c.policy.in_flight) and not (
+        set(out.selected) & set(msg.selected)
+    )
     assert c.decide(5.1) is Decision.WAIT
 
 
@@ -473,8 +477,8 @@ def test_a_device_going_offline_or_stopping_is_replaced():
     gone, stopped = msg.selected[0], msg.selected[1]
     c.on_status(gone, encode_status(Status(gone, False)))
     c.on_status(stopped, encode_status(Status(stopped, True, 100, {"stopped": "budget_exhausted"})))
-    assert gone not in c.in_flight and stopped not in c.in_flight
-    assert len(c.in_flight) == 3 and c.departed == 2
+    assert gone not in c.policy.in_flight and stopped not in c.policy.in_flight
+    assert len(c.policy.in_flight) == 3 and c.policy.departed == 2
     out = c.dispatch(1.0)
     assert len(out.selected) == 2 and gone not in out.selected and stopped not in out.selected
 
@@ -499,7 +503,7 @@ def test_device_work_counts_stale_and_discarded_updates():
     assert rec["device_updates"] == 1 and rec["in_flight"] == 2 and rec["dispatched"] == 2
     c.open_round(0.1)
     assert answer(c, slow) is Reject.STALE  # trained on version 0, the model is at 1
-    assert slow not in c.in_flight  # it answered: its slot is free
+    assert slow not in c.policy.in_flight  # it answered: its slot is free
     c.close_round(0.2, 0.1, skipped=True)
     assert c.records[-1]["device_updates"] == 2  # the discarded update was still computed
     assert c.after_last_round()["device_updates"] == 2
@@ -511,9 +515,9 @@ def test_fedasync_keeps_c_busy_across_windows():
     now = 0.0
     for _ in range(10):
         msg = c.open_round(now)
-        busy.append(len(c.in_flight))
+        busy.append(len(c.policy.in_flight))
         # the device answering is the one selected longest ago (the earliest version)
-        dev = min(c.in_flight, key=lambda d: (c.in_flight[d], d))
+        dev = min(c.policy.in_flight, key=lambda d: (c.policy.in_flight[d], d))
         assert answer(c, dev) is None
         assert c.decide(now) is Decision.CLOSE
         c.close_round(now, 0.1)
@@ -525,9 +529,9 @@ def test_fedasync_keeps_c_busy_across_windows():
 
 def test_no_limit_keeps_the_old_behaviour():
     c = limited_core(c=0)
-    assert c.concurrency is None
+    assert c.policy.concurrency is None
     msg = c.open_round(0.0)
-    assert msg.selected is None and c.in_flight == {}
+    assert msg.selected is None and c.policy.in_flight == {}
     assert c.on_update("e05", update(c, "e05", 0, 1.0, 10)) is None
 
 
@@ -537,7 +541,7 @@ def test_checkpoint_and_journal_resume_keep_the_in_flight_set(tmp_path):
 
     c = limited_core("fedbuff", c=4, buffer_size=2)
     c.open_round(0.0)
-    for dev in sorted(c.in_flight)[:2]:
+    for dev in sorted(c.policy.in_flight)[:2]:
         answer(c, dev)
     assert c.decide(0.0) is Decision.CLOSE
     rec = c.close_round(0.0, 0.1)
@@ -547,13 +551,13 @@ def test_checkpoint_and_journal_resume_keep_the_in_flight_set(tmp_path):
     from edge_fl.protocol import encode_global
 
     journal.append("open", **round_spec(c, encode_global(msg)))
-    dev = sorted(c.in_flight)[0]
-    payload = update(c, dev, c.in_flight[dev], 0.5, 10)
+    dev = sorted(c.policy.in_flight)[0]
+    payload = update(c, dev, c.policy.in_flight[dev], 0.5, 10)
     assert c.on_update(dev, payload) is None
     journal.append("accept", d=dev, p=payload, dn=100)
     journal.sync()
-    expected = dict(c.in_flight)
-    unsent = set(c._unsent)
+    expected = dict(c.policy.in_flight)
+    unsent = set(c.policy.unsent)
 
     fresh = limited_core("fedbuff", c=4, buffer_size=2)
     fresh.devices = {}
@@ -562,14 +566,14 @@ def test_checkpoint_and_journal_resume_keep_the_in_flight_set(tmp_path):
         fresh.on_status(d, encode_status(Status(d, True, 100)))
     # what was sent and not answered is in flight again; the replacement chosen after the last
     # arrival was never sent, so the resumed core chooses again
-    assert {d: v for d, v in expected.items() if d not in unsent} == fresh.in_flight
+    assert {d: v for d, v in expected.items() if d not in unsent} == fresh.policy.in_flight
     assert len(unsent) == 1
     assert fresh.current.selected == c.current.selected
     assert fresh.decide(2.0) is Decision.WAIT  # the rebuilt in-flight devices get a fresh clock
     assert fresh.deadline == 2.0 + 5.0
-    assert fresh.training == frozenset(expected) - unsent
+    assert fresh.policy.training == frozenset(expected) - unsent
     out = fresh.dispatch(2.0)  # topped up to C again
-    assert out is not None and len(fresh.in_flight) == 4
+    assert out is not None and len(fresh.policy.in_flight) == 4
 
 
 def test_a_journaled_dispatch_survives_a_resume(tmp_path):
@@ -584,8 +588,8 @@ def test_a_journaled_dispatch_survives_a_resume(tmp_path):
     journal = Journal.start(tmp_path, job="j", digest="")
     msg = c.open_round(0.0)
     journal.append("open", **round_spec(c, encode_global(msg)))
-    first = sorted(c.in_flight)[0]
-    payload = update(c, first, c.in_flight[first], 0.5, 10)
+    first = sorted(c.policy.in_flight)[0]
+    payload = update(c, first, c.policy.in_flight[first], 0.5, 10)
     assert c.on_update(first, payload) is None
     journal.append("accept", d=first, p=payload, dn=100)
     sent = c.dispatch(0.5)
@@ -599,7 +603,7 @@ def test_a_journaled_dispatch_survives_a_resume(tmp_path):
     for d in MANY:
         fresh.on_status(d, encode_status(Status(d, True, 100)))
     assert set(sent.selected) <= fresh.current.selected
-    assert set(sent.selected) <= set(fresh.in_flight)
+    assert set(sent.selected) <= set(fresh.policy.in_flight)
     assert resumed.open_payload == encode_global(sent)
     late = sent.selected[0]
     assert fresh.on_update(late, update(fresh, late, fresh.version, 0.5, 10)) is None
@@ -669,7 +673,7 @@ def test_a_resumed_core_rebuilds_at_most_c_in_flight_without_the_departed(tmp_pa
     back = resumed(tmp_path / "a")
     for dev in MANY:
         back.on_status(dev, encode_status(Status(dev, True, 100)))
-    assert len(live.in_flight) == 2 and len(back.in_flight) == 2
+    assert len(live.policy.in_flight) == 2 and len(back.policy.in_flight) == 2
 
     live = limited_core(c=2, timeout=5.0, buffer_size=3)
     save_checkpoint(live, tmp_path / "b", journal_seq=0, last_record=None)
@@ -685,7 +689,7 @@ def test_a_resumed_core_rebuilds_at_most_c_in_flight_without_the_departed(tmp_pa
     back.on_status(gone, encode_status(Status(gone, False)))  # statuses come back, his offline
     for dev in (d for d in MANY if d != gone):
         back.on_status(dev, encode_status(Status(dev, True, 100)))
-    assert gone not in back.in_flight and len(back.in_flight) == 2
+    assert gone not in back.policy.in_flight and len(back.policy.in_flight) == 2
 
 
 def test_updates_still_held_when_the_job_ends_are_charged():

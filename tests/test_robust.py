@@ -197,7 +197,7 @@ def test_auto_holds_the_first_round_and_bounds_a_first_attacker_by_its_median():
     # bound is a function of the round's set of updates, not of which came first
     assert st.count == 6 and st.inner.count == 0
     new, info = st.finish(np.zeros(D, np.float32))
-    assert st.inner.count == 6 and not st._held
+    assert st.inner.count == 6 and not st.holding
     assert st.bound == pytest.approx(3 * 1.15)  # median of 0.8, 1.0, 1.1, 1.2, 50, 1000
     assert info["norm_clipped"] == 2
     # the attacker's 10,000 samples (no declared cap here) still only move the model by the bound

@@ -30,6 +30,11 @@ MECHANISMS = {
 }
 
 
+def released(core) -> set[tuple[str, int]]:
+    """(device, round) of every release in a core's ledger."""
+    return {(d, int(r)) for d, r, _ in core.releases}
+
+
 def make_job(overrides: dict):
     base = {
         "job": f"s-{uuid.uuid4().hex[:6]}",
@@ -365,7 +370,7 @@ def test_a_worker_started_later_leaves_a_straggler_of_an_earlier_round_to_the_co
     straggler, late = next((d, p) for d, p in sent1[2:] if d not in seen2.selected)
     feed(workers["w1"], coordinator, straggler, late, single)
     assert workers["w1"].core.releases == []  # it could not judge it ...
-    assert (straggler, 1) in coord._released  # ... the coordinator did, at once
+    assert (straggler, 1) in released(coord)  # ... the coordinator did, at once
     for device, payload in answers_to(agents, seen2)[:2]:
         feed(workers["w0"], coordinator, device, payload, single)
     assert collect(coordinator, workers)["workers_missing"] == []
@@ -393,8 +398,8 @@ def test_a_late_release_reaches_the_ledger_even_if_its_workers_partial_never_com
         feed(workers["w0"], coordinator, device, payload, single)
     info = collect(coordinator, workers, skip=("w1",))
     assert info["workers_missing"] == ["w1"]
-    assert (straggler, 1) in coord._released and (straggler, 1) in single._released
-    assert {(d, 2) for d in seen2.selected} <= coord._released
+    assert (straggler, 1) in released(coord) and (straggler, 1) in released(single)
+    assert {(d, 2) for d in seen2.selected} <= released(coord)
 
 
 def test_re_sent_open_freeze_and_commit_change_nothing():
@@ -447,8 +452,8 @@ def test_a_lost_worker_that_returns_takes_no_place_in_the_round():
     assert coordinator.round.left_out.get("w0") is None
     info = collect(coordinator, workers)
     assert info["workers_missing"] == ["w1"] and coord.strategy.count == 2
-    released = {(d, 1) for d, _ in sent[: target + 2]}
-    assert released <= coord._released  # w1's releases still count
+    charged = {(d, 1) for d, _ in sent[: target + 2]}
+    assert charged <= released(coord)  # w1's releases still count
 
 
 def test_malformed_worker_messages_are_sharding_errors_and_leave_the_round_intact():
@@ -553,7 +558,7 @@ def test_a_worker_that_outlives_its_coordinator_reports_its_updates_to_the_resum
     info = collect(successor, workers)
     assert info["workers_missing"] == ["before-restart"]
     assert resumed.current.count == 5 and resumed.strategy.count == 5
-    assert {(d, 1) for d in decode_global(payload).selected} <= resumed._released
+    assert {(d, 1) for d in decode_global(payload).selected} <= released(resumed)
 
 
 def test_who_the_round_waits_for():
@@ -581,5 +586,5 @@ def test_a_resumed_round_stopped_before_its_workers_took_it_up_is_charged():
         "workers": 0,
         "workers_missing": ["before-restart"],
     }
-    assert {(d, 1) for d in selected} <= coord._released
+    assert {(d, 1) for d in selected} <= released(coord)
     assert coordinator.charge_lost_before_resume() == {}  # once

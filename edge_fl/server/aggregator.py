@@ -6,6 +6,7 @@ returns. Everything here is deterministic given its inputs and the injected gene
 
 from __future__ import annotations
 
+import base64
 import logging
 import math
 from collections import Counter
@@ -22,14 +23,14 @@ from edge_fl.protocol import (
     GlobalModel,
     PayloadRejected,
     Reject,
-    Update,
     UpdateLimits,
     decode_status,
     decode_update,
-    new_nonce,
 )
 
-from .rounds import Decision, SyncRound
+from .policy import RoundPolicy, SyncPolicy, field_values, round_fields
+from .rounds import Decision
+from .state import generator_state, restore_generator
 
 log = logging.getLogger("edge_fl.aggregator")
 
@@ -155,6 +156,13 @@ class RoundTally:
 
 
 class AggregatorCore:
+    """The engine: fleet view, admission, ledger and round records, with the way rounds are
+    run (sync, FedBuff, FedAsync) delegated to a :class:`~edge_fl.server.policy.RoundPolicy`.
+
+    ``policy``: built from ``settings.mode`` when not given (``concurrency`` and
+    ``dispatch_timeout_s`` configure the asynchronous one: C devices training at once, 0 or None
+    for no limit, and how long a selected device may take before its slot goes to another)."""
+
     def __init__(
         self,
         settings: AggregatorSettings,
@@ -165,6 +173,10 @@ class AggregatorCore:
         mechanism: Mechanism | None = None,
         noise_rng: np.random.Generator | None = None,
         privacy: PrivacyAccounting | None = None,
+        *,
+        concurrency: int | None = None,
+        dispatch_timeout_s: float | None = None,
+        policy: Callable[[AggregatorCore], RoundPolicy] | None = None,
     ) -> None:
         self.settings = settings
         self.params = params.astype(np.float32, copy=True)
@@ -176,8 +188,8 @@ class AggregatorCore:
         self.version = 0
         self.round_number = 0  # rounds opened so far; the open round's number when one is open
         self.devices: dict[str, DeviceRecord] = {}
-        self.current: SyncRound | None = None
-        self.previous: SyncRound | None = None  # the round that closed last
+        self.current: Any = None  # the open Round (SyncRound or AsyncWindow), or None
+        self.previous: Any = None  # the round that closed last
         # every closed round's nonce and selection: a straggler's late answer to any of them is
         # still a release (charged once); O(rounds x selected) memory
         self.history: dict[int, tuple[bytes | None, frozenset[str]]] = {}
@@ -198,6 +210,15 @@ class AggregatorCore:
         self._released: set[tuple[str, int]] = set()  # (device, round) already in the ledger
         self.releases: list[tuple[str, int, int]] = []  # (device, round, n): for checkpoints
         self.noised_rounds: list[int] = []
+        if policy is None:
+            policy = policy_for(settings, concurrency, dispatch_timeout_s)
+        self.policy: RoundPolicy = policy(self)
+
+    def configure_as_worker(self) -> None:
+        """A sharded ingest worker: the coordinator keeps the ledger (this core only lists the
+        releases it sees) and judges updates naming rounds this core never mirrored."""
+        self.privacy = None
+        self.defer_unknown_rounds = True
 
     # ----------------------------------------------------------- fleet view
 
@@ -205,6 +226,7 @@ class AggregatorCore:
         """Track availability from retained status messages (and last wills)."""
         if not payload:  # a cleared retained message
             self.devices.pop(device, None)
+            self.policy.on_status(device)
             return
         try:
             status = decode_status(payload, topic_device=device)
@@ -221,6 +243,7 @@ class AggregatorCore:
         rec.online = status.online
         rec.n_samples = status.n_samples
         rec.stopped = status.info.get("stopped") if status.info else None
+        self.policy.on_status(device)
 
     def available(self) -> list[str]:
         return sorted(d for d, r in self.devices.items() if r.online and r.stopped is None)
@@ -247,41 +270,44 @@ class AggregatorCore:
             )
         return None
 
+    def any_can_answer(self, devices: Iterable[str]) -> bool:
+        """Whether one of ``devices`` is online and has not stopped (it may still send)."""
+        for device in devices:
+            rec = self.devices.get(device)
+            if rec is not None and rec.online and rec.stopped is None:
+                return True
+        return False
+
     # ----------------------------------------------------------- rounds
 
     def open_round(self, now: float) -> GlobalModel | None:
-        """Select devices and open the next round; None if too few devices are available."""
-        pool = self.available()
-        s = self.settings
-        if s.sample_rate is not None:
-            # Poisson: devices flip their own secret coins; the round runs to its deadline
-            if not pool:
-                return None
-            selected, target, minimum = frozenset(pool), len(pool), 0
-        else:
-            if len(pool) < s.min_updates:
-                return None
-            n_select = min(s.n_select, len(pool))
-            chosen = self.rng.choice(len(pool), size=n_select, replace=False)
-            selected = frozenset(pool[i] for i in chosen)
-            target = min(s.target, n_select)
-            minimum = min(s.min_updates, target)
-        self.round_number += 1
-        self.current = SyncRound(
-            number=self.round_number,
-            base_version=self.version,
-            selected=selected,
-            target=target,
-            min_updates=minimum,
-            opened_at=now,
-            deadline_s=s.deadline_s,
-            extend_when_short=s.extend_when_short,
-            nonce=new_nonce(),
-        )
-        self.strategy = self.new_strategy()
-        if s.sample_rate is not None:
-            return self.global_message(selected=None)
-        return self.global_message(selected=tuple(sorted(selected)))
+        """Open the next round (async: window); None if too few devices are available."""
+        return self.policy.open(now)
+
+    def reopen(self, spec: dict[str, Any], now: float = 0.0) -> None:
+        """Rebuild the round a journal's ``open`` record describes (``round_spec``), as
+        ``open_round`` left it, without drawing a new selection."""
+        rnd = self.policy.build_round(field_values(spec), now)
+        self.round_number = int(rnd.number)
+        self.tally = RoundTally()
+        self.policy.reopen(rnd, spec)
+        restore_generator(self.rng, spec.get("rng"))
+
+    def round_spec(self, payload: bytes | None = None) -> dict[str, Any]:
+        """What a journal's ``open`` record of the just-opened round holds: the round's fields,
+        the selection generator's state after the draw (seeded runs only), the policy's own
+        (async: the versions' nonces) and the global message as published (``payload``)."""
+        assert self.current is not None
+        return {
+            **round_fields(self.policy.kind, self.current),
+            "rng": generator_state(self.rng),
+            "g": payload,
+            **self.policy.open_spec(),
+        }
+
+    def open_message(self) -> GlobalModel:
+        """The global model of the open round, rebuilt (when a journal lacks its bytes)."""
+        return self.policy.open_message()
 
     def global_message(
         self,
@@ -308,6 +334,28 @@ class AggregatorCore:
             mechanism_params=self.public_params,
         )
 
+    def dispatch(self, now: float) -> GlobalModel | None:
+        """A global message selecting devices mid-round (async with a concurrency limit: the
+        replacements of those that answered, timed out or left), or None."""
+        return self.policy.dispatch(now)
+
+    def restore_dispatch(self, version: int, sent: list[str] | tuple[str, ...]) -> None:
+        """Replay of a journaled ``dispatch`` record."""
+        self.policy.restore_dispatch(version, sent)
+
+    def current_nonce(self) -> bytes | None:
+        return self.policy.current_nonce()
+
+    def nonce_of(self, round_number: int) -> bytes | None:
+        """The nonce of the round (async: version) an update names (None: no such round)."""
+        return self.policy.nonce_of(round_number)
+
+    def remember(self, rnd: Any) -> None:
+        """Keep a closed round's nonce and selection for late answers."""
+        self.policy.remember(rnd)
+
+    # ----------------------------------------------------------- updates
+
     def on_update(self, device: str, payload: bytes, *, counted: bool = False) -> Reject | None:
         """Decode, validate, admit and fold in one update. Returns the rejection reason, if any.
 
@@ -317,30 +365,48 @@ class AggregatorCore:
         if not counted:
             self.tally.bytes_up += len(payload)
             self.tally.messages_up += 1
+        policy = self.policy
+        if policy.holds() and policy.known(device):  # async: no window has room; strangers
+            self.last_rejection = None  # are refused now, not held
+            before = len(self.releases)
+            held = policy.hold(device, payload)
+            if held is not None:
+                self.count_rejection(held)
+                if str(held) not in self.tally.samples:
+                    self._sample(device, held)
+            if len(self.releases) > before:
+                policy.answered(device, self.releases[before:])
+            return held
+        before = len(self.releases)
         try:
             reason = self._on_update(device, payload)
             if reason == DEFERRED:
                 return reason  # type: ignore[return-value]
             if reason is not None and str(reason) not in self.tally.samples:
                 self._sample(device, reason)
-            return reason
         except Exception:
             log.exception("update from %r: unexpected error; counted as internal_error", device)
             self.tally.rejected[INTERNAL_ERROR] += 1
-            return INTERNAL_ERROR  # type: ignore[return-value]
+            reason = INTERNAL_ERROR  # type: ignore[assignment]
+        if len(self.releases) > before:
+            policy.answered(device, self.releases[before:])
+        return reason
 
     def _on_update(self, device: str, payload: bytes) -> Reject | None:
         self.last_rejection = None
-        if not self._known(device):  # never announced nor selected: cannot be asked, O(1)
+        policy = self.policy
+        if not policy.known(device):  # never announced nor selected: cannot be asked, O(1)
             self.tally.rejected[Reject.NOT_SELECTED] += 1
             return Reject.NOT_SELECTED
         try:
             update = decode_update(payload, self.limits, topic_device=device)
         except PayloadRejected as exc:
+            if exc.reason is Reject.IMPLAUSIBLE:
+                self.charge_refused(device, payload)
             self.tally.rejected[exc.reason] += 1
             self.last_rejection = exc
             return exc.reason
-        if self.defer_unknown_rounds and self._round_facts(update.round) is None:
+        if self.defer_unknown_rounds and self.round_facts(update.round) is None:
             self.last_deferred = (
                 device,
                 update.round,
@@ -349,7 +415,7 @@ class AggregatorCore:
                 update.nonce,
             )
             return DEFERRED  # type: ignore[return-value]
-        expected = self.nonce_of(update.round)
+        expected = policy.nonce_of(update.round)
         if expected is not None and update.nonce != expected:
             # an old update re-stamped with another round, or a forgery: no release of this round
             self.tally.rejected[Reject.WRONG_NONCE] += 1
@@ -360,18 +426,19 @@ class AggregatorCore:
             self.tally.capped_samples += 1
         # admission before accounting: only a release this device could have made for a round it
         # was asked for costs privacy; anything else is rejected below at O(1) and never charged
-        if (device, update.round) not in self._released and self._chargeable(device, update):
+        chargeable = policy.chargeable(device, update)
+        if chargeable and (device, update.round) not in self._released:
             self.record_release(device, update.round, update.n_samples)
         if self.current is None:
-            reason = Reject.LATE if self._chargeable(device, update) else Reject.NOT_SELECTED
-            self._count_rejection(reason)
+            reason = Reject.LATE if chargeable else Reject.NOT_SELECTED
+            self.count_rejection(reason)
             return reason
         rnd = self.current
         reason = rnd.admit(device, update.round, update.base_version)
         if reason is None and self.devices.get(device, DeviceRecord()).stopped:
             reason = Reject.BUDGET_EXHAUSTED
         if reason is not None:
-            self._count_rejection(reason)
+            self.count_rejection(reason)
             return reason
         assert self.strategy is not None
         try:
@@ -387,6 +454,26 @@ class AggregatorCore:
         rnd.accept(device, update.base_version)
         return None
 
+    def round_facts(self, round_number: int) -> tuple[bytes | None, frozenset[str]] | None:
+        """A synchronous round's nonce and selection, open or closed (None: no such round)."""
+        facts = getattr(self.policy, "round_facts", None)
+        return None if facts is None else facts(round_number)
+
+    def charge_refused(self, device: str, payload: bytes) -> bool:
+        """Charge an update the decoder refused for its values (implausible): the device made
+        the release all the same, so once it is that device's (its header decodes, it echoes the
+        nonce of a round it was selected for) it is charged, never folded. True if charged."""
+        try:
+            update = decode_update(payload, replace(self.limits, max_abs=None), topic_device=device)
+        except PayloadRejected:
+            return False
+        if update.nonce != self.nonce_of(update.round):
+            return False
+        if (device, update.round) in self._released or not self.policy.chargeable(device, update):
+            return False
+        self.record_release(device, update.round, self.samples_cap(device, update.n_samples))
+        return True
+
     def samples_cap(self, device: str, n_samples: int) -> int:
         """A claim beyond the device's status cannot buy weight: the smaller of the two."""
         declared = self.devices.get(device, DeviceRecord()).n_samples
@@ -395,7 +482,26 @@ class AggregatorCore:
     def charge_held(self) -> int:
         """Charge updates held for later that no round will take (the job ended); returns how
         many. A synchronous round holds nothing: late answers are charged as they arrive."""
-        return 0
+        return self.policy.charge_held()
+
+    def outstanding(self) -> frozenset[str]:
+        """Devices asked for an update by the last round (async: the last published version),
+        not yet heard from, that can still send one (online, not stopped). After the last
+        round the service keeps listening until this is empty (or a deadline): what they publish
+        is a release and must be charged before the job's final epsilon is written and the done
+        marker stops them."""
+        return self.policy.outstanding()
+
+    def settle(self, record: dict[str, Any]) -> dict[str, Any]:
+        """The job's last record, made final: charge what is held for a round that will never
+        come, and bring the record's ledger fields (epsilon, device work) up to date, so the last
+        metrics line, the summary and the console carry the same total. Call once the service
+        has stopped taking updates (after the drain), before the record is committed."""
+        self.charge_held()
+        record["device_updates"] = len(self.releases)
+        if self.privacy is not None:
+            record.update(self.privacy.metrics())
+        return record
 
     def judge_deferred(
         self, device: str, round_number: int, base_version: int, n_samples: int,
@@ -403,7 +509,7 @@ class AggregatorCore:
     ) -> Reject:  # fmt: skip
         """An update a sharded worker decoded for a round it never mirrored, judged and charged
         as :meth:`on_update` would (its delta stays on the worker: it is never folded)."""
-        facts = self._round_facts(round_number)
+        facts = self.round_facts(round_number)
         if facts is not None and nonce != facts[0]:
             self.tally.rejected[Reject.WRONG_NONCE] += 1
             return Reject.WRONG_NONCE
@@ -422,7 +528,7 @@ class AggregatorCore:
             if round_number == rnd.number:
                 log.warning("round %d: %s's update reached a worker that had not yet mirrored "
                             "the round: charged, not folded", round_number, device)  # fmt: skip
-        self._count_rejection(reason)
+        self.count_rejection(reason)
         return reason
 
     def _sample(self, device: str, reason: Reject | str) -> None:
@@ -437,46 +543,12 @@ class AggregatorCore:
         log.info("round %d: update from %r rejected (%s): %s", self.round_number, device, reason,
                  detail)  # fmt: skip
 
-    def _count_rejection(self, reason: Reject) -> None:
+    def count_rejection(self, reason: Reject) -> None:
+        """Count a refused update in the open round's tally (late ones apart)."""
         if reason is Reject.LATE:
             self.tally.late += 1
         else:
             self.tally.rejected[reason] += 1
-
-    def current_nonce(self) -> bytes | None:
-        return None if self.current is None else self.current.nonce
-
-    def remember(self, rnd: SyncRound) -> None:
-        """Keep a round's nonce and selection for late answers (and the O(1) stranger check)."""
-        self.history[rnd.number] = (rnd.nonce, frozenset(rnd.selected))
-        self.ever_selected |= rnd.selected
-
-    def _round_facts(self, round_number: int) -> tuple[bytes | None, frozenset[str]] | None:
-        rnd = self.current
-        if rnd is not None and rnd.number == round_number:
-            return rnd.nonce, rnd.selected
-        return self.history.get(round_number)
-
-    def nonce_of(self, round_number: int) -> bytes | None:
-        """The nonce of the round an update names (None: no such round, rejected anyway)."""
-        facts = self._round_facts(round_number)
-        return None if facts is None else facts[0]
-
-    def _known(self, device: str) -> bool:
-        """Announced a status, or was ever selected (a resumed aggregator learns statuses only
-        after the broker has delivered the updates it queued)."""
-        rnd = self.current
-        return (
-            device in self.devices
-            or device in self.ever_selected
-            or (rnd is not None and device in rnd.selected)
-        )
-
-    def _chargeable(self, device: str, update: Update) -> bool:
-        """Could this device have released this update? Selected for the round it names: open,
-        or closed (a straggler's late answer was still released). O(1)."""
-        facts = self._round_facts(update.round)
-        return facts is not None and device in facts[1]
 
     def new_strategy(self) -> Strategy:
         """A fresh aggregation for the round (or async window) being opened."""
@@ -484,26 +556,11 @@ class AggregatorCore:
             self.mechanism_state, self.settings.server_lr, self.noise_rng
         )
 
-    def after_last_round(self) -> dict[str, Any]:
-        """What arrived after the last round closed (late answers, re-deliveries, strays): it
-        belongs to no round's record, so the summary carries it."""
-        t = self.tally
-        return {
-            "messages_up": t.messages_up,
-            "bytes_up": t.bytes_up,
-            "late": t.late,
-            "rejected_by_reason": {str(k): v for k, v in sorted(t.rejected.items())},
-            "rejection_samples": dict(t.samples),
-            "device_updates": len(self.releases),  # the job's total device work (see records)
-        }
+    # ----------------------------------------------------------- the ledger
 
-    def public_record(self, record: dict[str, Any]) -> dict[str, Any]:
-        """What may go on the metrics topic, which devices can read: without participation
-        counts when amplification by Poisson sampling is claimed (they would void it)."""
-        hidden = PRIVATE_FIELDS
-        if self.settings.sample_rate is not None:
-            hidden = (*PARTICIPATION_FIELDS, *PRIVATE_FIELDS)
-        return {k: v for k, v in record.items() if k not in hidden}
+    def is_released(self, device: str, round_number: int) -> bool:
+        """Whether (device, round) is in the ledger already (it is charged once)."""
+        return (device, round_number) in self._released
 
     def record_release(self, device: str, round_number: int, n_samples: int) -> None:
         if self.privacy is not None:  # first: if charging fails, nothing below has changed
@@ -516,34 +573,21 @@ class AggregatorCore:
         if self.privacy is not None:
             self.privacy.record_round(round_number)
 
-    def decide(self, now: float) -> Decision:
-        rnd = self.current
-        if rnd is None:
-            return Decision.WAIT
-        decision = rnd.decide(now)
-        pending = rnd.selected - rnd.accepted - self.refused
-        if decision is Decision.WAIT and rnd.selected and not self.any_can_answer(pending):
-            # every selected device that has not answered is offline or stopped: waiting for the
-            # deadline cannot add an update
-            return Decision.CLOSE if len(rnd.accepted) >= rnd.min_updates else Decision.SKIP
-        return decision
+    # ----------------------------------------------------------- deciding and closing
 
-    def any_can_answer(self, devices: Iterable[str]) -> bool:
-        """Whether one of ``devices`` is online and has not stopped (it may still send)."""
-        for device in devices:
-            rec = self.devices.get(device)
-            if rec is not None and rec.online and rec.stopped is None:
-                return True
-        return False
+    def decide(self, now: float) -> Decision:
+        return self.policy.decide(now)
 
     @property
     def deadline(self) -> float | None:
-        return None if self.current is None else self.current.deadline
+        """When to decide next: the round's deadline, or an earlier policy timer."""
+        return self.policy.deadline()
 
     def close_round(self, now: float, wall_time_s: float, skipped: bool = False) -> dict[str, Any]:
         """Apply the round's aggregate (unless skipped), evaluate, and return its record."""
         assert self.current is not None and self.strategy is not None
         rnd, strategy = self.current, self.strategy
+        self.policy.closing(rnd)
         info: dict[str, Any] = {}
         applies = strategy.count > 0 or self.mechanism.acts_on_empty_round
         if not skipped and applies:
@@ -596,12 +640,158 @@ class AggregatorCore:
         if self.privacy is not None:
             record.update(self.privacy.metrics())
         self.records.append(record)
-        self.previous, self.current = rnd, None
+        self.retire()
         self.refused = set()
         self.strategy = None
-        self.remember(rnd)
         self.tally = RoundTally()
+        self.policy.closed(record)
         return record
+
+    def retire(self) -> None:
+        """The open round stops admitting (its strategy stays until the caller drops it): it
+        is remembered, so its late answers are still charged."""
+        rnd = self.current
+        assert rnd is not None
+        self.previous, self.current = rnd, None
+        self.remember(rnd)
+
+    def mirror(self, msg: GlobalModel, wrap: Callable[[Strategy], Any]) -> None:
+        """Open the round a coordinator's global message describes (a sharded worker): its
+        version, mechanism state, selection and nonce; the coordinator enforces the target and
+        the deadline. ``wrap`` wraps the round's fresh strategy (a worker records what it
+        folds)."""
+        assert msg.selected is not None
+        selected = frozenset(msg.selected)
+        self.version, self.round_number = msg.version, msg.round
+        self.mechanism_state = self.mechanism.decode_state(msg.mechanism_state)
+        fields = {
+            "number": msg.round,
+            "base_version": msg.version,
+            "selected": selected,
+            "target": len(selected),
+            "min_updates": 0,
+            "deadline_s": float("inf"),
+            "nonce": msg.nonce,
+        }
+        self.current = self.policy.build_round(fields, 0.0)
+        self.strategy = wrap(self.new_strategy())
+        self.refused = set()
+
+    def after_last_round(self) -> dict[str, Any]:
+        """What arrived after the last round closed (late answers, re-deliveries, strays): it
+        belongs to no round's record, so the summary carries it."""
+        t = self.tally
+        return {
+            "messages_up": t.messages_up,
+            "bytes_up": t.bytes_up,
+            "late": t.late,
+            "rejected_by_reason": {str(k): v for k, v in sorted(t.rejected.items())},
+            "rejection_samples": dict(t.samples),
+            "device_updates": len(self.releases),  # the job's total device work (see records)
+            **self.policy.summary(),
+        }
+
+    def public_record(self, record: dict[str, Any]) -> dict[str, Any]:
+        """What may go on the metrics topic, which devices can read: without participation
+        counts when amplification by Poisson sampling is claimed (they would void it)."""
+        hidden = PRIVATE_FIELDS
+        if self.settings.sample_rate is not None:
+            hidden = (*PARTICIPATION_FIELDS, *PRIVATE_FIELDS)
+        return {k: v for k, v in record.items() if k not in hidden}
+
+    # ----------------------------------------------------------- state
+
+    def snapshot(self) -> dict[str, Any]:
+        """The engine's state between rounds as plain data (JSON-able; the parameters apart):
+        the ledger's releases, the selection history, the fleet view and the policy's own."""
+        state: dict[str, Any] = {
+            "version": self.version,
+            "round_number": self.round_number,
+            "mechanism_state": self.mechanism.encode_state(self.mechanism_state),
+            "releases": self.releases,
+            "noised_rounds": self.noised_rounds,
+            "rng": generator_state(self.rng),
+            "noise_rng": generator_state(self.noise_rng),
+            # every closed round's nonce and selection: a straggler's late answer is charged
+            "history": {
+                str(r): [None if n is None else base64.b64encode(n).decode(), sorted(sel)]
+                for r, (n, sel) in sorted(self.history.items())
+            },
+            # the fleet view when the round closed, for replaying the journal's admissions
+            # (declared sample counts, known devices); live retained statuses replace it
+            "devices": {
+                dev: [rec.online, rec.n_samples, rec.stopped]
+                for dev, rec in sorted(self.devices.items())
+            },
+        }
+        if self.previous is not None:  # a late update for it is still charged
+            state["previous"] = round_fields(self.policy.kind, self.previous)
+        state.update(self.policy.snapshot())
+        return state
+
+    def restore(self, state: dict[str, Any], params: np.ndarray) -> None:
+        """The inverse of :meth:`snapshot` on a core freshly built from the same config (the
+        fleet view is left alone: see :func:`fleet_view`)."""
+        self.params = params.astype(np.float32)
+        self.version = int(state["version"])
+        self.round_number = int(state["round_number"])
+        carried = state.get("mechanism_state")
+        if carried is not None:
+            self.mechanism_state = self.mechanism.decode_state(carried)
+        for device, rnd, n in state["releases"]:
+            self.record_release(device, int(rnd), int(n))
+        for rnd in state["noised_rounds"]:
+            self.record_noised_round(int(rnd))
+        if state.get("previous") is not None:
+            self.previous = self.policy.build_round(field_values(state["previous"]), 0.0)
+        for r, (nonce, selected) in state.get("history", {}).items():
+            self.history[int(r)] = (
+                None if nonce is None else base64.b64decode(nonce),
+                frozenset(selected),
+            )
+            self.ever_selected.update(selected)
+        restore_generator(self.rng, state.get("rng"))
+        restore_generator(self.noise_rng, state.get("noise_rng"))
+        self.policy.restore(state)
+
+    def forget(self) -> None:
+        """Back to a fresh run's state (a sharded worker whose coordinator started a new run of
+        the job: the earlier run's round numbers come again)."""
+        self.current = self.previous = self.strategy = None
+        self.history.clear()
+        self.ever_selected.clear()
+        self._released.clear()
+        self.releases.clear()
+        self.refused = set()
+        self.tally = RoundTally()
+        self.version = self.round_number = 0
+        self.policy.forget()
+
+    def take_tally(self) -> RoundTally:
+        """The open round's tally, replaced by a fresh one (a worker reports its share)."""
+        t, self.tally = self.tally, RoundTally()
+        return t
+
+
+def fleet_view(state: dict[str, Any]) -> dict[str, DeviceRecord]:
+    """A snapshot's fleet view as the core's ``devices``."""
+    return {
+        dev: DeviceRecord(online=bool(o), n_samples=int(n), stopped=st)
+        for dev, (o, n, st) in state.get("devices", {}).items()
+    }
+
+
+def policy_for(
+    settings: AggregatorSettings, concurrency: int | None, dispatch_timeout_s: float | None
+) -> Callable[[AggregatorCore], RoundPolicy]:
+    """The round policy of ``settings.mode``."""
+    if settings.mode == "sync":
+        if concurrency:
+            raise ValueError("a concurrency limit is for the asynchronous modes")
+        return SyncPolicy
+    from .asynchronous import AsyncPolicy
+
+    return lambda core: AsyncPolicy(core, concurrency, dispatch_timeout_s)
 
 
 def _plain(n_params: int) -> Mechanism:

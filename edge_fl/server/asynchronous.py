@@ -13,7 +13,7 @@ devices, and whenever one of them answers (its update arrives, whatever the verd
 (``dispatch_timeout_s`` after its selection was published), goes offline or stops, it selects a
 replacement among the available devices that are not in flight, so C stay busy. The selection of a
 window travels in its global message (``selected``, as in sync mode); replacements chosen while a
-window is open go out with :meth:`AsyncAggregatorCore.dispatch` (a service that publishes it keeps C
+window is open go out with :meth:`AsyncPolicy.dispatch` (a service that publishes it keeps C
 busy between applications) or else with the next window's message. Only a device selected for the
 version it trained on is admitted and charged (admission before accounting).
 
@@ -25,9 +25,10 @@ that trains and then never uploads (a dropout) is invisible here: the fleet coun
 
 from __future__ import annotations
 
+import base64
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -40,9 +41,12 @@ from edge_fl.protocol import (
     new_nonce,
 )
 
-from .aggregator import AggregatorCore
 from .rounds import Decision
 from .staleness import Staleness
+from .state import decode_nonces, encode_nonces
+
+if TYPE_CHECKING:
+    from .aggregator import AggregatorCore
 
 
 @dataclass
@@ -119,38 +123,39 @@ class AsyncWindow:
         }
 
 
-class AsyncAggregatorCore(AggregatorCore):
-    """FedBuff / FedAsync on the same fleet view, ledger, strategies and records as sync mode.
+class AsyncPolicy:
+    """FedBuff / FedAsync windows on the engine's fleet view, ledger, strategies and records.
 
     ``concurrency``: C, the most devices training at once (None or 0: no limit, every available
     device trains on every version). ``dispatch_timeout_s``: how long a selected device may take
     before its slot goes to another device (default: the settings' ``deadline_s``; same clock)."""
 
-    _applied: set[tuple[str, int]]
+    kind = "async"
 
     def __init__(
         self,
-        *args: Any,
+        engine: AggregatorCore,
         concurrency: int | None = None,
         dispatch_timeout_s: float | None = None,
-        **kwargs: Any,
     ) -> None:
-        super().__init__(*args, **kwargs)
         if concurrency is not None and concurrency < 0:
             raise ValueError(f"concurrency = {concurrency} must be >= 0 (0: no limit)")
+        self.engine = engine
         self.concurrency = concurrency or None
         self.dispatch_timeout_s = (
-            self.settings.deadline_s if dispatch_timeout_s is None else dispatch_timeout_s
+            engine.settings.deadline_s if dispatch_timeout_s is None else dispatch_timeout_s
         )
-        self._applied = set()
+        self.applied: set[tuple[str, int]] = set()  # (device, base version) applied, recently
         self.nonces: dict[int, bytes] = {}  # version -> nonce, for versions within max_staleness
-        self._held: list[tuple[str, bytes]] = []  # arrived while no window had room
-        # concurrency limit. The selections are kept in ``history`` (version -> (nonce, devices
-        # selected to train on it)), which checkpoints carry; the in-flight set is derived from it
-        # and the ledger's releases, so a resumed core rebuilds it (None: rebuild on next use)
+        self.held: list[tuple[str, bytes]] = []  # arrived while no window had room
+        self._held_keys: set[tuple[str, int]] = set()  # their (device, version): one each
+        # concurrency limit. The selections are kept in the engine's ``history`` (version ->
+        # (nonce, devices selected to train on it)), which checkpoints carry; the in-flight set is
+        # derived from it and the ledger's releases, so a resumed core rebuilds it (None: rebuild
+        # on next use)
         self._flight: dict[str, int] | None = None  # device -> version it was selected for
         self._since: dict[str, float] = {}  # device -> when its selection was published
-        self._unsent: list[str] = []  # selected (in flight) but not yet published
+        self.unsent: list[str] = []  # selected (in flight) but not yet published
         self.dispatched = 0  # selections published so far
         self.timeouts = 0  # in-flight devices given up on (dispatch_timeout_s)
         self.departed = 0  # in-flight devices that went offline or stopped
@@ -170,26 +175,25 @@ class AsyncAggregatorCore(AggregatorCore):
     @property
     def training(self) -> frozenset[str]:
         """The in-flight devices whose selection was published (the others wait to be sent)."""
-        return frozenset(d for d in self.in_flight if d not in self._unsent)
+        return frozenset(d for d in self.in_flight if d not in self.unsent)
 
     def _rebuild_flight(self) -> dict[str, int]:
         """From the selections (history, and the open window's) and the releases: a device is in
         flight on its last selection until an update of its computed on that version or a newer
         one has arrived. Clocks restart (a resumed core gives everyone a fresh timeout)."""
+        e = self.engine
         last: dict[str, int] = {}
-        selections = sorted((v, sel) for v, (_, sel) in self.history.items())
-        window = self.current
-        if isinstance(window, AsyncWindow):
+        selections = sorted((v, sel) for v, (_, sel) in e.history.items())
+        window = e.current
+        if window is not None:
             selections.append((window.version, window.selected))
         for version, sel in selections:
             for device in sel:
                 last[device] = max(version, last.get(device, -1))
-        answered: dict[str, int] = {}
-        for device, rnd, _ in self.releases:
-            answered[device] = max(int(rnd), answered.get(device, -1))
+        answered = self._answered()
 
         def gone(device: str) -> bool:  # its offline or stopped status came before the rebuild
-            rec = self.devices.get(device)
+            rec = e.devices.get(device)
             return rec is not None and (not rec.online or rec.stopped is not None)
 
         flight = {d: v for d, v in last.items() if answered.get(d, -1) < v and not gone(d)}
@@ -198,72 +202,83 @@ class AsyncAggregatorCore(AggregatorCore):
         keep = sorted(flight, key=lambda d: (-flight[d], d))[: self.concurrency or len(flight)]
         return {d: flight[d] for d in keep}
 
-    def _selected_on(self, version: int) -> frozenset[str]:
+    def _answered(self) -> dict[str, int]:
+        """Device -> the newest version it released an update on (held ones once charged)."""
+        answered: dict[str, int] = {}
+        for device, rnd, _ in self.engine.releases:
+            answered[device] = max(int(rnd), answered.get(device, -1))
+        return answered
+
+    def selected_on(self, version: int) -> frozenset[str]:
         """Devices selected to train on ``version``: kept in ``history`` when published, and in
         the open window (a window rebuilt from the journal has only the latter)."""
-        facts = self.history.get(version)
+        e = self.engine
+        facts = e.history.get(version)
         sel = facts[1] if facts is not None else frozenset()
-        window = self.current
-        if isinstance(window, AsyncWindow) and window.version == version:
+        window = e.current
+        if window is not None and window.version == version:
             sel = sel | window.selected
         return sel
 
     def _free(self, device: str) -> None:
         self.in_flight.pop(device, None)
         self._since.pop(device, None)
-        if device in self._unsent:
-            self._unsent.remove(device)
+        if device in self.unsent:
+            self.unsent.remove(device)
 
     def _replace(self) -> list[str]:
         """Select devices until C are in flight: available, not in flight, and not already
         selected for the version they would get now (a device answers a version once)."""
+        e = self.engine
         flight = self.in_flight
         room = self.concurrency - len(flight) if self.concurrency is not None else 0
         if room <= 0:
             return []
-        done_here = self._selected_on(self.version)
-        pool = [d for d in self.available() if d not in flight and d not in done_here]
+        done_here = self.selected_on(e.version)
+        pool = [d for d in e.available() if d not in flight and d not in done_here]
         if not pool:
             return []
-        chosen = self.rng.choice(len(pool), size=min(room, len(pool)), replace=False)
+        chosen = e.rng.choice(len(pool), size=min(room, len(pool)), replace=False)
         picked = sorted(pool[i] for i in chosen)
         for device in picked:
-            flight[device] = self.version
-            self._unsent.append(device)
+            flight[device] = e.version
+            self.unsent.append(device)
         return picked
 
     def _publish_unsent(self, now: float) -> tuple[str, ...]:
         """The devices the next global message selects: the unsent selections still available,
         now dispatched on the current version."""
-        live = set(self.available())
-        for device in [d for d in self._unsent if d not in live]:
+        e = self.engine
+        live = set(e.available())
+        for device in [d for d in self.unsent if d not in live]:
             self._free(device)
         self._replace()
-        sent = tuple(sorted(d for d in self._unsent if d in live))
-        self._unsent = []
+        sent = tuple(sorted(d for d in self.unsent if d in live))
+        self.unsent = []
         flight = self.in_flight
         for device in sent:
-            flight[device] = self.version
+            flight[device] = e.version
             self._since[device] = now
         if sent:
-            nonce = self.nonces.setdefault(self.version, new_nonce())
-            self.history[self.version] = (nonce, self._selected_on(self.version) | set(sent))
-            self.ever_selected.update(sent)
+            nonce = self.nonces.setdefault(e.version, new_nonce())
+            e.history[e.version] = (nonce, self.selected_on(e.version) | set(sent))
+            e.ever_selected.update(sent)
             self.dispatched += len(sent)
-        window = self.current
-        if isinstance(window, AsyncWindow) and window.version == self.version:
+        window = e.current
+        if window is not None and window.version == e.version:
             window.selected = window.selected | frozenset(sent)
         return sent
 
     def restore_dispatch(self, version: int, sent: list[str] | tuple[str, ...]) -> None:
         """Replay of a journaled ``dispatch`` record: ``sent`` were selected to train on
         ``version`` by a message published mid-window (the in-flight set is rebuilt from it)."""
+        e = self.engine
         devices = frozenset(str(d) for d in sent)
         nonce = self.nonces.setdefault(version, new_nonce())
-        self.history[version] = (nonce, self._selected_on(version) | devices)
-        self.ever_selected.update(devices)
-        window = self.current
-        if isinstance(window, AsyncWindow) and window.version == version:
+        e.history[version] = (nonce, self.selected_on(version) | devices)
+        e.ever_selected.update(devices)
+        window = e.current
+        if window is not None and window.version == version:
             window.selected = window.selected | devices
         self._flight = None  # derived again from the selections and releases
 
@@ -273,7 +288,7 @@ class AsyncAggregatorCore(AggregatorCore):
         if self.concurrency is None:
             return []
         for device in self.in_flight:  # rebuilt after a resume: the clock starts now
-            if device not in self._since and device not in self._unsent:
+            if device not in self._since and device not in self.unsent:
                 self._since[device] = now
         gone = [d for d, t in self._since.items() if now - t >= self.dispatch_timeout_s]
         for device in gone:
@@ -287,15 +302,16 @@ class AsyncAggregatorCore(AggregatorCore):
         """The global message that sends the replacements selected since the last one (on the
         current model version), or None if there are none. A service that publishes it after
         updates and status changes keeps C devices busy while a window fills."""
-        if self.concurrency is None or self.current is None:
+        e = self.engine
+        if self.concurrency is None or e.current is None:
             return None
         self._replace()  # top up (e.g. a resumed core has only the devices still in flight)
-        if not self._unsent:
+        if not self.unsent:
             return None
         sent = self._publish_unsent(now)
         if not sent:
             return None
-        return self.global_message(selected=sent, round_number=self.version)
+        return e.global_message(selected=sent, round_number=e.version)
 
     @property
     def next_timeout(self) -> float | None:
@@ -303,48 +319,168 @@ class AsyncAggregatorCore(AggregatorCore):
             return None
         return min(self._since.values()) + self.dispatch_timeout_s
 
-    # ----------------------------------------------------------- events
+    # ----------------------------------------------------------- admission
 
-    def on_status(self, device: str, payload: bytes) -> None:
-        super().on_status(device, payload)
+    def on_status(self, device: str) -> None:
         # not built yet (a fresh or resuming core): nothing to free, and no build from a history
         # a resume has not restored yet
         if self._flight is None or device not in self._flight:
             return
-        rec = self.devices.get(device)
+        rec = self.engine.devices.get(device)
         if rec is None or not rec.online or rec.stopped is not None:
             self._free(device)  # it will not answer: its slot goes to another device
             self.departed += 1
             self._replace()
 
-    def on_update(self, device: str, payload: bytes, *, counted: bool = False) -> Reject | None:
+    def holds(self) -> bool:
         """An update that finds no open window, or a full one, waits for the next window: in
-        async modes nothing is late, and a window applies exactly K (FedAsync: 1) updates."""
-        window = self.current
-        if not self._known(device):  # strangers are refused now, not held
-            return super().on_update(device, payload, counted=counted)
-        if window is None or window.count >= window.target:
-            if not counted:
-                self.tally.bytes_up += len(payload)
-                self.tally.messages_up += 1
-            self._held.append((device, payload))
-            return None
-        if self.concurrency is not None:
-            window.selected_on = self._selected_on
-        before = len(self.releases)
-        reason = super().on_update(device, payload, counted=counted)
-        if self.concurrency is not None:
-            # the device answered (whatever the verdict): a new release on the version it was
-            # selected for, or a newer one, frees its slot for a replacement
-            selected_for = self.in_flight.get(device)
-            answered = [r for d, r, _ in self.releases[before:] if d == device]
-            if selected_for is not None and answered and max(answered) >= selected_for:
-                self._free(device)
+        async modes nothing is late, and a window applies exactly K (FedAsync: 1) updates. After
+        the last window nothing is held: it is judged (and charged) at once."""
+        e = self.engine
+        if e.finished:
+            return False
+        window = e.current
+        return window is None or window.count >= window.target
+
+    def hold(self, device: str, payload: bytes) -> Reject | None:
+        """Keep an update for the next window, if it can ever be admitted: it decodes within
+        the job's limits (so at most ``limits.max_bytes``), echoes the nonce of a published
+        version within ``max_staleness``, and is the first held for its (device, version).
+        Memory is then bounded by devices x versions x max_bytes, whatever one device sends
+        (issue 24: 1,000 x 1 MiB from one device grew RSS by 1 GB). A refused one is judged
+        now; one that is a release (a stale answer, or refused for its values) is charged now."""
+        e = self.engine
+        try:
+            update = decode_update(payload, e.limits, topic_device=device)
+        except PayloadRejected as exc:
+            if exc.reason is Reject.IMPLAUSIBLE:
+                e.charge_refused(device, payload)
+            e.last_rejection = exc
+            return exc.reason
+        if update.round not in self.nonces:  # never published: it cannot be admitted
+            return Reject.FUTURE if update.round > e.version else Reject.WRONG_NONCE
+        if update.nonce != self.nonces[update.round]:
+            return Reject.WRONG_NONCE
+        if update.base_version != update.round:
+            return Reject.WRONG_NONCE  # as AsyncWindow.admit: the nonce binds r only
+        key = (device, update.round)
+        if key in self.applied or key in self._held_keys:
+            return Reject.DUPLICATE
+        if e.version - update.round > e.settings.max_staleness:
+            if self.chargeable(device, update) and not e.is_released(*key):
+                e.record_release(device, update.round, e.samples_cap(device, update.n_samples))
+            return Reject.STALE
+        self._held_keys.add(key)
+        self.held.append((device, payload))
+        return None
+
+    def answered(self, device: str, releases: list[tuple[str, int, int]]) -> None:
+        """The device answered (whatever the verdict): a new release on the version it was
+        selected for, or a newer one, frees its slot for a replacement."""
+        if self.concurrency is None:
+            return
+        selected_for = self.in_flight.get(device)
+        answered = [r for d, r, _ in releases if d == device]
+        if selected_for is not None and answered and max(answered) >= selected_for:
+            self._free(device)
+            if not self.engine.finished:
                 self._replace()
-        return reason
+
+    def current_nonce(self) -> bytes | None:
+        return self.nonces.get(self.engine.version)
+
+    def nonce_of(self, round_number: int) -> bytes | None:
+        """Updates echo the nonce of the version they trained on."""
+        return self.nonces.get(round_number)
+
+    def chargeable(self, device: str, update: Update) -> bool:
+        """Without a limit any known device may train on any version that was published
+        (``update.round`` is the version it trained on; its nonce was checked): a stale one was
+        still released. With one, only a device selected for that version."""
+        if update.round not in self.nonces:
+            return False
+        if self.concurrency is not None:
+            return device in self.selected_on(update.round)
+        return self.known(device)  # what may contribute was released (a resume included)
+
+    def known(self, device: str) -> bool:
+        e = self.engine
+        if self.concurrency is not None and (
+            device in e.ever_selected or device in self.selected_on(e.version)
+        ):
+            return True
+        return device in e.devices or (e.round_number > 0 and not e.devices)
+
+    # ----------------------------------------------------------- windows
+
+    def _window(self, number: int, now: float) -> AsyncWindow:
+        e = self.engine
+        s = e.settings
+        return AsyncWindow(
+            number=number,
+            version=e.version,
+            target=1 if s.mode == "fedasync" else s.buffer_size,
+            opened_at=now,
+            deadline_s=s.deadline_s,
+            staleness=s.staleness or Staleness(),
+            max_staleness=s.max_staleness,
+        )
+
+    def open(self, now: float) -> GlobalModel | None:
+        e = self.engine
+        if not e.available():
+            return None
+        e.round_number += 1
+        self.nonces.setdefault(e.version, new_nonce())  # all kept: 16 bytes per version
+        self._start(self._window(e.round_number, now))
+        # in async modes the "round" a device answers is the model version it trains on
+        if self.concurrency is None:
+            return e.global_message(selected=None, round_number=e.version)
+        self.expire(now)
+        sent = self._publish_unsent(now)  # replacements chosen since, topped up to C
+        return e.global_message(selected=sent, round_number=e.version)
+
+    def reopen(self, rnd: AsyncWindow, spec: dict[str, Any]) -> None:
+        if "nonces" in spec:
+            self.nonces = decode_nonces(spec["nonces"])
+        self._start(rnd)
+
+    def _start(self, window: AsyncWindow) -> None:
+        """Make ``window`` the open one and replay what was held, in arrival order (the
+        overflow waits again)."""
+        e = self.engine
+        # an update accepted in window n was computed on a version <= the window's version; QoS 1
+        # may redeliver it after its window closed: remember what was applied while it can still
+        # be admitted (within max_staleness), and span windows with the (device, bv) key
+        oldest = window.version - e.settings.max_staleness
+        self.applied = {k for k in self.applied if k[1] >= oldest}
+        window.earlier = self.applied
+        if self.concurrency is not None:
+            window.selected_on = self.selected_on
+        e.current = window
+        e.strategy = e.new_strategy()
+        held, self.held, self._held_keys = self.held, [], set()
+        for device, payload in held:
+            e.on_update(device, payload, counted=True)
+
+    def open_message(self) -> GlobalModel:
+        """Everyone, unless a concurrency limit selects."""
+        e = self.engine
+        window = e.current
+        assert window is not None
+        selected = tuple(sorted(window.selected)) if self.concurrency else None
+        return e.global_message(selected=selected, round_number=window.version)
+
+    def open_spec(self) -> dict[str, Any]:
+        return {"nonces": encode_nonces(self.nonces)}  # the new version's included
+
+    def build_round(self, fields: dict[str, Any], now: float) -> AsyncWindow:
+        staleness = self.engine.settings.staleness or Staleness()
+        return AsyncWindow(**fields, opened_at=now, staleness=staleness)
 
     def decide(self, now: float) -> Decision:
-        window = self.current
+        e = self.engine
+        window = e.current
         if window is None:
             return Decision.WAIT
         self.expire(now)
@@ -352,129 +488,116 @@ class AsyncAggregatorCore(AggregatorCore):
         if (
             decision is Decision.WAIT
             and self.concurrency is not None
-            and not self._unsent
-            and not self.any_can_answer(self._since)
+            and not self.unsent
+            and not e.any_can_answer(self._since)
         ):
             # nobody who was sent a model is still training and no replacement waits to be
             # sent: close (or skip) now instead of idling to the deadline
             return Decision.CLOSE if window.count >= 1 else Decision.SKIP
         return decision
 
-    @property
     def deadline(self) -> float | None:
         """The window's deadline, or the next in-flight timeout if that comes first (the
         service sleeps until it and then calls ``decide``)."""
-        if self.current is None:
+        window = self.engine.current
+        if window is None:
             return None
         t = self.next_timeout
-        return self.current.deadline if t is None else min(self.current.deadline, t)
+        return window.deadline if t is None else min(window.deadline, t)
 
-    # ----------------------------------------------------------- admission
+    def closing(self, rnd: AsyncWindow) -> None:
+        self.applied |= rnd.accepted
 
-    def current_nonce(self) -> bytes | None:
-        return self.nonces.get(self.version)
-
-    def nonce_of(self, round_number: int) -> bytes | None:
-        """Updates echo the nonce of the version they trained on."""
-        return self.nonces.get(round_number)
-
-    def _chargeable(self, device: str, update: Update) -> bool:
-        """Without a limit any known device may train on any version that was published
-        (``update.round`` is the version it trained on; its nonce was checked): a stale one was
-        still released. With one, only a device selected for that version."""
-        if update.round not in self.nonces:
-            return False
-        if self.concurrency is not None:
-            return device in self._selected_on(update.round)
-        return self._known(device)  # what may contribute was released (a resume included)
-
-    def remember(self, rnd) -> None:
+    def remember(self, rnd: AsyncWindow) -> None:
         """The versions' nonces are kept in ``nonces``; with a limit, the closing window's
         selection joins ``history`` (version -> (nonce, selected)), which checkpoints carry."""
         if self.concurrency is not None and rnd.selected:
-            self.history[rnd.version] = (
+            self.engine.history[rnd.version] = (
                 self.nonces.get(rnd.version),
-                self._selected_on(rnd.version) | rnd.selected,
+                self.selected_on(rnd.version) | rnd.selected,
             )
 
-    def _known(self, device: str) -> bool:
-        if self.concurrency is not None and (
-            device in self.ever_selected or device in self._selected_on(self.version)
-        ):
-            return True
-        return device in self.devices or (self.round_number > 0 and not self.devices)
-
-    # ----------------------------------------------------------- windows
-
-    def open_round(self, now: float) -> GlobalModel | None:
-        s = self.settings
-        if not self.available():
-            return None
-        self.round_number += 1
-        # an update accepted in window n was computed on a version <= the window's version; the
-        # duplicate check spans windows through the (device, base_version) key below
-        window = AsyncWindow(
-            number=self.round_number,
-            version=self.version,
-            target=1 if s.mode == "fedasync" else s.buffer_size,
-            opened_at=now,
-            deadline_s=s.deadline_s,
-            staleness=s.staleness or Staleness(),
-            max_staleness=s.max_staleness,
-        )
-        # QoS 1 may redeliver an update after its window closed: remember what was applied while
-        # it can still be admitted (within max_staleness)
-        oldest = self.version - s.max_staleness
-        self._applied = {k for k in self._applied if k[1] >= oldest}
-        self.nonces.setdefault(self.version, new_nonce())  # all kept: 16 bytes per version
-        window.earlier = self._applied
-        self.current = window  # type: ignore[assignment]
-        self.strategy = self.new_strategy()
-        held, self._held = self._held, []
-        for device, payload in held:  # in arrival order; the overflow waits again
-            self.on_update(device, payload, counted=True)
-        # in async modes the "round" a device answers is the model version it trains on
-        if self.concurrency is None:
-            return self.global_message(selected=None, round_number=self.version)
-        self.expire(now)
-        sent = self._publish_unsent(now)  # replacements chosen since, topped up to C
-        return self.global_message(selected=sent, round_number=self.version)
-
-    def close_round(self, now: float, wall_time_s: float, skipped: bool = False) -> dict:
-        window = self.current
-        assert isinstance(window, AsyncWindow)
-        self._applied |= window.accepted
-        record = super().close_round(now, wall_time_s, skipped)
-        if self.finished:  # no window will take what is held: charge it as released
-            record["device_updates"] += self.charge_held()
+    def closed(self, record: dict[str, Any]) -> None:
+        if self.engine.finished:  # no window will take what is held: charged now (its devices
+            record["device_updates"] += self.charge_held()  # are not waited for); the engine's
+            # ``settle`` then brings the record's epsilon up to date
         if self.concurrency is not None:
             record["concurrency"] = self.concurrency
             record["in_flight"] = len(self.in_flight)
             record["dispatched"] = self.dispatched
             record["timeouts"] = self.timeouts
-        return record
 
     def charge_held(self) -> int:
         """Charge the held updates no window will take (the job ended), as a sync round charges
-        late answers: each one that decodes, echoes its version's nonce and was asked for is a
-        release. Returns how many were charged."""
-        before = len(self.releases)
-        for device, payload in self._held:
+        late answers: each one that decodes (or is refused only for its values), echoes its
+        version's nonce and was asked for is a release. Returns how many were charged."""
+        e = self.engine
+        before = len(e.releases)
+        for device, payload in self.held:
             try:
-                update = decode_update(payload, self.limits, topic_device=device)
-            except PayloadRejected:
+                update = decode_update(payload, e.limits, topic_device=device)
+            except PayloadRejected as exc:
+                if exc.reason is Reject.IMPLAUSIBLE:
+                    e.charge_refused(device, payload)
                 continue
-            key = (device, update.round)
-            if update.nonce != self.nonce_of(update.round) or key in self._released:
+            if update.nonce != self.nonce_of(update.round) or e.is_released(device, update.round):
                 continue
-            if self._chargeable(device, update):
-                self.record_release(
-                    device, update.round, self.samples_cap(device, update.n_samples)
-                )
-        return len(self.releases) - before
+            if self.chargeable(device, update):
+                e.record_release(device, update.round, e.samples_cap(device, update.n_samples))
+        return len(e.releases) - before
 
-    def after_last_round(self) -> dict[str, Any]:
-        out = super().after_last_round()
+    def outstanding(self) -> frozenset[str]:
+        """Devices still training on a version that was published. With a concurrency limit:
+        those in flight whose selection went out; without one, every device that can answer and
+        has not yet answered the last published version (each trains on the newest it got)."""
+        e = self.engine
         if self.concurrency is not None:
-            out["dispatched"] = self.dispatched
-        return out
+            flight, answered = self.in_flight, self._answered()
+            return frozenset(
+                d
+                for d in self.training
+                if answered.get(d, -1) < flight[d] and e.any_can_answer((d,))
+            )
+        window = e.previous
+        if window is None:
+            return frozenset()
+        return frozenset(d for d in e.available() if not e.is_released(d, window.version))
+
+    def summary(self) -> dict[str, Any]:
+        return {"dispatched": self.dispatched} if self.concurrency is not None else {}
+
+    # ----------------------------------------------------------- state
+
+    def snapshot(self) -> dict[str, Any]:
+        """Updates held for the next window, what was applied (duplicates), every admissible
+        version's nonce (checkpoint keys ``held``, ``applied``, ``nonces``)."""
+        return {
+            "held": [[dev, base64.b64encode(p).decode()] for dev, p in self.held],
+            "applied": sorted([dev, int(v)] for dev, v in self.applied),
+            "nonces": encode_nonces(self.nonces),
+        }
+
+    def restore(self, state: dict[str, Any]) -> None:
+        if "held" in state:
+            self.held = [(dev, base64.b64decode(p)) for dev, p in state["held"]]
+            self._held_keys = set()  # a held payload decoded once; a re-delivery is no harm
+        if "applied" in state:
+            self.applied = {(dev, int(v)) for dev, v in state["applied"]}
+        if "nonces" in state:
+            self.nonces = decode_nonces(state["nonces"])
+        self._flight = None
+
+    def forget(self) -> None:
+        self.applied, self.nonces, self.held, self._held_keys = set(), {}, [], set()
+        self._flight, self._since, self.unsent = None, {}, []
+
+
+def AsyncAggregatorCore(*args: Any, **kwargs: Any) -> AggregatorCore:
+    """The engine with the asynchronous policy (``settings.mode`` fedbuff or fedasync picks it);
+    kept for callers that name it. ``concurrency``, ``dispatch_timeout_s``: see AsyncPolicy."""
+    from .aggregator import AggregatorCore
+
+    core = AggregatorCore(*args, **kwargs)
+    if core.policy.kind != AsyncPolicy.kind:
+        raise ValueError(f"mode {core.settings.mode!r} is not asynchronous (fedbuff, fedasync)")
+    return core

@@ -18,9 +18,7 @@ production run re-keys it from ``os.urandom``.
 
 from __future__ import annotations
 
-import base64
 import contextlib
-import dataclasses
 import io
 import json
 from pathlib import Path
@@ -30,76 +28,31 @@ import numpy as np
 
 from edge_fl.metrics import OutputError, atomic_write, dumps_record
 
-from .aggregator import AggregatorCore, DeviceRecord
-from .rounds import SyncRound
+from .aggregator import AggregatorCore, fleet_view
+from .policy import field_values, round_fields
+from .state import decode_nonces, encode_nonces, generator_state, restore_generator
+
+__all__ = [
+    "build_round",
+    "decode_nonces",
+    "encode_nonces",
+    "fleet_view",
+    "generator_state",
+    "has_checkpoint",
+    "load_checkpoint",
+    "restore_generator",
+    "round_fields",
+    "save_checkpoint",
+]
 
 STATE = "checkpoint.json"
 PARAMS = "checkpoint.npy"  # format 1; format 2 names a content-addressed checkpoint-<sha>.npy
 FORMAT = 2
 
 
-def generator_state(rng: np.random.Generator) -> str | None:
-    """A seeded PCG64's state as JSON text (its integers exceed 64 bits); None for a CSPRNG."""
-    if isinstance(rng.bit_generator, np.random.PCG64):
-        return json.dumps(rng.bit_generator.state)
-    return None
-
-
-def restore_generator(rng: np.random.Generator, state: str | None) -> None:
-    if state is not None and isinstance(rng.bit_generator, np.random.PCG64):
-        rng.bit_generator.state = json.loads(state)
-
-
-#: round fields rebuilt rather than stored: the clock (a resumed round gets a fresh deadline),
-#: what replayed updates re-create, and the staleness function (from the settings)
-_REBUILT = frozenset(
-    {"opened_at", "extended", "accepted", "earlier", "staleness_seen", "staleness"}
-)
-
-
-def round_fields(rnd: Any) -> dict[str, Any]:
-    """A round (``SyncRound`` / ``AsyncWindow``) as plain data: every init field (number,
-    selection, target, base version, any nonce, ...) but those rebuilt on restore."""
-    out: dict[str, Any] = {"type": "sync" if isinstance(rnd, SyncRound) else "async"}
-    fields: dict[str, Any] = {}
-    for f in dataclasses.fields(rnd):
-        if f.name in _REBUILT or not f.init:
-            continue
-        value = getattr(rnd, f.name)
-        if isinstance(value, set | frozenset):
-            value = {"frozenset": sorted(value)}
-        elif isinstance(value, bytes):
-            value = {"bytes": base64.b64encode(value).decode()}
-        fields[f.name] = value
-    out["fields"] = fields
-    return out
-
-
 def build_round(core: AggregatorCore, data: dict[str, Any], now: float = 0.0) -> Any:
     """The round ``round_fields`` described, opened at ``now`` and with nothing accepted yet."""
-
-    def value(v: Any) -> Any:
-        if isinstance(v, dict) and "frozenset" in v:
-            return frozenset(v["frozenset"])
-        if isinstance(v, dict) and "bytes" in v:
-            return base64.b64decode(v["bytes"])
-        return v
-
-    fields = {k: value(v) for k, v in data["fields"].items()}
-    if data["type"] == "sync":
-        return SyncRound(**fields, opened_at=now)
-    from .asynchronous import AsyncWindow
-    from .staleness import Staleness
-
-    return AsyncWindow(**fields, opened_at=now, staleness=core.settings.staleness or Staleness())
-
-
-def encode_nonces(nonces: dict[int, bytes]) -> dict[str, str]:
-    return {str(v): base64.b64encode(n).decode() for v, n in sorted(nonces.items())}
-
-
-def decode_nonces(data: dict[str, str]) -> dict[int, bytes]:
-    return {int(v): base64.b64decode(n) for v, n in data.items()}
+    return core.policy.build_round(field_values(data), now)
 
 
 def save_checkpoint(
@@ -122,40 +75,10 @@ def save_checkpoint(
         "format": FORMAT,
         "job": core.settings.job,
         "config_digest": core.settings.config_digest,
-        "version": core.version,
-        "round_number": core.round_number,
-        "mechanism_state": core.mechanism.encode_state(core.mechanism_state),
-        "releases": core.releases,
-        "noised_rounds": core.noised_rounds,
+        **core.snapshot(),
         "journal_seq": journal_seq,
         "last_record": last_record,
-        "rng": generator_state(core.rng),
-        "noise_rng": generator_state(core.noise_rng),
     }
-    # every closed round's nonce and selection: a straggler's late answer is still charged
-    state["history"] = {
-        str(r): [None if n is None else base64.b64encode(n).decode(), sorted(sel)]
-        for r, (n, sel) in sorted(getattr(core, "history", {}).items())
-    }
-    # the round that closed last: a late update for it is still charged (core.previous)
-    previous = getattr(core, "previous", None)
-    if previous is not None:
-        state["previous"] = round_fields(previous)
-    # the fleet view when the round closed, for replaying the journal's admissions (declared
-    # sample counts, known devices); live retained statuses replace it after a resume
-    state["devices"] = {
-        dev: [rec.online, rec.n_samples, rec.stopped] for dev, rec in sorted(core.devices.items())
-    }
-    # asynchronous modes: updates held for the next window, and what was applied (duplicates)
-    held = getattr(core, "_held", None)
-    if held is not None:
-        state["held"] = [[dev, base64.b64encode(p).decode()] for dev, p in held]
-    applied = getattr(core, "_applied", None)
-    if applied is not None:
-        state["applied"] = sorted([dev, int(v)] for dev, v in applied)
-    nonces = getattr(core, "nonces", None)  # async: the nonce of every admissible version
-    if nonces is not None:
-        state["nonces"] = encode_nonces(nonces)
     # the parameters go to a content-addressed file first, then the state that names them is
     # renamed into place: a crash between the two leaves the previous pair intact
     params_bytes = buf.getvalue()
@@ -175,14 +98,6 @@ def _sha256(data: bytes) -> str:
     import hashlib
 
     return hashlib.sha256(data).hexdigest()
-
-
-def fleet_view(state: dict[str, Any]) -> dict[str, DeviceRecord]:
-    """The checkpoint's fleet view as the core's ``devices``."""
-    return {
-        dev: DeviceRecord(online=bool(o), n_samples=int(n), stopped=st)
-        for dev, (o, n, st) in state.get("devices", {}).items()
-    }
 
 
 def has_checkpoint(directory: str | Path) -> bool:
@@ -209,33 +124,7 @@ def load_checkpoint(core: AggregatorCore, directory: str | Path) -> dict[str, An
         raise ValueError(f"checkpoint in {d}: the parameters file does not match {STATE}")
     if params.shape != core.params.shape:
         raise ValueError(f"checkpoint parameters {params.shape} != model {core.params.shape}")
-    core.params = params.astype(np.float32)
-    core.version = int(state["version"])
-    core.round_number = int(state["round_number"])
-    carried = state.get("mechanism_state")
-    core.mechanism_state = (
-        core.mechanism.decode_state(carried) if carried is not None else core.mechanism_state
-    )
-    for device, rnd, n in state["releases"]:
-        core.record_release(device, int(rnd), int(n))
-    for rnd in state["noised_rounds"]:
-        core.record_noised_round(int(rnd))
-    if state.get("previous") is not None and hasattr(core, "previous"):
-        core.previous = build_round(core, state["previous"])
-    for r, (nonce, selected) in state.get("history", {}).items():
-        core.history[int(r)] = (
-            None if nonce is None else base64.b64decode(nonce),
-            frozenset(selected),
-        )
-        core.ever_selected.update(selected)
-    restore_generator(core.rng, state.get("rng"))
-    restore_generator(core.noise_rng, state.get("noise_rng"))
-    if "held" in state and hasattr(core, "_held"):
-        core._held = [(dev, base64.b64decode(p)) for dev, p in state["held"]]
-    if "applied" in state and hasattr(core, "_applied"):
-        core._applied = {(dev, int(v)) for dev, v in state["applied"]}
-    if "nonces" in state and hasattr(core, "nonces"):
-        core.nonces = decode_nonces(state["nonces"])
+    core.restore(state, params)
     state.setdefault("devices", {})
     state.setdefault("journal_seq", 0)
     state.setdefault("last_record", None)

@@ -55,19 +55,8 @@ import msgpack
 from edge_fl.metrics import OutputError, fsync_dir
 from edge_fl.protocol import GlobalModel
 
-from .aggregator import AggregatorCore, DeviceRecord, RoundTally
-from .checkpoint import (
-    build_round,
-    decode_nonces,
-    encode_nonces,
-    fleet_view,
-    generator_state,
-    has_checkpoint,
-    load_checkpoint,
-    restore_generator,
-    round_fields,
-)
-from .rounds import SyncRound
+from .aggregator import AggregatorCore, DeviceRecord, fleet_view
+from .checkpoint import has_checkpoint, load_checkpoint
 
 log = logging.getLogger("edge_fl.aggregator")
 
@@ -252,53 +241,22 @@ def read_journal(path: str | Path) -> JournalContents:
 
 
 def round_spec(core: AggregatorCore, payload: bytes | None = None) -> dict[str, Any]:
-    """What the ``open`` record of the core's just-opened round holds: the round's fields (see
-    ``checkpoint.round_fields``), the selection generator's state after the draw (seeded runs
-    only) and the global message as published (``payload``), so a resumed round republishes the
-    same bytes."""
-    assert core.current is not None
-    spec = {**round_fields(core.current), "rng": generator_state(core.rng), "g": payload}
-    nonces = getattr(core, "nonces", None)  # async: the versions' nonces, the new one included
-    if nonces is not None:
-        spec["nonces"] = encode_nonces(nonces)
-    return spec
+    """What the ``open`` record of the core's just-opened round holds (``core.round_spec``): the
+    round's fields, the selection generator's state after the draw (seeded runs only), the
+    policy's own (async: the versions' nonces) and the global message as published
+    (``payload``), so a resumed round republishes the same bytes."""
+    return core.round_spec(payload)
 
 
 def reopen_round(core: AggregatorCore, spec: dict[str, Any], now: float = 0.0) -> None:
     """Rebuild the round an ``open`` record describes, as ``open_round`` left it, without drawing
-    a new selection. Mirrors ``AggregatorCore.open_round`` / ``AsyncAggregatorCore.open_round``."""
-    rnd = build_round(core, spec, now)
-    core.round_number = int(rnd.number)
-    core.tally = RoundTally()
-    if isinstance(rnd, SyncRound):
-        core.current = rnd
-        core.strategy = core.new_strategy()
-    else:
-        oldest = rnd.version - core.settings.max_staleness
-        applied = {k for k in getattr(core, "_applied", set()) if k[1] >= oldest}
-        core._applied = applied  # type: ignore[attr-defined]
-        rnd.earlier = applied
-        if "nonces" in spec:
-            core.nonces = decode_nonces(spec["nonces"])  # type: ignore[attr-defined]
-        core.current = rnd  # type: ignore[assignment]
-        core.strategy = core.new_strategy()
-        held, core._held = getattr(core, "_held", []), []  # type: ignore[attr-defined]
-        for device, payload in held:  # as open_round does: in arrival order
-            core.on_update(device, payload, counted=True)
-    restore_generator(core.rng, spec.get("rng"))
+    a new selection (``core.reopen``: the round policy mirrors its own ``open``)."""
+    core.reopen(spec, now)
 
 
 def open_message(core: AggregatorCore) -> GlobalModel:
     """The global model of the open round, rebuilt (when the journal lacks its bytes)."""
-    rnd = core.current
-    assert rnd is not None
-    if not isinstance(rnd, SyncRound):  # async: everyone, unless a concurrency limit selects
-        chosen = getattr(rnd, "selected", frozenset())
-        selected = tuple(sorted(chosen)) if getattr(core, "concurrency", None) else None
-        return core.global_message(selected=selected, round_number=rnd.version)
-    if core.settings.sample_rate is not None:
-        return core.global_message(selected=None)
-    return core.global_message(selected=tuple(sorted(rnd.selected)))
+    return core.open_message()
 
 
 # ------------------------------------------------------------------ resume
@@ -369,7 +327,7 @@ def replay(core: AggregatorCore, records: list[dict[str, Any]], resumed: Resumed
                 resumed.mismatched += 1
                 log.warning("journal replay: update from %s not re-accepted (%s)", rec["d"], reason)
         elif kind == "dispatch":  # replacements sent mid-window (async concurrency limit)
-            core.restore_dispatch(int(rec["v"]), list(rec["sel"]))  # type: ignore[attr-defined]
+            core.restore_dispatch(int(rec["v"]), list(rec["sel"]))
             resumed.open_payload = rec.get("g")  # the retained message is now this one
         elif kind == "release":
             key = (str(rec["d"]), int(rec["r"]))

@@ -273,6 +273,11 @@ class RobustStrategy:
         else:
             self._held = []  # no reference yet (the job's first updates): hold until there is one
 
+    @property
+    def holding(self) -> bool:
+        """No reference when the round opened: its updates are held and bounded at its close."""
+        return self._held is not None
+
     def add(self, update: Update, weight: float) -> None:
         s = self.settings
         capped = s.max_samples is not None and update.n_samples > s.max_samples

@@ -324,6 +324,7 @@ class AggregatorService:
         self.tap: IngestTap | None = None  # the current connection's (diverted/passed counts)
         self._resumed_round = core.current is not None  # rebuilt from the journal
         self._finished = False
+        self._settled = False  # the last record carries the final ledger: no update is taken
         self.stopped: str | None = None  # the signal (or reason) a clean stop was asked for
         self.done_published = False
         self.stats: Counter = Counter()  # journaled, duplicates (re-deliveries absorbed), ...
@@ -385,6 +386,8 @@ class AggregatorService:
                     self.journal.append("release", d=d, r=int(r), n=int(n))
                     self.stats["journaled"] += 1
             if reason is not None:
+                if new and core.finished:
+                    self._wake.set()  # the drain after the last round waits for these
                 if not new and reason in (Reject.DUPLICATE, Reject.LATE):
                     # (device, round) is in the ledger already: a QoS 1 re-delivery, typically
                     # of a message journaled but not acknowledged before a restart
@@ -456,8 +459,10 @@ class AggregatorService:
             if qos and not self.ack_after_processing and self._paho is not None:
                 self._paho._send_puback(mid)  # the chaos tool's ack-on-receipt (before journal)
                 qos = 0
-            if self.stopped is not None and self.topics.device_of(topic, "up") is not None:
-                return  # stopping: not accepted, not acknowledged (a resumed job gets it)
+            if (self.stopped is not None or self._settled) and self.topics.device_of(
+                topic, "up"
+            ) is not None:
+                return  # stopping or settled: not taken, not acknowledged (a resume gets it)
             self._ingest(topic, payload, retain)
             if qos > 0:
                 self._pending_acks.append((mid, qos))
@@ -584,11 +589,15 @@ class AggregatorService:
                         sorted(want - online))  # fmt: skip
 
     async def _sleep_until(self, deadline: float | None) -> None:
-        """Wait for a wake-up (update, status, stop) or until ``deadline`` on the loop clock."""
-        self._wake.clear()
+        """Wait for a wake-up (update, status, stop) or until ``deadline`` on the loop clock.
+
+        A wake-up that came since the last one was consumed (e.g. a stop signal during the
+        global publish, before this sleep began) returns at once: the event is cleared when it
+        is consumed, never before waiting, so none is lost; every caller re-checks its state."""
         timeout = None if deadline is None else max(0.0, deadline - self._now())
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._wake.wait(), timeout)
+        self._wake.clear()
 
     def _now(self) -> float:
         return asyncio.get_running_loop().time()
@@ -672,14 +681,43 @@ class AggregatorService:
         self._global_payload = encode_global(msg, signer=self.signer)
         self._open_control = None  # made from this round's global message when published
         if self.journal is not None:
-            from .journal import round_spec
-
-            self.journal.append("open", **round_spec(self.core, self._global_payload))
+            self.journal.append("open", **self.core.round_spec(self._global_payload))
             self.journal.sync()
         self._round_started = time.perf_counter()
         return True
 
     def _close(self, skipped: bool, now: float | None = None) -> dict[str, Any]:
+        """Close the open round and commit it; the job's last round is settled first."""
+        record = self._close_round(skipped, now)
+        if self.core.finished:
+            self._settle(record)
+        self._commit(record)
+        return record
+
+    def _settle(self, record: dict[str, Any]) -> None:
+        """No update is taken from now on; the last record carries the ledger's final total."""
+        self._settled = True
+        self.core.settle(record)
+
+    async def _drain(self) -> None:
+        """After the last round: keep listening while devices asked for an update may still
+        send it (at most one deadline). Each is a release, charged as it arrives; the done
+        marker, published after this, stops the devices, so nothing is released unseen."""
+        core = self.core
+        until = self._now() + core.settings.deadline_s
+        waiting = core.outstanding()
+        if waiting:
+            log.info("last round closed: waiting up to %.0fs for %d devices still training",
+                     until - self._now(), len(waiting))  # fmt: skip
+        while core.outstanding() and self._now() < until and self.stopped is None:
+            await self._sleep_until(until)
+        if core.outstanding():
+            log.warning("the job ends while %d devices may still be training: what they send "
+                        "now is not charged", len(core.outstanding()))  # fmt: skip
+
+    def _close_round(self, skipped: bool, now: float | None = None) -> dict[str, Any]:
+        """Close the open round (merging the workers' shares) and return its record, not yet
+        committed."""
         core = self.core
         wall = time.perf_counter() - self._round_started
         shards: dict[str, Any] = {}
@@ -694,7 +732,6 @@ class AggregatorService:
         record.update(shards)
         if self.stopped is not None:
             record["stopped"] = self.stopped
-        self._commit(record)
         return record
 
     def _decide_on_stop(self) -> dict[str, Any] | None:
@@ -763,7 +800,12 @@ class AggregatorService:
                 await self._sleep_until(core.deadline)
                 continue
             await self._collect_shares(client)
-            record = self._close(skipped=decision is Decision.SKIP)
+            record = self._close_round(skipped=decision is Decision.SKIP)
+            if core.finished:  # the job's last round: charge what is still on its way first
+                if self.sharding is None:
+                    await self._drain()
+                self._settle(record)
+            self._commit(record)
             await self._publish_record(client, record)
 
     async def _send_replacements(self, client: aiomqtt.Client) -> None:
@@ -771,8 +813,7 @@ class AggregatorService:
         answered, timed out or left, so C keep training while a window fills. Journaled (and on
         disk) before any device can see it, like a round's opening; it becomes the retained
         message a reconnect re-broadcasts."""
-        dispatch = getattr(self.core, "dispatch", None)
-        msg = dispatch(self._now()) if dispatch is not None else None
+        msg = self.core.dispatch(self._now())
         if msg is None:
             return
         payload = encode_global(msg, signer=self.signer)
@@ -844,10 +885,8 @@ class AggregatorService:
                         self.core.current.opened_at = self._now()  # a fresh deadline
                         self._round_started = time.perf_counter()
                     if self._global_payload is None:
-                        from .journal import open_message
-
                         self._global_payload = encode_global(
-                            open_message(self.core), signer=self.signer
+                            self.core.open_message(), signer=self.signer
                         )
                     if self.stopped is None:
                         await self._publish_global(client)

@@ -49,8 +49,7 @@ import msgpack
 
 from edge_fl.protocol import Reject, Update, decode_global
 
-from .aggregator import DEFERRED, AggregatorCore, RoundTally
-from .rounds import SyncRound
+from .aggregator import DEFERRED, AggregatorCore
 
 log = logging.getLogger("edge_fl.aggregator")
 
@@ -141,7 +140,7 @@ def _tally(msg: dict[str, Any]) -> dict[str, Any]:
 
 def robust_round(strategy: Any) -> tuple[float | None, bool]:
     """(the round's norm bound, whether it holds its updates) of a round's strategy."""
-    return getattr(strategy, "bound", None), getattr(strategy, "_held", None) is not None
+    return getattr(strategy, "bound", None), bool(getattr(strategy, "holding", False))
 
 
 @dataclass
@@ -211,8 +210,9 @@ class IngestWorker:
     def __init__(self, name: str, core: AggregatorCore) -> None:
         self.name = name
         self.core = core
-        core.privacy = None  # the coordinator keeps the ledger; a worker lists releases
-        core.defer_unknown_rounds = True  # rounds before it started: the coordinator judges
+        # the coordinator keeps the ledger (a worker lists releases) and judges updates naming
+        # rounds from before this worker started
+        core.configure_as_worker()
         self.frozen: int | None = None  # the round frozen and awaiting its commit
         self._last_partial: tuple[int, bytes] | None = None  # re-sent if asked again
         self._opened: tuple[Any, ...] | None = None  # (g, b, h, e) of the round mirrored
@@ -270,15 +270,7 @@ class IngestWorker:
     def reset(self) -> None:
         """The coordinator cleared its retained ``open``: a new run of the job starts (or the
         job ended). Rounds of the earlier run mean nothing now (their numbers come again)."""
-        core = self.core
-        core.current = core.previous = core.strategy = None
-        core.history.clear()
-        core.ever_selected.clear()
-        core._released.clear()
-        core.releases.clear()
-        core.refused = set()
-        core.tally = RoundTally()
-        core.version = core.round_number = 0
+        self.core.forget()
         self.frozen, self._opened, self._last_partial, self._reopened = None, None, None, False
         self._reported = 0
         self._accepted, self._refused, self._deferred = [], [], []
@@ -299,21 +291,7 @@ class IngestWorker:
         mechanism = core.mechanism
         if getattr(mechanism, "reference", None) is not None:
             mechanism.reference = FixedReference(bound, hold)  # type: ignore[attr-defined]
-        core.version, core.round_number = g.version, g.round
-        core.mechanism_state = core.mechanism.decode_state(g.mechanism_state)
-        selected = frozenset(g.selected)
-        core.current = SyncRound(
-            number=g.round,
-            base_version=g.version,
-            selected=selected,
-            target=len(selected),  # the coordinator enforces the real target
-            min_updates=0,
-            opened_at=0.0,
-            deadline_s=float("inf"),
-            nonce=g.nonce,
-        )
-        core.strategy = Recording(core.new_strategy())  # type: ignore[assignment]
-        core.refused = set()
+        core.mirror(g, Recording)
         self._opened = identity
         self._reopened = bool(refold) or lost
         self._last_partial = None  # a new round (or the same one opened anew by a restart)
@@ -343,10 +321,7 @@ class IngestWorker:
         return list(strategy.recent), not strategy.complete
 
     def _retire(self) -> None:
-        core = self.core
-        assert core.current is not None
-        core.remember(core.current)
-        core.previous, core.current = core.current, None
+        self.core.retire()
 
     def _freeze(self, rnd: int) -> list[tuple[str, bytes]]:
         core = self.core
@@ -395,8 +370,7 @@ class IngestWorker:
     def _partial(
         self, rnd: int, strategy: dict[str, Any] | None, devices: list[str], lost: str | None
     ) -> bytes:
-        core = self.core
-        t, core.tally = core.tally, RoundTally()
+        t = self.core.take_tally()
         tally = {
             "bu": t.bytes_up,
             "mu": t.messages_up,
@@ -508,7 +482,7 @@ class Coordinator:
             self._progress_seen[worker] = (instance, seq)
         core = self.core
         for device, r, n in releases:
-            if (device, r) not in core._released:
+            if not core.is_released(device, r):
                 core.record_release(device, r, n)
         for device, r, base, n, nonce in deferred:
             core.judge_deferred(device, r, base, n, nonce)
@@ -598,7 +572,7 @@ class Coordinator:
             self._account_missing(sr, [worker])
             return
         for _device, reason in sr.left_out.get(worker, ()):
-            core._count_rejection(reason)
+            core.count_rejection(reason)
 
     def _merge_tally(self, t: dict[str, Any]) -> None:
         tally = self.core.tally
@@ -623,6 +597,6 @@ class Coordinator:
         gone = {d for d, w in sr.owner.items() if w in workers}
         rnd.accepted -= gone
         for device in sorted(rnd.selected):
-            if (device, rnd.number) not in core._released:
+            if not core.is_released(device, rnd.number):
                 declared = core.devices.get(device)
                 core.record_release(device, rnd.number, declared.n_samples if declared else 0)
