@@ -36,7 +36,6 @@ from edge_fl.models.training import LocalTraining
 from edge_fl.privacy.rng import RngInfo, make_generator
 from edge_fl.protocol import Topics, UpdateLimits
 from edge_fl.server.aggregator import AggregatorCore, AggregatorSettings, PrivacyAccounting
-from edge_fl.server.asynchronous import AsyncAggregatorCore
 from edge_fl.server.robust import RobustAggregation, RobustSettings, resolve
 from edge_fl.server.staleness import Staleness
 
@@ -187,7 +186,6 @@ class Job:
             signds_h=m.vote_size(),
         )
         privacy = PrivacyAccounting(self.mechanism, p.delta) if self.private else None
-        core_class = AggregatorCore if r.mode == "sync" else AsyncAggregatorCore
         # the mechanism with every strategy wrapped by the robust options (one norm reference per
         # core); the ledger above accounts with the mechanism itself
         mechanism: Any = (
@@ -198,7 +196,7 @@ class Job:
             timeout = r.dispatch_timeout_s
             extra["concurrency"] = r.concurrency_limit(self.cfg.data.devices)
             extra["dispatch_timeout_s"] = None if timeout is None else self.clock.to_wall(timeout)
-        core = core_class(
+        core = AggregatorCore(
             settings,
             self.initial_params(),
             limits,

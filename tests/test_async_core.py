@@ -19,8 +19,8 @@ from edge_fl.protocol import (
     encode_status,
     encode_update,
 )
-from edge_fl.server.aggregator import AggregatorSettings
-from edge_fl.server.asynchronous import AsyncAggregatorCore, AsyncWindow
+from edge_fl.server.aggregator import AggregatorCore, AggregatorSettings
+from edge_fl.server.asynchronous import AsyncWindow
 from edge_fl.server.rounds import Decision
 from edge_fl.server.staleness import Staleness
 
@@ -163,7 +163,7 @@ def test_window_decide():
 # ------------------------------------------------------------------ the async aggregator core
 
 
-def async_core(mode: str = "fedbuff", **kw) -> AsyncAggregatorCore:
+def async_core(mode: str = "fedbuff", **kw) -> AggregatorCore:
     settings = dict(
         job="j",
         rounds=50,
@@ -176,7 +176,7 @@ def async_core(mode: str = "fedbuff", **kw) -> AsyncAggregatorCore:
         staleness=Staleness("polynomial", a=1.0),
     )
     settings.update(kw)
-    c = AsyncAggregatorCore(
+    c = AggregatorCore(
         AggregatorSettings(**settings),
         np.zeros(D, np.float32),
         UpdateLimits(D),
@@ -195,7 +195,7 @@ def update(c, device: str, base_version: int, value: float | np.ndarray, n: int)
     return encode_update(DenseUpdate(device, base_version, base_version, n, delta, nonce=nonce))
 
 
-def apply_window(c: AsyncAggregatorCore, now: float, updates: list[tuple[str, int, float, int]]):
+def apply_window(c: AggregatorCore, now: float, updates: list[tuple[str, int, float, int]]):
     msg = c.open_round(now)
     assert msg is not None
     for dev, base, value, n in updates:
@@ -363,9 +363,7 @@ def test_async_update_between_windows_is_kept_for_the_next_window():
 MANY = [f"e{i:02d}" for i in range(12)]
 
 
-def limited_core(
-    mode: str = "fedbuff", c: int = 4, timeout: float = 5.0, **kw
-) -> AsyncAggregatorCore:
+def limited_core(mode: str = "fedbuff", c: int = 4, timeout: float = 5.0, **kw) -> AggregatorCore:
     settings = dict(
         job="j",
         rounds=100,
@@ -378,7 +376,7 @@ def limited_core(
         staleness=Staleness("polynomial", a=0.5),
     )
     settings.update(kw)
-    core = AsyncAggregatorCore(
+    core = AggregatorCore(
         AggregatorSettings(**settings),
         np.zeros(D, np.float32),
         UpdateLimits(D),
@@ -391,7 +389,7 @@ def limited_core(
     return core
 
 
-def answer(c: AsyncAggregatorCore, device: str, version: int | None = None) -> Reject | None:
+def answer(c: AggregatorCore, device: str, version: int | None = None) -> Reject | None:
     v = c.policy.in_flight[device] if version is None else version
     return c.on_update(device, update(c, device, v, 0.5, 10))
 

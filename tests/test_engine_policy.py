@@ -14,7 +14,7 @@ import pytest
 from edge_fl.privacy.rng import seeded_generator
 from edge_fl.protocol import DenseUpdate, Status, UpdateLimits, encode_status, encode_update
 from edge_fl.server.aggregator import AggregatorCore, AggregatorSettings
-from edge_fl.server.asynchronous import AsyncAggregatorCore, AsyncPolicy
+from edge_fl.server.asynchronous import AsyncPolicy
 from edge_fl.server.policy import SyncPolicy
 
 D = 5
@@ -56,17 +56,10 @@ def run_rounds(core: AggregatorCore, n: int) -> None:
         core.close_round(1.0, 0.1)
 
 
-def test_the_mode_picks_the_policy_and_the_async_name_is_the_same_engine():
+def test_the_mode_picks_the_policy_of_the_one_engine():
     assert isinstance(engine("sync").policy, SyncPolicy)
     assert isinstance(engine("fedbuff").policy, AsyncPolicy)
     assert type(engine("fedasync", concurrency=3)) is AggregatorCore
-    with pytest.raises(ValueError, match="not asynchronous"):
-        AsyncAggregatorCore(
-            AggregatorSettings(job="j", rounds=1, target=1, min_updates=1, deadline_s=1.0),
-            np.zeros(D, np.float32),
-            UpdateLimits(D),
-            seeded_generator(1),
-        )
     with pytest.raises(ValueError, match="concurrency limit"):
         engine("sync", concurrency=2)
 

@@ -9,7 +9,6 @@ import numpy as np
 from edge_fl.privacy.rng import seeded_generator
 from edge_fl.protocol import DenseUpdate, Reject, Status, UpdateLimits, encode_status, encode_update
 from edge_fl.server.aggregator import AggregatorCore, AggregatorSettings
-from edge_fl.server.asynchronous import AsyncAggregatorCore
 
 D = 6
 DEVICES = [f"d{i}" for i in range(4)]
@@ -29,10 +28,10 @@ def sync_core(**kw) -> AggregatorCore:
     return c
 
 
-def async_core(**kw) -> AsyncAggregatorCore:
+def async_core(**kw) -> AggregatorCore:
     settings = dict(job="j", rounds=1, target=2, min_updates=1, deadline_s=10.0)
     settings.update(mode="fedbuff", buffer_size=2, **kw)
-    c = AsyncAggregatorCore(
+    c = AggregatorCore(
         AggregatorSettings(**settings),
         np.zeros(D, np.float32),
         UpdateLimits(D),

@@ -42,7 +42,7 @@ DEFERRED = "deferred"
 Evaluator = Callable[[np.ndarray], tuple[float, float]]  # params -> (accuracy, loss)
 
 #: record fields that reveal who or how many took part in a round; with amplification by Poisson
-#: sampling claimed they must not reach anything devices can read (pitfall 8)
+#: sampling claimed they must not reach anything devices can read (docs/specs/privacy.md pitfall 8)
 PARTICIPATION_FIELDS = (
     "selected",
     "target",

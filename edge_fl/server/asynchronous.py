@@ -590,14 +590,3 @@ class AsyncPolicy:
     def forget(self) -> None:
         self.applied, self.nonces, self.held, self._held_keys = set(), {}, [], set()
         self._flight, self._since, self.unsent = None, {}, []
-
-
-def AsyncAggregatorCore(*args: Any, **kwargs: Any) -> AggregatorCore:
-    """The engine with the asynchronous policy (``settings.mode`` fedbuff or fedasync picks it);
-    kept for callers that name it. ``concurrency``, ``dispatch_timeout_s``: see AsyncPolicy."""
-    from .aggregator import AggregatorCore
-
-    core = AggregatorCore(*args, **kwargs)
-    if core.policy.kind != AsyncPolicy.kind:
-        raise ValueError(f"mode {core.settings.mode!r} is not asynchronous (fedbuff, fedasync)")
-    return core
