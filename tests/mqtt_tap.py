@@ -42,11 +42,11 @@ class UpdateTap:
                     self.payloads.append((str(msg.topic), bytes(msg.payload)))
                     self.arrived.notify_all()
 
-    def wait_for_messages(self, count: int = 1, timeout: float = 60.0) -> None:
-        """Block until ``count`` messages were recorded (a retained one counts at once)."""
+    def wait_for_messages(self, count: int = 1, timeout: float = 60.0) -> bool:
+        """Whether ``count`` messages were recorded within ``timeout`` s (a retained one counts
+        at once)."""
         with self.arrived:
-            if not self.arrived.wait_for(lambda: len(self.payloads) >= count, timeout):
-                raise TimeoutError(f"{self.topic}: {len(self.payloads)} of {count} messages")
+            return self.arrived.wait_for(lambda: len(self.payloads) >= count, timeout)
 
     @property
     def bytes(self) -> int:
