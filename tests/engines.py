@@ -300,7 +300,7 @@ class RabbitNode:
             "RABBITMQ_SERVER_ADDITIONAL_ERL_ARGS": "-kernel inet_dist_use_interface {127,0,0,1}",
         }
 
-    def start(self, timeout: float = 60.0, attempts: int = 3) -> RabbitNode:
+    def start(self, timeout: float = 180.0, attempts: int = 3) -> RabbitNode:
         t0 = time.perf_counter()
         for attempt in range(attempts):
             try:

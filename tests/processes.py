@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,11 +41,23 @@ def _read_until(proc: subprocess.Popen, text: str) -> str:
     raise AssertionError(f"{proc.args!r} ended without printing {text!r}:\n{''.join(seen)}")
 
 
+def _until(condition: Callable[[float], bool], agg: subprocess.Popen, timeout: float) -> None:
+    """Wait until ``condition(seconds)`` holds; fail at once, with its stderr, if the aggregator
+    exits first."""
+    give_up = time.monotonic() + timeout
+    while not condition(0.5):
+        if agg.poll() is not None:
+            _, stderr = agg.communicate()
+            raise AssertionError(f"the aggregator exited ({agg.returncode}) first:\n{stderr}")
+        if time.monotonic() > give_up:
+            raise AssertionError(f"no job start within {timeout:.0f} s (is the machine that busy?)")
+
+
 def run_job(
     aggregator: list[str],
     devices: list[list[str]],
     *,
-    when: Callable[[], None] | None = None,
+    when: Callable[[float], bool] | None = None,
     first: Sequence[tuple[list[str], str]] = (),
     timeout: float = 120,
     device_timeout: float = 30,
@@ -52,15 +65,16 @@ def run_job(
     """Start the aggregator command, then every device command; wait for all of them.
 
     Ordering by conditions, for commands with timeouts of their own on a loaded machine: with
-    ``when`` (a call that blocks until, e.g., the job document is retained on the broker) the
-    device commands start once it returns; each ``(command, text)`` of ``first`` then starts,
-    and the next one waits until it printed ``text`` on stderr; ``devices`` start last."""
+    ``when`` (``when(seconds)``: whether, e.g., the job document is retained on the broker within
+    that time; polled for up to ``timeout`` s) the device commands start once it holds; each
+    ``(command, text)`` of ``first`` then starts, and the next one waits until it printed
+    ``text`` on stderr; ``devices`` start last."""
     agg = subprocess.Popen(aggregator, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     procs: list[subprocess.Popen] = []
     early: list[str] = []  # stderr already read from each of ``first``
     try:
         if when is not None:
-            when()
+            _until(when, agg, timeout)
         for cmd, text in first:
             procs.append(subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True))
             early.append(_read_until(procs[-1], text))

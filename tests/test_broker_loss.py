@@ -201,8 +201,10 @@ def test_five_broker_restarts_mid_round_skip_no_round_and_lose_no_update():
 
     Each step waits on a condition, not a time: on a loaded machine the old fixed delays killed
     the broker while every device was still training (nothing to re-send: 2 of 4 runs failed
-    ``resent > 0``). A device whose publish is still unacknowledged when the broker dies is not
-    staged here: its update is lost (a product bug, see the test's report in the branch)."""
+    ``resent > 0``). Not staged here: a device whose publish is still unacknowledged when the
+    broker dies. Its publish waits for aiomqtt's 10 s timeout, the re-broadcast finds it busy
+    and nothing re-sends the update later, so the round misses it (a fleet runtime bug, seen in
+    2 of 5 restarts staged that way)."""
     port = free_port()
     brokers = [EmbeddedBroker(kind="mosquitto", port=port).start()]
     cfg = load_config(

@@ -76,7 +76,7 @@ def test_devices_join_from_the_job_document(mosquitto, tmp_path):
         done = run_job(
             [EDGE_FL, "aggregator", "--config", str(cfg), *common],
             [[*device, "--id", "d00000"], [*device, "--id", "d00001"]],
-            when=doc.wait_for_messages,
+            when=lambda seconds: doc.wait_for_messages(1, seconds),
             first=[(wrong, subscribed)],
         )
     stdout, errs, wrong_err = done.stdout, done.device_errs[1:], done.device_errs[0]
