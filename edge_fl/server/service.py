@@ -782,8 +782,10 @@ class AggregatorService:
                     await self._wait_for_devices()
                     continue
                 await self._publish_global(client)
+                payload = self._global_payload
+                assert payload is not None  # _open_round encoded it
                 # every online device receives the retained broadcast
-                core.tally.bytes_down += len(self._global_payload) * core.online_count
+                core.tally.bytes_down += len(payload) * core.online_count
             decision = core.decide(self._now())
             if decision in (Decision.WAIT, Decision.EXTEND):
                 await self._send_replacements(client)
