@@ -16,7 +16,7 @@ import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeGuard
 
 __all__ = [
     "CSV_FIRST_COLUMNS",
@@ -89,7 +89,8 @@ class RunFileError(ValueError):
 # ------------------------------------------------------------------------------------ reading
 
 
-def _is_number(value: Any) -> bool:
+def _is_number(value: Any) -> TypeGuard[float]:
+    """An int or a float, not a bool (JSON's numbers)."""
     return isinstance(value, int | float) and not isinstance(value, bool)
 
 
@@ -472,7 +473,7 @@ def plot_epsilon(
         return None
     fig = _figure()
     ax = fig.add_subplot()
-    deltas = set()
+    deltas: set[float] = set()
     for run, name in private:
         last = run.records[-1]
         accountant = last.get("accountant")
@@ -567,8 +568,8 @@ def plot_accuracy_vs_epsilon(
         x = [p.epsilon for p in pts]
         y = [p.accuracy for p in pts]
         line = ax.plot(x, y, marker="o", markersize=4, label=series)[0]
-        bars = [(p.low, p.high) for p in pts]
-        if all(lo is not None and hi is not None for lo, hi in bars):
+        bars = [(p.low, p.high) for p in pts if p.low is not None and p.high is not None]
+        if len(bars) == len(pts):
             err = [
                 [a - lo for a, (lo, _) in zip(y, bars, strict=True)],
                 [hi - a for a, (_, hi) in zip(y, bars, strict=True)],

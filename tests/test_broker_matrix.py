@@ -28,6 +28,7 @@ from edge_fl.device.runtime import run_device
 from edge_fl.job import build_job
 from edge_fl.server.service import AggregatorService
 from edge_fl.simulation import simulate
+from edge_fl.transport import client_adapter
 from edge_fl.transport.broker import EmbeddedBroker, find_mosquitto, free_port
 from edge_fl.transport.url import parse_broker_url
 
@@ -699,7 +700,7 @@ def test_fleet_reopens_device_sessions_dropped_under_a_live_downlink(mosquitto) 
         while len(records) < 2 or core.current is None:
             await asyncio.sleep(0.01)
         for device in list(fleet.clients)[:3]:  # not `crash`: these devices are meant to return
-            sock = fleet.clients[device]._client.socket()
+            sock = client_adapter.raw_socket(fleet.clients[device])
             assert isinstance(sock, socket.socket)
             sock.shutdown(socket.SHUT_RDWR)
         await asyncio.wait_for(agg, 60)

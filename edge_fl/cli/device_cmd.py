@@ -194,9 +194,9 @@ def _check_budget_support(job: Any) -> None:
         try:
             import dp_accounting  # noqa: F401
         except ImportError:
-            from edge_fl.privacy._dp import HINT
+            from edge_fl.privacy import ACCOUNTING_INSTALL_HINT
 
             raise RuntimeError(
                 "this job sets privacy.budget_epsilon: the device's own ledger that enforces it "
-                f"needs dp-accounting: {HINT}"
+                f"needs dp-accounting: {ACCOUNTING_INSTALL_HINT}"
             ) from None

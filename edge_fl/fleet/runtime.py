@@ -57,6 +57,7 @@ from edge_fl.device.trust import Trust
 from edge_fl.fleet.clock import SimClock
 from edge_fl.fleet.profiles import AlwaysAvailable, DeviceProfile
 from edge_fl.protocol import GlobalModel, Topics
+from edge_fl.transport import client_adapter
 from edge_fl.transport.limits import ensure_open_files
 from edge_fl.transport.url import BrokerSpec
 from edge_fl.transport.wire import (
@@ -299,7 +300,7 @@ class Fleet:
         for device in devices:
             self.crashed.add(device)
             client = self.clients.get(device)
-            sock = client._client.socket() if client is not None else None  # paho's socket
+            sock = client_adapter.raw_socket(client) if client is not None else None
             if isinstance(sock, socket.socket):
                 with contextlib.suppress(OSError):
                     sock.shutdown(socket.SHUT_RDWR)
@@ -471,7 +472,7 @@ class Fleet:
         if self.downlink_device is not None:
             device = self.downlink_device
             client = self.clients.get(device)
-            if client is None or not client._client.is_connected():
+            if client is None or not client_adapter.is_connected(client):
                 self.clients.pop(device, None)
                 await self._connect(self.agents[device], asyncio.Semaphore(1))
                 client = self.clients[device]
@@ -522,7 +523,7 @@ class Fleet:
             d
             for d in self.agents
             if d not in self.crashed
-            and (d not in self.clients or not self.clients[d]._client.is_connected())
+            and (d not in self.clients or not client_adapter.is_connected(self.clients[d]))
         ]
         lost = [d for d in lost if d not in self._reopening]  # the session watcher has these
         for device in lost:
@@ -544,7 +545,7 @@ class Fleet:
             if d not in self.crashed
             and d != self.downlink_device
             and d not in self._reopening
-            and (d not in self.clients or not self.clients[d]._client.is_connected())
+            and (d not in self.clients or not client_adapter.is_connected(self.clients[d]))
         ]
 
     async def _reopen(self, device: str, gate: asyncio.Semaphore) -> None:

@@ -12,6 +12,7 @@ L = ``privacy.max_uploads`` uploads together stay within ``privacy.epsilon``.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import TYPE_CHECKING, Any
 
@@ -81,10 +82,12 @@ class DpSgd(Mechanism):
         cfg = self.params(n)
         w = msg.params.astype(np.float64)
         model, X, y = device.model, device.X, device.y
+
+        def grads(at: np.ndarray, idx: np.ndarray) -> np.ndarray:
+            return model.per_sample_grads(at, X[idx], y[idx])
+
         for _ in range(self.steps(n)):
-            w = cfg.step(
-                w, lambda idx, w=w: model.per_sample_grads(w, X[idx], y[idx]), n, device.rng
-            ).params
+            w = cfg.step(w, functools.partial(grads, w), n, device.rng).params
         return dense_update(device, msg, w - msg.params, self.name)
 
     def release_events(self, n_samples: int, exposure: int) -> list[PrivacyEvent]:

@@ -56,7 +56,7 @@ from edge_fl.protocol.messages import (
 )
 from edge_fl.protocol.params import check_mechanism_params, mechanism_schema
 
-WIRE_DTYPES = {"f4": np.dtype("<f4"), "f2": np.dtype("<f2")}
+WIRE_DTYPES: dict[str, np.dtype[Any]] = {"f4": np.dtype("<f4"), "f2": np.dtype("<f2")}
 _FLOAT_TAGS = frozenset(WIRE_DTYPES)
 #: the global model's third dtype: 8-bit levels per block of 256 values (downlink compression)
 GLOBAL_Q8 = Q8.dt

@@ -70,7 +70,7 @@ class ParamSpec:
         if isinstance(value, bool):
             return self.kind == "bool"
         if self.kind == "int":
-            return isinstance(value, numbers.Integral) and self.lo <= value <= self.hi
+            return isinstance(value, numbers.Integral) and self.lo <= int(value) <= self.hi
         if self.kind == "number":
             if not isinstance(value, numbers.Real) or not math.isfinite(float(value)):
                 return False

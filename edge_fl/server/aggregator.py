@@ -381,7 +381,7 @@ class AggregatorCore:
         try:
             reason = self._on_update(device, payload)
             if reason == DEFERRED:
-                return reason  # type: ignore[return-value]
+                return reason
             if reason is not None and str(reason) not in self.tally.samples:
                 self._sample(device, reason)
         except Exception:
@@ -694,7 +694,7 @@ class AggregatorCore:
     def public_record(self, record: dict[str, Any]) -> dict[str, Any]:
         """What may go on the metrics topic, which devices can read: without participation
         counts when amplification by Poisson sampling is claimed (they would void it)."""
-        hidden = PRIVATE_FIELDS
+        hidden: tuple[str, ...] = PRIVATE_FIELDS
         if self.settings.sample_rate is not None:
             hidden = (*PARTICIPATION_FIELDS, *PRIVATE_FIELDS)
         return {k: v for k, v in record.items() if k not in hidden}

@@ -25,6 +25,7 @@ import aiomqtt
 
 from edge_fl.device.runtime import retry_broker
 from edge_fl.protocol import Topics
+from edge_fl.transport import client_adapter
 from edge_fl.transport.url import BrokerSpec
 
 from .service import IngestTap
@@ -69,7 +70,7 @@ class IngestService:
         self._joined = False  # has taken part in a round of this run of the job
         self._connected = False  # inside a session (a stop can say goodbye on it)
         self.tap: IngestTap | None = None
-        self._paho: Any = None
+        self._paho: aiomqtt.Client | None = None  # the current client (acks, sends from callbacks)
         self._pending: list[tuple[int, int]] = []
         self._flush_handle: asyncio.Handle | None = None
         self.stats = {"updates": 0, "skipped_other_share": 0, "control_errors": 0}
@@ -133,7 +134,7 @@ class IngestService:
 
     def _publish(self, topic: str, payload: bytes) -> None:
         if self._paho is not None:
-            self._paho.publish(topic, payload, qos=1)
+            client_adapter.publish_nowait(self._paho, topic, payload, qos=1)
 
     def _send_progress(self) -> None:
         progress = self.worker.progress()
@@ -148,7 +149,7 @@ class IngestService:
         self._send_progress()
         if self._paho is not None:
             for mid, qos in self._pending:
-                self._paho.ack(mid, qos)
+                client_adapter.ack(self._paho, mid, qos)
         self._pending.clear()
 
     # ------------------------------------------------------------------ connection
@@ -166,20 +167,18 @@ class IngestService:
             max_inflight_messages=100,
             will=will,
         )
-        pc = self._paho = client._client
-        pc.manual_ack_set(True)
-        aiomqtt_open = pc.on_socket_open
-
-        def on_socket_open(c: Any, userdata: Any, sock: Any) -> None:
-            tap = IngestTap(sock, self._on_publish)
-            c._sock = tap
-            self.tap = tap
-            aiomqtt_open(c, userdata, tap)
-
-        pc.on_socket_open = on_socket_open
-        pc.on_message = lambda _c, _u, m: self._on_publish(
-            m.topic, bytes(m.payload), m.mid, m.qos, bool(m.retain)
+        self._paho = client
+        client_adapter.manual_acks(
+            client,
+            lambda m: self._on_publish(m.topic, bytes(m.payload), m.mid, m.qos, bool(m.retain)),
         )
+
+        def wrap(sock: Any) -> IngestTap:
+            tap = IngestTap(sock, self._on_publish)
+            self.tap = tap
+            return tap
+
+        client_adapter.wrap_sockets(client, wrap)
         return client
 
     async def _session(self) -> None:

@@ -246,6 +246,13 @@ class CoordinateTrimmedMean:
         }
 
 
+def _cap_samples(update: Update, max_samples: int | None) -> tuple[Update, bool]:
+    """``update`` claiming at most ``max_samples`` samples, and whether its claim was cut."""
+    if max_samples is None or update.n_samples <= max_samples:
+        return update, False
+    return replace(update, n_samples=max_samples), True
+
+
 @dataclass
 class RobustStrategy:
     """Wraps one round's strategy: caps the sample count and bounds the norm of each update, then
@@ -267,7 +274,7 @@ class RobustStrategy:
         if s.norm_bound is None:
             return
         if self.reference is None:
-            self.bound = float(s.norm_bound)  # type: ignore[arg-type]
+            self.bound = float(s.norm_bound)
         elif len(self.reference) >= self.reference.min_updates:
             self.bound = self.reference.bound()
         else:
@@ -280,9 +287,7 @@ class RobustStrategy:
 
     def add(self, update: Update, weight: float) -> None:
         s = self.settings
-        capped = s.max_samples is not None and update.n_samples > s.max_samples
-        if capped:
-            update = replace(update, n_samples=s.max_samples)
+        update, capped = _cap_samples(update, s.max_samples)
         if s.norm_bound is None:
             self.inner.add(update, weight)
             self.capped += capped
@@ -315,9 +320,7 @@ class RobustStrategy:
     def remove(self, update: Update, weight: float) -> None:
         """Take back an update ``add`` took (the same cap and bound decide the same way)."""
         s = self.settings
-        capped = s.max_samples is not None and update.n_samples > s.max_samples
-        if capped:
-            update = replace(update, n_samples=s.max_samples)
+        update, capped = _cap_samples(update, s.max_samples)
         self.capped -= capped
         if s.norm_bound is None:
             self.inner.remove(update, weight)

@@ -36,15 +36,19 @@ import signal
 import time
 from collections import Counter
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import aiomqtt
 
 from edge_fl.protocol import Reject, Topics, ack_for, encode_ack, encode_global
+from edge_fl.transport import client_adapter
 from edge_fl.transport.url import BrokerSpec
 
 from .aggregator import AggregatorCore
 from .rounds import Decision
+
+if TYPE_CHECKING:
+    import paho.mqtt.client as paho
 
 log = logging.getLogger("edge_fl.aggregator")
 
@@ -320,7 +324,7 @@ class AggregatorService:
         self._flush_handle: asyncio.Handle | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._ingest_failed: asyncio.Future[None] | None = None
-        self._paho: Any = None  # the paho client under the current aiomqtt client
+        self._paho: aiomqtt.Client | None = None  # the current client (acks on receipt)
         self.tap: IngestTap | None = None  # the current connection's (diverted/passed counts)
         self._resumed_round = core.current is not None  # rebuilt from the journal
         self._finished = False
@@ -446,7 +450,7 @@ class AggregatorService:
             return  # connecting (acknowledged once connected) or gone (ids are void then)
         if self.ack_after_processing:
             for mid, qos in self._pending_acks:
-                client._client.ack(mid, qos)  # paho's manual acknowledgement
+                client_adapter.ack(client, mid, qos)
         self._pending_acks.clear()
 
     def _on_publish(self, topic: str, payload: bytes, mid: int, qos: int, retain: bool) -> None:
@@ -457,7 +461,7 @@ class AggregatorService:
             return  # ingest failed (the journal cannot be written): nothing more is accepted
         try:
             if qos and not self.ack_after_processing and self._paho is not None:
-                self._paho._send_puback(mid)  # the chaos tool's ack-on-receipt (before journal)
+                client_adapter.ack(self._paho, mid, 1)  # the chaos tool's ack-on-receipt
                 qos = 0
             if (self.stopped is not None or self._settled) and self.topics.device_of(
                 topic, "up"
@@ -473,14 +477,14 @@ class AggregatorService:
         except Exception as exc:  # handed to the reader task, which raises it
             self._fail(exc)
 
-    def _on_paho_message(self, _client: Any, _userdata: Any, message: Any) -> None:
+    def _on_paho_message(self, message: paho.MQTTMessage) -> None:
         """paho's callback, for the packets the tap leaves to paho (and without a tap)."""
         try:
             topic = message.topic
         except UnicodeDecodeError:  # brokers refuse such topics; never dispatchable
             log.warning("message on a topic that is not UTF-8 ignored")
             if message.qos and self._client is not None:
-                self._client._client.ack(message.mid, message.qos)
+                client_adapter.ack(self._client, message.mid, message.qos)
             return
         payload = message.payload if isinstance(message.payload, bytes | bytearray) else b""
         self._on_publish(topic, bytes(payload), message.mid, message.qos, bool(message.retain))
@@ -527,19 +531,16 @@ class AggregatorService:
     def _install_tap(self, client: aiomqtt.Client) -> None:
         """Route received PUBLISH packets past aiomqtt's queue: every socket paho opens is
         wrapped in an :class:`IngestTap` before aiomqtt registers it with the event loop."""
-        paho_client = self._paho = client._client
-        paho_client.manual_ack_set(True)  # acknowledged in _flush (or on receipt, see above)
-        paho_client.on_message = self._on_paho_message
-        aiomqtt_open = paho_client.on_socket_open
-        mqtt5 = getattr(paho_client, "_protocol", None) == 5
+        self._paho = client
+        client_adapter.manual_acks(client, self._on_paho_message)  # acked in _flush (see above)
+        mqtt5 = client_adapter.is_mqtt5(client)
 
-        def on_socket_open(pc: Any, userdata: Any, sock: Any) -> None:
+        def wrap(sock: Any) -> IngestTap:
             tap = IngestTap(sock, self._on_publish, mqtt5=mqtt5)
-            pc._sock = tap  # paho reads and writes through it from now on
             self.tap = tap
-            aiomqtt_open(pc, userdata, tap)
+            return tap
 
-        paho_client.on_socket_open = on_socket_open
+        client_adapter.wrap_sockets(client, wrap)
 
     async def _publish_global(self, client: aiomqtt.Client) -> None:
         if self._global_payload is None:
@@ -781,8 +782,10 @@ class AggregatorService:
                     await self._wait_for_devices()
                     continue
                 await self._publish_global(client)
+                payload = self._global_payload
+                assert payload is not None  # _open_round encoded it
                 # every online device receives the retained broadcast
-                core.tally.bytes_down += len(self._global_payload) * core.online_count
+                core.tally.bytes_down += len(payload) * core.online_count
             decision = core.decide(self._now())
             if decision in (Decision.WAIT, Decision.EXTEND):
                 await self._send_replacements(client)

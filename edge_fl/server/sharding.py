@@ -281,7 +281,8 @@ class IngestWorker:
         if identity == self._opened:
             return  # a re-sent open (a coordinator reconnect), mirrored, frozen or committed
         refold, lost = self._mirrored_updates(rnd)  # the same round, opened again
-        g = decode_global(msg.get("g") if isinstance(msg.get("g"), bytes) else b"")
+        blob = msg.get("g")
+        g = decode_global(blob if isinstance(blob, bytes) else b"")
         if g.round != rnd or g.selected is None:
             raise ShardingError("an open message carries its round's global message with a "
                                 "selection (Poisson self-selection is not sharded)")  # fmt: skip
@@ -292,17 +293,19 @@ class IngestWorker:
         if getattr(mechanism, "reference", None) is not None:
             mechanism.reference = FixedReference(bound, hold)  # type: ignore[attr-defined]
         core.mirror(g, Recording)
+        recording = self._recording()
+        assert recording is not None and core.current is not None  # mirrored just now
         self._opened = identity
         self._reopened = bool(refold) or lost
         self._last_partial = None  # a new round (or the same one opened anew by a restart)
         self.frozen = None
         if lost:
-            core.strategy.complete = False
+            recording.complete = False
         # a restarted coordinator knows nothing of them: they are reported again
         self._accepted = []
         for update, weight in refold:
             try:
-                core.strategy.add(update, weight)
+                recording.add(update, weight)
                 core.current.accept(update.device)
                 self._accepted.append(update.device)
             except ValueError as exc:  # e.g. over the new round's norm bound
@@ -312,13 +315,20 @@ class IngestWorker:
         """What this worker folded of round ``rnd`` if it is the one mirrored now, and whether
         some of it is no longer kept (its share of the round is then unreliable)."""
         core = self.core
-        strategy = core.strategy
+        strategy = self._recording()
         if strategy is None or core.round_number != rnd or self._opened is None:
             return [], False  # nothing of it here (committed already, or never mirrored)
         log.warning("round %d opened again (a restarted coordinator): re-folding the %d "
                     "updates taken so far and reporting them again", rnd,
                     len(strategy.devices))  # fmt: skip
         return list(strategy.recent), not strategy.complete
+
+    def _recording(self) -> Recording | None:
+        """The mirrored round's strategy, which :meth:`_open` had ``core.mirror`` wrap in a
+        :class:`Recording` (None between rounds)."""
+        strategy = self.core.strategy
+        assert strategy is None or isinstance(strategy, Recording)
+        return strategy
 
     def _retire(self) -> None:
         self.core.retire()
@@ -347,7 +357,7 @@ class IngestWorker:
             raise ShardingError(f"commit of round {rnd}, but round {self.frozen} is frozen here")
         left_out = set(_names(msg.get("x", {}), self.name) if isinstance(msg.get("x"), dict)
                        else ())  # fmt: skip
-        strategy = core.strategy
+        strategy = self._recording()
         if strategy is None:  # this worker never mirrored the round: nothing folded
             partial = self._partial(rnd, None, [], None)
             self.frozen = None
@@ -379,7 +389,7 @@ class IngestWorker:
             "cap": t.capped_samples,
             "smp": dict(t.samples),
         }
-        fields = {"s": strategy, "a": devices, "t": tally}
+        fields: dict[str, Any] = {"s": strategy, "a": devices, "t": tally}
         if lost is not None:
             fields["lost"] = lost  # the coordinator treats the share as lost (and charges)
         return pack("partial", w=self.name, r=rnd, **fields)
@@ -553,7 +563,7 @@ class Coordinator:
         its share is lost. (Its releases came with its progress messages.)"""
         core = self.core
         assert core.strategy is not None
-        worker = msg.get("w")
+        worker = _name(msg, "w")  # checked when the partial came (in on_partial)
         try:
             self._merge_tally(_tally(msg))
             if msg.get("lost"):
