@@ -113,9 +113,8 @@ def test_held_updates_are_the_async_policys_state():
 def test_no_server_module_reads_another_objects_private_state():
     """Checkpoint, journal, sharding and the service use the engine's public API: no
     ``obj._name`` on anything but ``self`` (the paho adapter's socket and acks apart: the
-    transport layer's, issue 19 item 6), no hasattr, no isinstance on the engine's types."""
-    paho = {"c._sock", "pc._sock", "client._client", "_client._client", "_paho._send_puback"}
-    allowed = paho | {"fresh._fd", "fresh._size"}  # a Journal reading a Journal's
+    transport adapter's, tested below), no hasattr, no isinstance on the engine's types."""
+    allowed = {"fresh._fd", "fresh._size"}  # a Journal reading a Journal's
     found = []
     for path in sorted(SERVER.glob("*.py")):
         text = path.read_text()
@@ -125,4 +124,25 @@ def test_no_server_module_reads_another_objects_private_state():
         found += [f"{path.name}: hasattr" for _ in re.finditer(r"\bhasattr\(", text)]
         types = r"isinstance\([^)]*\b(SyncRound|AsyncWindow|AggregatorCore|\w*Policy)\b"
         found += [f"{path.name}: {m.group(0)}" for m in re.finditer(types, text)]
+    assert found == []
+
+
+def test_only_the_transport_adapter_touches_another_objects_private_names():
+    """Anywhere in the package, ``obj._name`` on something other than ``self`` is either the
+    transport adapter's (paho/aiomqtt internals, each behaviour tested in
+    tests/test_transport_adapter.py) or a class reading another instance of itself."""
+    same_class = {
+        "exact_sum.py": {"other._carry", "other._top", "other._lo", "out._top", "out._lo"},
+        "journal.py": {"fresh._fd", "fresh._size"},
+    }
+    public = {"os._exit", "privacy._dp"}  # the standard library's; a package's own private module
+    found = []
+    for path in sorted((SERVER.parent).rglob("*.py")):
+        if path.name == "client_adapter.py":
+            continue
+        allowed = public | same_class.get(path.name, set())
+        text = path.read_text()
+        for m in re.finditer(r"\b(?!self\b|cls\b)([a-z_][a-z0-9_]*)\.(_[a-z][a-z0-9_]*)\b", text):
+            if m.group(0) not in allowed:
+                found.append(f"{path.relative_to(SERVER.parent)}: {m.group(0)}")
     assert found == []
