@@ -310,7 +310,24 @@ def _accepts(key: str, value: Any) -> bool:
         validate_config(data)
     except ConfigError:
         return False
-    return True
+    # names in a registry are checked when the job is built (docs/api.md), against the registry
+    registry = _REGISTRIES.get(key)
+    return registry is None or value is None or value in registry()
+
+
+def _names(module: str, function: str) -> Any:
+    import importlib
+
+    return lambda: getattr(importlib.import_module(module), function)()
+
+
+#: config keys whose domain is a registry's names: validated at build_job, not by the config
+_REGISTRIES: dict[str, Any] = {
+    "data.dataset": _names("edge_fl.data", "known_datasets"),
+    "model.name": _names("edge_fl.models", "known_models"),
+    "privacy.mechanism": _names("edge_fl.mechanisms", "mechanism_names"),
+    "compression.uplink": _names("edge_fl.protocol.codecs", "codec_names"),
+}
 
 
 def _below(x: float, integer: bool) -> float:
