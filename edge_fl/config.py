@@ -463,6 +463,13 @@ class JobConfig(_Section):
                 f"rounds.clients_per_round = {k:g} exceeds data.devices = {n}: at most {n} "
                 "devices can take part in a round (or give a fraction in (0, 1))"
             )
+        target, need = self.rounds.target(n), self.rounds.min_updates
+        if self.rounds.mode == "sync" and need is not None and need > target:
+            raise ValueError(
+                f"rounds.min_updates = {need} exceeds the {target} updates a round asks for "
+                f"(rounds.clients_per_round with data.devices = {n}): a round cannot wait for "
+                "more than it selects"
+            )
         return self
 
     def digest(self) -> str:

@@ -121,3 +121,99 @@ def test_the_aggregator_refuses_resume_and_overwrite_together(tmp_path):
         "--overwrite",
     )  # fmt: skip
     one_line_error(done, "--resume and --overwrite")
+
+
+# ------------------------------------------------------------------ jobs that cannot keep their word
+
+
+def _build(**overrides):
+    from edge_fl.job import build_job
+
+    return build_job(edge_fl.load_config(None, overrides))
+
+
+def test_a_budget_with_central_noise_is_refused_before_the_job_starts():
+    """F2: a device enforces its budget from its own releases; central noise leaves it none."""
+    from edge_fl.config import ConfigError
+
+    with pytest.raises(
+        ConfigError, match=r"budget_epsilon = 2 cannot be enforced.*gaussian-central"
+    ):
+        _build(
+            **{
+                "privacy.mechanism": "gaussian-central",
+                "privacy.noise_multiplier": 1.0,
+                "privacy.budget_epsilon": 2,
+                "data.devices": 10,
+                "rounds.clients_per_round": 10,
+            }
+        )
+    _build(**{"privacy.mechanism": "gaussian", "privacy.epsilon": 8, "privacy.budget_epsilon": 2})
+
+
+def test_the_cli_refuses_a_central_budget_in_one_line(tmp_path):
+    done = run(
+        "simulate", "--mechanism", "gaussian-central", "--noise-multiplier", "1.0", "--budget",
+        "2", "--devices", "10", "--clients-per-round", "10", "--rounds", "8", "--no-progress",
+        "--out", str(tmp_path / "run"),
+    )  # fmt: skip
+    one_line_error(done)
+    assert "budget_epsilon = 2 cannot be enforced" in done.stderr
+    assert not (tmp_path / "run").exists()
+
+
+def test_local_noise_beyond_the_decoders_limit_is_refused_naming_both(tmp_path):
+    """F4: eps 0.5 with clip 1000 makes sigma ~ 5e4, every update beyond |x| <= 1e4."""
+    done = run(
+        "simulate", "--mechanism", "gaussian", "--epsilon", "0.5", "--clip", "1000",
+        "--no-progress", "--out", str(tmp_path / "run"),
+    )  # fmt: skip
+    one_line_error(done)
+    assert "plausibility limit 10000" in done.stderr and "sigma = " in done.stderr
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize(("clip", "refused"), [(30.0, False), (36.0, False), (45.0, True)])
+def test_the_noise_rule_matches_how_often_honest_updates_would_be_refused(clip, refused):
+    """The rule (refuse when more than 1% of honest updates would carry a value beyond the
+    limit) against the share measured on noise vectors drawn as the device draws them."""
+    import numpy as np
+
+    from edge_fl.config import ConfigError
+    from edge_fl.protocol import UpdateLimits
+
+    cfg = {"privacy.mechanism": "gaussian", "privacy.epsilon": 0.5, "privacy.clip": clip}
+    try:
+        job = _build(**cfg)
+    except ConfigError:
+        assert refused
+        job = None
+    else:
+        assert not refused
+    # z is calibrated from epsilon alone (clip 1 is far inside the limit): the same for every clip
+    z = _build(**{**cfg, "privacy.clip": 1.0}).mechanism.describe()["noise_multiplier"]
+    assert job is None or job.mechanism.describe()["noise_multiplier"] == z
+    d, limit = 4810, UpdateLimits(4810).max_abs  # digits x logreg
+    rng = np.random.default_rng(7)
+    beyond = np.mean([np.abs(rng.normal(0.0, z * clip, size=d)).max() > limit for _ in range(2000)])
+    assert (beyond > 0.01) == refused, beyond
+
+
+# ------------------------------------------------------------------ settings a round cannot meet
+
+
+def test_more_min_updates_than_a_round_selects_is_refused():
+    from edge_fl.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"rounds\.min_updates = 100 exceeds the 20 updates"):
+        edge_fl.load_config(None, {"rounds.min_updates": 100})
+    assert edge_fl.load_config(None, {"rounds.min_updates": 20}).rounds.min_updates == 20
+    done = run("simulate", "--min-updates", "100", "--no-progress")
+    one_line_error(done)
+    assert "rounds.min_updates = 100" in done.stderr
+
+
+def test_more_devices_than_samples_is_one_line_in_the_configs_words():
+    done = run("simulate", "--devices", "5000", "--clients-per-round", "20", "--no-progress")
+    one_line_error(done)
+    assert "data.devices = 5000 exceeds the 1438 training samples of digits" in done.stderr

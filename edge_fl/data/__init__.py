@@ -23,7 +23,7 @@ from collections.abc import Callable
 
 from edge_fl.data.base import FederatedDataset
 from edge_fl.data.digits import load_digits_federated
-from edge_fl.data.partition import partition_dirichlet, partition_iid
+from edge_fl.data.partition import TooManyDevicesError, partition_dirichlet, partition_iid
 from edge_fl.data.synthetic import load_synthetic_federated, make_synthetic
 
 __all__ = [
@@ -133,4 +133,10 @@ def load_federated(
         if unknown:
             allowed = sorted(accepted - {"n_devices", "partition", "alpha", "seed"})
             raise ValueError(f"dataset {name!r} takes no option(s) {unknown}; allowed: {allowed}")
-    return loader(n_devices, partition=partition, alpha=alpha, seed=seed, **options)
+    try:
+        return loader(n_devices, partition=partition, alpha=alpha, seed=seed, **options)
+    except TooManyDevicesError as exc:  # in the config's words, not the partitioner's
+        raise ValueError(
+            f"data.devices = {exc.n_devices} exceeds the {exc.n_samples} training samples of "
+            f"{name}: every device needs at least one"
+        ) from None
