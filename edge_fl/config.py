@@ -11,6 +11,7 @@ import hashlib
 import json
 import math
 import tomllib
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -481,7 +482,7 @@ class JobConfig(_Section):
         return hashlib.sha256(raw).hexdigest()[:12]
 
 
-def _describe(err: dict[str, Any]) -> str:
+def _describe(err: Mapping[str, Any]) -> str:
     key = ".".join(str(p) for p in err["loc"]) or "(top level)"
     value = err.get("input")
     if err["type"] == "extra_forbidden":

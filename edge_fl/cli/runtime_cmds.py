@@ -258,7 +258,12 @@ def fleet(shard, indices, credentials, verbose, config, **kw) -> None:
     if not selected:
         _fail(f"--shard {shard} of --indices {indices} holds no device")
     base = parse_broker_url(cfg.broker.url) if cfg.broker.url else None
-    spec = base or without_user(next(iter(users.values())))
+    if base is not None:
+        spec = base
+    elif users:
+        spec = without_user(next(iter(users.values())))
+    else:  # refused above already; said again for the type checker's sake
+        _fail("the fleet needs --broker (or broker.url in the config, or --credentials)")
     runtime = job.fleet_runtime(
         spec, selected, prefix=f"edgefl-{cfg.job}-s{shard.replace('/', 'of')}"
     )
