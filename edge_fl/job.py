@@ -357,6 +357,7 @@ def build_job(
     dataset: FederatedDataset | None = None,
     model: Model | None = None,
     device_factory: DeviceFactory | None = None,
+    noise_must_fit: bool = True,
 ) -> Job:
     """The job ``cfg`` describes, every part built and checked before anything runs.
 
@@ -364,7 +365,8 @@ def build_job(
     ``model.name`` (the config then takes their names and the dataset's device count, unless it
     sets another count: an error). ``device_factory``: see :data:`DeviceFactory`. Every name the
     config gives (model, dataset, mechanism, codec) must be registered: ConfigError lists the
-    known ones."""
+    known ones. ``noise_must_fit=False`` builds a job whose local noise the decoder would refuse
+    (to observe how refused releases are charged); every other check still holds."""
     if dataset is not None or model is not None:
         cfg = _adopt(cfg, dataset, model)
     check_registered(cfg, dataset=dataset is None, model=model is None)
@@ -405,7 +407,10 @@ def build_job(
         mechanism = job.mechanism  # built now, so a bad privacy setting fails before anything runs
     except (UnknownMechanismError, ValueError) as exc:
         raise ConfigError(f"invalid configuration:\n  privacy: {exc}") from None
-    for problem in (_unenforceable_budget(cfg, mechanism), _noise_beyond_limit(job, mechanism)):
+    problems = [_unenforceable_budget(cfg, mechanism)]
+    if noise_must_fit:
+        problems.append(_noise_beyond_limit(job, mechanism))
+    for problem in problems:
         if problem is not None:
             raise ConfigError(f"invalid configuration:\n  privacy: {problem}")
     try:

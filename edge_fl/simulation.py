@@ -534,7 +534,7 @@ def run_simulation(
 
 
 def simulate(
-    cfg: JobConfig,
+    cfg: Job | JobConfig,
     out_dir: str | Path | None = None,
     *,
     progress: bool = False,

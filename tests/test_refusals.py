@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 import edge_fl
+from edge_fl.job import build_job
 from edge_fl.simulation import RunDirError
 
 EDGE_FL = [str(Path(sys.executable).parent / "edge-fl")]
@@ -217,3 +218,21 @@ def test_more_devices_than_samples_is_one_line_in_the_configs_words():
     done = run("simulate", "--devices", "5000", "--clients-per-round", "20", "--no-progress")
     one_line_error(done)
     assert "data.devices = 5000 exceeds the 1438 training samples of digits" in done.stderr
+
+
+def test_a_job_meant_to_show_refused_releases_charged_can_still_be_built():
+    """noise_must_fit=False skips only the noise rule (tests/test_ledger_charges.py's F4 job)."""
+    from edge_fl.config import ConfigError
+
+    cfg = {"privacy.mechanism": "gaussian", "privacy.epsilon": 0.5, "privacy.clip": 1000.0}
+    with pytest.raises(ConfigError, match="plausibility limit"):
+        _build(**cfg)
+    job = build_job(edge_fl.load_config(None, cfg), noise_must_fit=False)
+    assert job.mechanism.describe()["clip_l2"] == 1000.0
+    central = {
+        "privacy.mechanism": "gaussian-central",
+        "privacy.noise_multiplier": 1.0,
+        "privacy.budget_epsilon": 2,
+    }
+    with pytest.raises(ConfigError, match="cannot be enforced"):
+        build_job(edge_fl.load_config(None, central), noise_must_fit=False)
