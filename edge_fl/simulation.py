@@ -278,9 +278,18 @@ def refuse_earlier_run(out_dir: str | Path) -> None:
         raise RunDirError(
             f"{out_dir} holds a finished run ({listed}): use a new --out, or --overwrite"
         )
+    from edge_fl.server.checkpoint import STATE
+    from edge_fl.server.journal import JOURNAL, read_journal
+
+    if (d / STATE).exists():
+        what = "a checkpoint"
+    elif (d / JOURNAL).exists() and read_journal(d / JOURNAL).records:
+        what = "a journal of accepted updates"
+    else:
+        what = "records without a summary"
     raise RunDirError(
-        f"{out_dir} holds an unfinished job ({listed}): continue it with --resume, use a new "
-        "--out, or --overwrite"
+        f"{out_dir} holds an unfinished job ({what}): {listed}; continue it with --resume, use "
+        "a new --out, or --overwrite"
     )
 
 
