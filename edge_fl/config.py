@@ -11,6 +11,7 @@ import hashlib
 import json
 import math
 import tomllib
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -463,6 +464,13 @@ class JobConfig(_Section):
                 f"rounds.clients_per_round = {k:g} exceeds data.devices = {n}: at most {n} "
                 "devices can take part in a round (or give a fraction in (0, 1))"
             )
+        target, need = self.rounds.target(n), self.rounds.min_updates
+        if self.rounds.mode == "sync" and need is not None and need > target:
+            raise ValueError(
+                f"rounds.min_updates = {need} exceeds the {target} updates a round asks for "
+                f"(rounds.clients_per_round with data.devices = {n}): a round cannot wait for "
+                "more than it selects"
+            )
         return self
 
     def digest(self) -> str:
@@ -474,7 +482,7 @@ class JobConfig(_Section):
         return hashlib.sha256(raw).hexdigest()[:12]
 
 
-def _describe(err: dict[str, Any]) -> str:
+def _describe(err: Mapping[str, Any]) -> str:
     key = ".".join(str(p) for p in err["loc"]) or "(top level)"
     value = err.get("input")
     if err["type"] == "extra_forbidden":

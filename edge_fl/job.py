@@ -357,6 +357,7 @@ def build_job(
     dataset: FederatedDataset | None = None,
     model: Model | None = None,
     device_factory: DeviceFactory | None = None,
+    noise_must_fit: bool = True,
 ) -> Job:
     """The job ``cfg`` describes, every part built and checked before anything runs.
 
@@ -364,7 +365,8 @@ def build_job(
     ``model.name`` (the config then takes their names and the dataset's device count, unless it
     sets another count: an error). ``device_factory``: see :data:`DeviceFactory`. Every name the
     config gives (model, dataset, mechanism, codec) must be registered: ConfigError lists the
-    known ones."""
+    known ones. ``noise_must_fit=False`` builds a job whose local noise the decoder would refuse
+    (to observe how refused releases are charged); every other check still holds."""
     if dataset is not None or model is not None:
         cfg = _adopt(cfg, dataset, model)
     check_registered(cfg, dataset=dataset is None, model=model is None)
@@ -384,15 +386,18 @@ def build_job(
         except ValueError as exc:
             raise ConfigError(f"invalid configuration:\n  population: {exc}") from None
     elif data is None:
-        data = load_federated(
-            d.dataset,
-            d.devices,
-            partition=d.partition,
-            alpha=d.alpha,
-            seed=cfg.seed,
-            data_dir=d.data_dir,
-            samples_per_device=d.samples_per_device,
-        )
+        try:
+            data = load_federated(
+                d.dataset,
+                d.devices,
+                partition=d.partition,
+                alpha=d.alpha,
+                seed=cfg.seed,
+                data_dir=d.data_dir,
+                samples_per_device=d.samples_per_device,
+            )
+        except ValueError as exc:  # a fleet the data cannot cover, say: one line, not a traceback
+            raise ConfigError(f"invalid configuration:\n  data: {exc}") from None
     if model is None:
         options = {"hidden": cfg.model.hidden} if cfg.model.name == "mlp" else {}
         model = make_model(cfg.model.name, data.n_features, data.n_classes, **options)
@@ -402,6 +407,12 @@ def build_job(
         mechanism = job.mechanism  # built now, so a bad privacy setting fails before anything runs
     except (UnknownMechanismError, ValueError) as exc:
         raise ConfigError(f"invalid configuration:\n  privacy: {exc}") from None
+    problems = [_unenforceable_budget(cfg, mechanism)]
+    if noise_must_fit:
+        problems.append(_noise_beyond_limit(job, mechanism))
+    for problem in problems:
+        if problem is not None:
+            raise ConfigError(f"invalid configuration:\n  privacy: {problem}")
     try:
         job.robust  # noqa: B018 (resolved now: a setting the mechanism cannot take fails here)
     except ValueError as exc:
@@ -421,6 +432,59 @@ def build_job(
     for warning in job.warnings:
         log.warning("%s", warning)
     return job
+
+
+def _unenforceable_budget(cfg: JobConfig, mechanism: Mechanism) -> str | None:
+    """A per-device budget is enforced by each device from its own releases' events; a mechanism
+    whose cost is charged per applied round (central noise) leaves the device nothing to count,
+    so the budget would be reported but never kept."""
+    if cfg.privacy.budget_epsilon is None or not mechanism.round_events():
+        return None
+    return (
+        f"privacy.budget_epsilon = {cfg.privacy.budget_epsilon:g} cannot be enforced with "
+        f"privacy.mechanism = {mechanism.name!r} (its noise is added by the aggregator, so a "
+        "device cannot count what it spent): drop the budget and bound the job with "
+        "privacy.epsilon or rounds.rounds"
+    )
+
+
+#: an honest job is refused when its noise alone would make more than this share of honest
+#: updates implausible to the decoder
+REFUSED_SHARE = 0.01
+
+
+def _noise_beyond_limit(job: Job, mechanism: Mechanism) -> str | None:
+    """Local Gaussian noise N(0, sigma^2) on each of d coordinates against the decoder's
+    plausibility limit M (UpdateLimits.max_abs): an update with any |value| > M is refused.
+
+    The rule: refuse the job when P(max_i |N(0, sigma^2)| > M) over the d coordinates exceeds
+    REFUSED_SHARE, i.e. when the 99th percentile of the largest |noise| of an update is beyond
+    M. The noise alone is a lower bound on the refusal probability (by Anderson's inequality
+    adding the clipped delta, symmetric noise only moves more mass beyond M), so a job refused
+    here would see at least 1% of its honest updates refused."""
+    if mechanism.name != "gaussian":
+        return None
+    limit = UpdateLimits(job.model.n_params).max_abs
+    if limit is None:
+        return None
+    params = mechanism.describe()
+    sigma = float(params["noise_multiplier"]) * float(params["clip_l2"])
+    d = job.model.n_params
+    p_one = math.erfc(limit / (sigma * math.sqrt(2.0)))  # P(|N(0, sigma^2)| > M), one coordinate
+    p_any = -math.expm1(d * math.log1p(-p_one)) if p_one < 1.0 else 1.0
+    if p_any <= REFUSED_SHARE:
+        return None
+    from statistics import NormalDist
+
+    tail = -math.expm1(math.log1p(-REFUSED_SHARE) / d)  # per-coordinate tail of the 99th pct
+    peak = sigma * NormalDist().inv_cdf(1.0 - tail / 2.0)
+    return (
+        f"the gaussian noise (sigma = z {params['noise_multiplier']:.4g} x clip "
+        f"{params['clip_l2']:g} = {sigma:.4g} per coordinate) reaches |x| = {peak:.4g} over "
+        f"{d} coordinates (99th percentile), beyond the decoder's plausibility limit "
+        f"{limit:g}: {p_any:.0%} of honest updates would be refused; lower privacy.clip or "
+        "raise privacy.epsilon / lower privacy.noise_multiplier"
+    )
 
 
 def check_registered(cfg: JobConfig, *, dataset: bool = True, model: bool = True) -> None:

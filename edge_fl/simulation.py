@@ -228,17 +228,22 @@ def open_run(
     out_dir: str | Path | None,
     *,
     resume: bool = False,
+    overwrite: bool = False,
     meta: dict[str, Any] | None = None,
 ) -> AggregatorRun:
     """An :class:`AggregatorRun` writing into ``out_dir`` (None: records in memory only).
 
-    Starting afresh over an unfinished job's directory is refused (RunDirError): it would discard
-    its checkpoint and journal; resume it or use another directory. ``meta`` (default: the
+    Starting afresh over a directory that holds an earlier run, finished or not, is refused
+    (RunDirError) unless ``overwrite``: it would destroy that run's records, model, checkpoint and
+    journal. With ``overwrite`` the earlier run's checkpoint, journal, summary and model are
+    removed first, so nothing of it can be mistaken for the new run's. ``meta`` (default: the
     job's metadata) becomes run.json, kept as it was when a run is resumed."""
-    if out_dir is not None and not resume:
-        refuse_unfinished(out_dir)
+    if out_dir is not None and not resume and not overwrite:
+        refuse_earlier_run(out_dir)
     lock = lock_run_dir(out_dir)
     try:
+        if out_dir is not None and overwrite and not resume:
+            _remove_earlier_run(Path(out_dir))
         run = AggregatorRun(job, RunRecorder(out_dir, append=resume), resume=resume)
     except BaseException:
         if lock is not None:
@@ -250,21 +255,51 @@ def open_run(
     return run
 
 
-def refuse_unfinished(out_dir: str | Path) -> None:
-    """RunDirError if ``out_dir`` holds an unfinished job (a checkpoint or journaled updates)."""
+def _run_files() -> tuple[str, ...]:
+    """The files whose presence says a directory holds a run, in the order a refusal names
+    them (checkpoint parameter files are named ``checkpoint*.npy`` and go with checkpoint.json)."""
+    from edge_fl.server.checkpoint import STATE
+    from edge_fl.server.journal import JOURNAL
+
+    return ("metrics.jsonl", "summary.json", "model.onnx", "run.json", STATE, JOURNAL)
+
+
+def refuse_earlier_run(out_dir: str | Path) -> None:
+    """RunDirError, in one line naming what is there, if ``out_dir`` holds an earlier run:
+    finished (summary.json) or interrupted (records, a checkpoint or a journal, no summary)."""
+    d = Path(out_dir)
+    if not d.is_dir():
+        return
+    present = [name for name in _run_files() if (d / name).exists()]
+    if not present:
+        return
+    listed = ", ".join(present)
+    if (d / "summary.json").exists():
+        raise RunDirError(
+            f"{out_dir} holds a finished run ({listed}): use a new --out, or --overwrite"
+        )
     from edge_fl.server.checkpoint import STATE
     from edge_fl.server.journal import JOURNAL, read_journal
 
-    d = Path(out_dir)
-    if not d.is_dir() or (d / "summary.json").exists():
-        return  # nothing there yet, or a finished job: starting again over it is allowed
-    state = d / STATE
-    if state.exists() or read_journal(d / JOURNAL).records:
-        what = "a checkpoint" if state.exists() else "a journal of accepted updates"
-        raise RunDirError(
-            f"{out_dir} holds an unfinished job ({what}): continue it with --resume, or use "
-            "another --out"
-        )
+    if (d / STATE).exists():
+        what = "a checkpoint"
+    elif (d / JOURNAL).exists() and read_journal(d / JOURNAL).records:
+        what = "a journal of accepted updates"
+    else:
+        what = "records without a summary"
+    raise RunDirError(
+        f"{out_dir} holds an unfinished job ({what}): {listed}; continue it with --resume, use "
+        "a new --out, or --overwrite"
+    )
+
+
+def _remove_earlier_run(d: Path) -> None:
+    """What an earlier run left that the new one would not rewrite at once (its checkpoint and
+    journal would otherwise be resumable as if they were the new run's)."""
+    for name in _run_files():
+        (d / name).unlink(missing_ok=True)
+    for params in d.glob("checkpoint*.npy"):
+        params.unlink(missing_ok=True)
 
 
 @dataclass
@@ -425,6 +460,7 @@ async def run_simulation_async(
     out_dir: str | Path | None = None,
     *,
     resume: bool = False,
+    overwrite: bool = False,
     on_record: Callable[[dict[str, Any]], None] | None = None,
     progress: bool = False,
     handle_signals: bool = False,
@@ -436,10 +472,13 @@ async def run_simulation_async(
     ``job``: a :class:`~edge_fl.job.Job` (``build_job`` with your own dataset, model or device
     factory) or a config. The embedded broker is started unless ``broker.url`` is set.
     ``out_dir``: metrics.jsonl, run.json, summary.json, model.onnx, and the checkpoint and journal
-    that ``resume=True`` continues from. ``on_record(record)``: after every round.
+    that ``resume=True`` continues from; a directory holding an earlier run is refused
+    (RunDirError) unless ``resume`` or ``overwrite``. ``on_record(record)``: after every round.
     ``handle_signals``: SIGTERM/SIGINT stop the job cleanly (never installed unless asked);
     ``signals``: handlers the caller installed already (the CLI, before building the job)."""
     t_start = time.perf_counter()
+    if out_dir is not None and not resume and not overwrite:
+        refuse_earlier_run(out_dir)  # before the job is built and the broker started
     job = job if isinstance(job, Job) else build_job(job)
     cfg = job.cfg
     timings = {"build_s": round(time.perf_counter() - t_start, 4)}
@@ -462,7 +501,7 @@ async def run_simulation_async(
             spec = parse_broker_url(broker.url)
             meta["broker"] = {"kind": f"embedded-{broker.kind}", "url": broker.url}
             timings["broker_ready_s"] = round(time.perf_counter() - t_start, 4)
-        run = open_run(job, out_dir, resume=resume, meta=meta)
+        run = open_run(job, out_dir, resume=resume, overwrite=overwrite, meta=meta)
         stack.callback(run.close)
         for note in run.notes:
             log.warning("%s", note)
@@ -504,12 +543,13 @@ def run_simulation(
 
 
 def simulate(
-    cfg: JobConfig,
+    cfg: Job | JobConfig,
     out_dir: str | Path | None = None,
     *,
     progress: bool = False,
     fleet_hook: Any = None,
     resume: bool = False,
+    overwrite: bool = False,
 ) -> dict[str, Any]:
     """``edge-fl simulate``: a whole simulation; returns the summary.
 
@@ -518,7 +558,13 @@ def simulate(
     signals = StopSignals().install()  # before the job is built: a signal then is kept too
     try:
         result = run_simulation(
-            cfg, out_dir, resume=resume, progress=progress, fleet_hook=fleet_hook, signals=signals
+            cfg,
+            out_dir,
+            resume=resume,
+            overwrite=overwrite,
+            progress=progress,
+            fleet_hook=fleet_hook,
+            signals=signals,
         )
     finally:
         signals.restore()

@@ -61,6 +61,11 @@ def _parse_shard(shard: str, n_devices: int) -> range:
     "--resume", is_flag=True, help="continue from the checkpoint and journal in --out (if any)"
 )
 @click.option(
+    "--overwrite",
+    is_flag=True,
+    help="start afresh over an earlier run in --out (its records, model and checkpoint go)",
+)
+@click.option(
     "--workers",
     type=int,
     help="sharded ingest: N worker processes fold the updates (ingest.workers)",
@@ -70,11 +75,12 @@ def _parse_shard(shard: str, n_devices: int) -> range:
     default=None,
     help="start the workers here (default), or run `edge-fl ingest --worker I` yourself",
 )
-def aggregator(out, resume, verbose, config, workers, spawn_workers, **kw) -> None:
+def aggregator(out, resume, overwrite, verbose, config, workers, spawn_workers, **kw) -> None:
     """Run the aggregator against a broker (devices run elsewhere).
 
     With --out, every round is checkpointed and everything accepted in between is journaled, so
-    `--resume` after a crash (even kill -9) continues with nothing lost or counted twice. SIGTERM
+    `--resume` after a crash (even kill -9) continues with nothing lost or counted twice. An --out
+    holding an earlier run is refused unless --resume or --overwrite. SIGTERM
     and SIGINT stop cleanly: the open round is decided, summary.json, model.onnx and the
     checkpoint are written, devices are told the job ended, and the exit status is 0."""
     from edge_fl.server.service import StopSignals
@@ -87,6 +93,8 @@ def aggregator(out, resume, verbose, config, workers, spawn_workers, **kw) -> No
         _fail("the aggregator needs --broker (or broker.url in the config)")
     if resume and not out:
         _fail("--resume needs --out DIR (where the checkpoint is)")
+    if resume and overwrite:
+        _fail("--resume and --overwrite contradict each other: continue the run, or replace it")
     from edge_fl.metrics import OutputError
 
     local = None
@@ -97,7 +105,7 @@ def aggregator(out, resume, verbose, config, workers, spawn_workers, **kw) -> No
         local.start()
     finished = False
     try:
-        _run_aggregator(cfg, out, resume, signals)
+        _run_aggregator(cfg, out, resume, overwrite, signals)
         finished = True
     except OutputError as exc:  # disk full, read-only or unwritable output: one line
         _fail(str(exc))
@@ -107,18 +115,18 @@ def aggregator(out, resume, verbose, config, workers, spawn_workers, **kw) -> No
             local.stop(wait_s=10.0 if finished else 0.0)
 
 
-def _run_aggregator(cfg, out, resume, signals) -> None:
+def _run_aggregator(cfg, out, resume, overwrite, signals) -> None:
     from edge_fl.job import build_job
     from edge_fl.metrics import OutputError
     from edge_fl.protocol.jobdoc import encode_job_document
-    from edge_fl.simulation import RunDirError, open_run, refuse_unfinished
+    from edge_fl.simulation import RunDirError, open_run, refuse_earlier_run
     from edge_fl.transport.url import parse_broker_url
 
     try:
-        if out and not resume:
-            refuse_unfinished(out)  # before the job is built: the cheap refusal first
+        if out and not resume and not overwrite:
+            refuse_earlier_run(out)  # before the job is built: the cheap refusal first
         job = build_job(cfg)
-        run = open_run(job, out, resume=resume)
+        run = open_run(job, out, resume=resume, overwrite=overwrite)
     except (RunDirError, ValueError) as exc:
         _fail(str(exc))
     for note in run.notes:
@@ -250,7 +258,12 @@ def fleet(shard, indices, credentials, verbose, config, **kw) -> None:
     if not selected:
         _fail(f"--shard {shard} of --indices {indices} holds no device")
     base = parse_broker_url(cfg.broker.url) if cfg.broker.url else None
-    spec = base or without_user(next(iter(users.values())))
+    if base is not None:
+        spec = base
+    elif users:
+        spec = without_user(next(iter(users.values())))
+    else:  # refused above already; said again for the type checker's sake
+        _fail("the fleet needs --broker (or broker.url in the config, or --credentials)")
     runtime = job.fleet_runtime(
         spec, selected, prefix=f"edgefl-{cfg.job}-s{shard.replace('/', 'of')}"
     )

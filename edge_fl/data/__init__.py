@@ -23,7 +23,7 @@ from collections.abc import Callable
 
 from edge_fl.data.base import FederatedDataset
 from edge_fl.data.digits import load_digits_federated
-from edge_fl.data.partition import partition_dirichlet, partition_iid
+from edge_fl.data.partition import TooManyDevicesError, partition_dirichlet, partition_iid
 from edge_fl.data.synthetic import load_synthetic_federated, make_synthetic
 
 __all__ = [
@@ -42,9 +42,10 @@ DatasetLoader = Callable[..., FederatedDataset]
 SHARED_OPTIONS = frozenset({"data_dir", "samples_per_device"})
 
 
-def _need_data_dir(name: str, data_dir: object) -> None:
+def _need_data_dir(name: str, data_dir: str | None) -> str:
     if data_dir is None:
         raise ValueError(f"dataset {name!r} reads local files; pass data_dir=<directory>")
+    return data_dir
 
 
 def _load_mnist(
@@ -58,8 +59,8 @@ def _load_mnist(
 ) -> FederatedDataset:
     from edge_fl.data.mnist import load_mnist  # lazy: keeps this package importable on its own
 
-    _need_data_dir("mnist", data_dir)
-    return load_mnist(data_dir, n_devices, partition or "iid", alpha, seed, min_size=min_size)
+    where = _need_data_dir("mnist", data_dir)
+    return load_mnist(where, n_devices, partition or "iid", alpha, seed, min_size=min_size)
 
 
 def _load_femnist(
@@ -78,8 +79,7 @@ def _load_femnist(
             f"partition={partition!r} for femnist; it is partitioned by writer only "
             "(pass 'natural' or omit it)"
         )
-    _need_data_dir("femnist", data_dir)
-    return load_femnist(data_dir, n_devices, seed)
+    return load_femnist(_need_data_dir("femnist", data_dir), n_devices, seed)
 
 
 _LOADERS: dict[str, DatasetLoader] = {
@@ -133,4 +133,10 @@ def load_federated(
         if unknown:
             allowed = sorted(accepted - {"n_devices", "partition", "alpha", "seed"})
             raise ValueError(f"dataset {name!r} takes no option(s) {unknown}; allowed: {allowed}")
-    return loader(n_devices, partition=partition, alpha=alpha, seed=seed, **options)
+    try:
+        return loader(n_devices, partition=partition, alpha=alpha, seed=seed, **options)
+    except TooManyDevicesError as exc:  # in the config's words, not the partitioner's
+        raise ValueError(
+            f"data.devices = {exc.n_devices} exceeds the {exc.n_samples} training samples of "
+            f"{name}: every device needs at least one"
+        ) from None

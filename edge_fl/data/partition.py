@@ -11,13 +11,22 @@ from numbers import Integral, Real
 import numpy as np
 
 
+class TooManyDevicesError(ValueError):
+    """More devices than training samples: a caller that knows the dataset's name says so."""
+
+    def __init__(self, n_devices: int, n_samples: int) -> None:
+        super().__init__(
+            f"n_devices={n_devices} exceeds n_samples={n_samples}; every device needs a sample"
+        )
+        self.n_devices = n_devices
+        self.n_samples = n_samples
+
+
 def _check_devices(n_samples: int, n_devices: int) -> None:
     if not isinstance(n_devices, Integral) or n_devices < 1:
         raise ValueError(f"n_devices={n_devices!r}; must be an integer >= 1")
     if n_devices > n_samples:
-        raise ValueError(
-            f"n_devices={n_devices} exceeds n_samples={n_samples}; every device needs a sample"
-        )
+        raise TooManyDevicesError(int(n_devices), int(n_samples))
 
 
 def _split_by_owner(owner: np.ndarray, n_devices: int) -> tuple[np.ndarray, ...]:

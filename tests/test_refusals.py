@@ -1,0 +1,238 @@
+"""Jobs that cannot do what they say are refused before they start, in one line: a run into a
+directory that holds an earlier run, a budget nothing enforces, noise the decoder would refuse,
+a round that can never close."""
+
+from __future__ import annotations
+
+import hashlib
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import pytest
+
+import edge_fl
+from edge_fl.job import build_job
+from edge_fl.simulation import RunDirError
+
+EDGE_FL = [str(Path(sys.executable).parent / "edge-fl")]
+
+
+def run(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([*EDGE_FL, *args], capture_output=True, text=True, timeout=timeout)
+
+
+def one_line_error(done: subprocess.CompletedProcess, *expected: str) -> str:
+    assert done.returncode == 2, (done.returncode, done.stderr)
+    assert "Traceback" not in done.stderr, done.stderr
+    errors = [line for line in done.stderr.splitlines() if line.startswith("edge-fl: error:")]
+    assert len(errors) == 1, done.stderr
+    for text in expected:
+        assert text in errors[0], done.stderr
+    return errors[0]
+
+
+def hashes(directory: Path) -> dict[str, str]:
+    """Every file's content hash (and its modification time: rewritten with the same bytes is
+    still rewritten)."""
+    return {
+        p.name: f"{hashlib.sha256(p.read_bytes()).hexdigest()}:{p.stat().st_mtime_ns}"
+        for p in sorted(directory.iterdir())
+        if p.is_file()
+    }
+
+
+def small(**overrides):
+    base = {
+        "job": f"refuse-{uuid.uuid4().hex[:8]}",
+        "model.name": "logreg",
+        "data.devices": 6,
+        "rounds.rounds": 2,
+        "rounds.clients_per_round": 6,
+    }
+    return edge_fl.load_config(None, {**base, **overrides})
+
+
+# ------------------------------------------------------------------ an earlier run's directory
+
+
+def test_simulate_into_a_finished_run_leaves_it_byte_identical(tmp_path):
+    out = tmp_path / "run"
+    common = ["--model", "logreg", "--devices", "4", "--clients-per-round", "4", "--no-progress"]
+    first = run("simulate", *common, "--rounds", "2", "--out", str(out))
+    assert first.returncode == 0, first.stderr
+    before = hashes(out)
+    assert {"metrics.jsonl", "summary.json", "model.onnx"} <= set(before)
+    again = run("simulate", *common, "--rounds", "1", "--out", str(out))
+    one_line_error(again, f"{out} holds a finished run", "metrics.jsonl", "summary.json", "--out")
+    assert hashes(out) == before
+
+
+@pytest.mark.broker
+def test_the_api_refuses_a_finished_runs_directory_unless_asked_to_overwrite(mosquitto, tmp_path):
+    cfg = small(**{"broker.url": mosquitto.url})
+    edge_fl.run_simulation(cfg, tmp_path)
+    before = hashes(tmp_path)
+    with pytest.raises(RunDirError, match=r"holds a finished run .*summary\.json.*--overwrite"):
+        edge_fl.run_simulation(small(**{"broker.url": mosquitto.url}), tmp_path)
+    assert hashes(tmp_path) == before
+    again = edge_fl.run_simulation(
+        small(**{"broker.url": mosquitto.url, "rounds.rounds": 1}), tmp_path, overwrite=True
+    )
+    assert again.summary["rounds_closed"] == 1
+    assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 1
+
+
+def _finished_or_interrupted(tmp_path: Path, kind: str) -> Path:
+    out = tmp_path / kind
+    out.mkdir()
+    (out / "run.json").write_text('{"job": "earlier"}\n')
+    (out / "metrics.jsonl").write_text('{"round": 1}\n')
+    if kind == "finished":
+        (out / "summary.json").write_text('{"rounds_closed": 1}\n')
+        (out / "model.onnx").write_bytes(b"onnx")
+    else:
+        (out / "checkpoint.json").write_text("{}\n")
+    return out
+
+
+@pytest.mark.parametrize("kind", ["finished", "interrupted"])
+def test_aggregator_without_resume_refuses_an_earlier_run(tmp_path, kind):
+    out = _finished_or_interrupted(tmp_path, kind)
+    before = hashes(out)
+    done = run(
+        "aggregator",
+        "--broker",
+        "mqtt://127.0.0.1:9",  # refused before any connection
+        "--model",
+        "logreg",
+        "--out",
+        str(out),
+    )
+    line = one_line_error(done, str(out), "metrics.jsonl", "run.json", "--overwrite")
+    assert ("finished run" in line) == (kind == "finished")
+    assert ("--resume" in line) == (kind == "interrupted")
+    assert hashes(out) == before
+
+
+def test_the_aggregator_refuses_resume_and_overwrite_together(tmp_path):
+    done = run(
+        "aggregator", "--broker", "mqtt://127.0.0.1:9", "--out", str(tmp_path), "--resume",
+        "--overwrite",
+    )  # fmt: skip
+    one_line_error(done, "--resume and --overwrite")
+
+
+# ------------------------------------------------------------------ jobs that cannot keep their word
+
+
+def _build(**overrides):
+    from edge_fl.job import build_job
+
+    return build_job(edge_fl.load_config(None, overrides))
+
+
+def test_a_budget_with_central_noise_is_refused_before_the_job_starts():
+    """F2: a device enforces its budget from its own releases; central noise leaves it none."""
+    from edge_fl.config import ConfigError
+
+    with pytest.raises(
+        ConfigError, match=r"budget_epsilon = 2 cannot be enforced.*gaussian-central"
+    ):
+        _build(
+            **{
+                "privacy.mechanism": "gaussian-central",
+                "privacy.noise_multiplier": 1.0,
+                "privacy.budget_epsilon": 2,
+                "data.devices": 10,
+                "rounds.clients_per_round": 10,
+            }
+        )
+    _build(**{"privacy.mechanism": "gaussian", "privacy.epsilon": 8, "privacy.budget_epsilon": 2})
+
+
+def test_the_cli_refuses_a_central_budget_in_one_line(tmp_path):
+    done = run(
+        "simulate", "--mechanism", "gaussian-central", "--noise-multiplier", "1.0", "--budget",
+        "2", "--devices", "10", "--clients-per-round", "10", "--rounds", "8", "--no-progress",
+        "--out", str(tmp_path / "run"),
+    )  # fmt: skip
+    one_line_error(done)
+    assert "budget_epsilon = 2 cannot be enforced" in done.stderr
+    assert not (tmp_path / "run").exists()
+
+
+def test_local_noise_beyond_the_decoders_limit_is_refused_naming_both(tmp_path):
+    """F4: eps 0.5 with clip 1000 makes sigma ~ 5e4, every update beyond |x| <= 1e4."""
+    done = run(
+        "simulate", "--mechanism", "gaussian", "--epsilon", "0.5", "--clip", "1000",
+        "--no-progress", "--out", str(tmp_path / "run"),
+    )  # fmt: skip
+    one_line_error(done)
+    assert "plausibility limit 10000" in done.stderr and "sigma = " in done.stderr
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize(("clip", "refused"), [(30.0, False), (36.0, False), (45.0, True)])
+def test_the_noise_rule_matches_how_often_honest_updates_would_be_refused(clip, refused):
+    """The rule (refuse when more than 1% of honest updates would carry a value beyond the
+    limit) against the share measured on noise vectors drawn as the device draws them."""
+    import numpy as np
+
+    from edge_fl.config import ConfigError
+    from edge_fl.protocol import UpdateLimits
+
+    cfg = {"privacy.mechanism": "gaussian", "privacy.epsilon": 0.5, "privacy.clip": clip}
+    try:
+        job = _build(**cfg)
+    except ConfigError:
+        assert refused
+        job = None
+    else:
+        assert not refused
+    # z is calibrated from epsilon alone (clip 1 is far inside the limit): the same for every clip
+    z = _build(**{**cfg, "privacy.clip": 1.0}).mechanism.describe()["noise_multiplier"]
+    assert job is None or job.mechanism.describe()["noise_multiplier"] == z
+    d, limit = 4810, UpdateLimits(4810).max_abs  # digits x logreg
+    rng = np.random.default_rng(7)
+    beyond = np.mean([np.abs(rng.normal(0.0, z * clip, size=d)).max() > limit for _ in range(2000)])
+    assert (beyond > 0.01) == refused, beyond
+
+
+# ------------------------------------------------------------------ settings a round cannot meet
+
+
+def test_more_min_updates_than_a_round_selects_is_refused():
+    from edge_fl.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"rounds\.min_updates = 100 exceeds the 20 updates"):
+        edge_fl.load_config(None, {"rounds.min_updates": 100})
+    assert edge_fl.load_config(None, {"rounds.min_updates": 20}).rounds.min_updates == 20
+    done = run("simulate", "--min-updates", "100", "--no-progress")
+    one_line_error(done)
+    assert "rounds.min_updates = 100" in done.stderr
+
+
+def test_more_devices_than_samples_is_one_line_in_the_configs_words():
+    done = run("simulate", "--devices", "5000", "--clients-per-round", "20", "--no-progress")
+    one_line_error(done)
+    assert "data.devices = 5000 exceeds the 1438 training samples of digits" in done.stderr
+
+
+def test_a_job_meant_to_show_refused_releases_charged_can_still_be_built():
+    """noise_must_fit=False skips only the noise rule (tests/test_ledger_charges.py's F4 job)."""
+    from edge_fl.config import ConfigError
+
+    cfg = {"privacy.mechanism": "gaussian", "privacy.epsilon": 0.5, "privacy.clip": 1000.0}
+    with pytest.raises(ConfigError, match="plausibility limit"):
+        _build(**cfg)
+    job = build_job(edge_fl.load_config(None, cfg), noise_must_fit=False)
+    assert job.mechanism.describe()["clip_l2"] == 1000.0
+    central = {
+        "privacy.mechanism": "gaussian-central",
+        "privacy.noise_multiplier": 1.0,
+        "privacy.budget_epsilon": 2,
+    }
+    with pytest.raises(ConfigError, match="cannot be enforced"):
+        build_job(edge_fl.load_config(None, central), noise_must_fit=False)
