@@ -17,6 +17,7 @@ import paho.mqtt.client as paho
 import pytest
 
 from edge_fl.config import load_config
+from edge_fl.job import build_job
 from edge_fl.protocol import Topics
 from edge_fl.report import read_run
 from edge_fl.simulation import simulate
@@ -128,7 +129,7 @@ def test_releases_the_decoder_refuses_as_implausible_are_charged(mosquitto, tmp_
         },
     )
     with Sniffer(mosquitto.url, Topics(job)) as tap:
-        summary = simulate(cfg, tmp_path)
+        summary = simulate(build_job(cfg, noise_must_fit=False), tmp_path)
     published = published_releases(tap.payloads)
     records = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert summary["total_received"] == 0  # every one refused

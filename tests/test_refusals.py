@@ -67,6 +67,9 @@ def test_simulate_into_a_finished_run_leaves_it_byte_identical(tmp_path):
     again = run("simulate", *common, "--rounds", "1", "--out", str(out))
     one_line_error(again, f"{out} holds a finished run", "metrics.jsonl", "summary.json", "--out")
     assert hashes(out) == before
+    fresh = run("simulate", *common, "--rounds", "1", "--out", str(out), "--overwrite")
+    assert fresh.returncode == 0, fresh.stderr
+    assert len((out / "metrics.jsonl").read_text().splitlines()) == 1
 
 
 @pytest.mark.broker

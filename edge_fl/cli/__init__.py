@@ -283,14 +283,16 @@ def _quiet_closed_loop(unraisable: Any, default: Any = sys.__unraisablehook__) -
 @click.option("--embedded-broker", type=click.Choice(["auto", "mosquitto", "amqtt"]))
 @click.option("--no-progress", is_flag=True, help="no live progress bar")
 @click.option("--json", "as_json", is_flag=True, help="print the summary as JSON")
-def simulate(out, embedded_broker, no_progress, as_json, verbose, config, **kw) -> None:
+@click.option("--overwrite", is_flag=True, help="start afresh over an earlier run in --out")
+def simulate(out, embedded_broker, no_progress, as_json, overwrite, verbose, config, **kw) -> None:
     """Run a whole federated job (broker, aggregator, fleet) on this machine."""
     _logging(verbose)
     cfg = _load(config, {**_overrides(kw), "broker.embedded": embedded_broker})
     from edge_fl.simulation import simulate as run
 
     try:
-        summary = run(cfg, out, progress=not no_progress and sys.stderr.isatty())
+        progress = not no_progress and sys.stderr.isatty()
+        summary = run(cfg, out, progress=progress, overwrite=overwrite)
     except (ValueError, RuntimeError, OSError) as exc:
         _fail(str(exc))
     if as_json:
