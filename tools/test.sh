@@ -55,6 +55,9 @@ echo "== ruff"
 echo "== import contracts (.importlinter)"
 .venv/bin/lint-imports --config .importlinter
 
+echo "== mypy (mypy.ini)"
+.venv/bin/python -m mypy
+
 echo "== pytest"
 MARKS="not slow and not bench"
 [ "${EDGE_FL_SLOW:-0}" = "1" ] && MARKS="not bench"
