@@ -103,6 +103,10 @@ def test_poisson_selection_runs_hides_participation_and_accounts_exactly(mosquit
     assert len(public) == 4
     hidden = {"received", "selected", "target", "late", "rejected", "bytes_up", "messages_up"}
     assert all(hidden.isdisjoint(r) for r in public)
+    # the fleet's own counts depend on who uploaded too: wire_up / a device's bytes per upload
+    # gave the received count of every round (issue 23 F3)
+    assert all("wire_up" in r and "dropouts" in r for r in records)
+    assert not [k for r in public for k in r if k.startswith("wire_") or k == "dropouts"]
     assert all(r["epsilon"] == rec["epsilon"] for r, rec in zip(public, records, strict=True))
     # devices really flipped coins: 4 rounds x 20 devices x q = 0.25 -> 20 expected uploads
     assert 0 < summary["total_received"] < 60

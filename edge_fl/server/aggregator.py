@@ -62,6 +62,9 @@ PARTICIPATION_FIELDS = (
     "bad_status",
     "device_updates",
 )
+#: record fields a runtime adds that depend on who uploaded too: the simulated fleet's wire bytes
+#: (every PUBLISH and PUBACK of a device's session) and its dropouts
+PARTICIPATION_PREFIXES = ("wire_", "dropouts")
 #: record fields for the operator only, never on the metrics topic (they name devices)
 PRIVATE_FIELDS = ("rejection_samples",)
 
@@ -695,9 +698,14 @@ class AggregatorCore:
         """What may go on the metrics topic, which devices can read: without participation
         counts when amplification by Poisson sampling is claimed (they would void it)."""
         hidden: tuple[str, ...] = PRIVATE_FIELDS
-        if self.settings.sample_rate is not None:
-            hidden = (*PARTICIPATION_FIELDS, *PRIVATE_FIELDS)
-        return {k: v for k, v in record.items() if k not in hidden}
+        if self.settings.sample_rate is None:
+            return {k: v for k, v in record.items() if k not in hidden}
+        hidden = (*PARTICIPATION_FIELDS, *PRIVATE_FIELDS)
+        return {
+            k: v
+            for k, v in record.items()
+            if k not in hidden and not k.startswith(PARTICIPATION_PREFIXES)
+        }
 
     # ----------------------------------------------------------- state
 
