@@ -400,3 +400,17 @@ def test_rr_clip_count_reports_clipping():
     assert clip_count(-3.5, 10) == (0.0, True)
     assert clip_count(12.0, 10) == (10.0, True)
     assert clip_count(4.0, 10) == (4.0, False)
+
+
+def test_every_guarantee_names_what_it_assumes_public():
+    """Every update and status carries n = |D| in the clear, so a guarantee that does not cover
+    the sample count must say so (issue 23 F5: gaussian and signds said nothing was public)."""
+    from edge_fl.mechanisms import mechanism_class, mechanism_names
+
+    for name in mechanism_names():
+        guarantee = mechanism_class(name).guarantee
+        if name == "none":
+            continue
+        assert guarantee.public, name
+        if guarantee.unit == "device" and guarantee.relation == "replace_one":
+            assert any("|D|" in item for item in guarantee.public), name

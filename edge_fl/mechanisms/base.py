@@ -29,6 +29,10 @@ if TYPE_CHECKING:  # dp-accounting is imported only by mechanisms that account
     from edge_fl.privacy.events import PrivacyEvent
 
 
+#: what a mechanism whose guarantee does not cover the sample count must name as public: every
+#: update and the retained status carry ``n`` = |D| in the clear (the aggregator weights by it)
+N_IN_THE_CLEAR = "|D| (every update and status carries n in the clear)"
+
 #: the meaning of a mechanism's public parameter ``L``
 UPLOADS = "uploads L a device may make before it stops (its budget is spent)"
 

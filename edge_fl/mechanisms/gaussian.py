@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from edge_fl.mechanisms.base import (
+    N_IN_THE_CLEAR,
     UPLOADS,
     Device,
     Guarantee,
@@ -29,7 +30,7 @@ if TYPE_CHECKING:
 
 class LocalGaussian(Mechanism):
     name = "gaussian"
-    guarantee = Guarantee("device", "replace_one", "approximate")
+    guarantee = Guarantee("device", "replace_one", "approximate", (N_IN_THE_CLEAR,))
     public_schema = (
         number_param("clip", True, "L2 clip bound S of the delta", 0),
         number_param(

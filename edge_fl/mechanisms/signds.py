@@ -20,6 +20,7 @@ import numpy as np
 
 import edge_fl.protocol.fields as F
 from edge_fl.mechanisms.base import (
+    N_IN_THE_CLEAR,
     Device,
     Guarantee,
     JobFacts,
@@ -57,7 +58,7 @@ log = logging.getLogger("edge_fl.signds")
 class SignDS(Mechanism):
     name = "signds"
     wire_kind = "s"
-    guarantee = Guarantee("device", "replace_one", "pure")
+    guarantee = Guarantee("device", "replace_one", "pure", (N_IN_THE_CLEAR,))
     public_schema = (
         int_param(
             "d", True, "model dimension the plan is for (= number of parameters)", 1, MAX_DIM
