@@ -14,11 +14,10 @@ D = 6
 DEVICES = [f"d{i}" for i in range(4)]
 
 
-def sync_core(**kw) -> AggregatorCore:
-    settings = dict(job="j", rounds=1, target=2, min_updates=2, deadline_s=10.0)
-    settings.update(kw)
+def core(**settings) -> AggregatorCore:
+    """An engine with every device online (the mode, and so the policy, from ``settings``)."""
     c = AggregatorCore(
-        AggregatorSettings(**settings),
+        AggregatorSettings(**{"job": "j", "rounds": 1, "deadline_s": 10.0, **settings}),
         np.zeros(D, np.float32),
         UpdateLimits(D),
         seeded_generator(1),
@@ -26,20 +25,14 @@ def sync_core(**kw) -> AggregatorCore:
     for d in DEVICES:
         c.on_status(d, encode_status(Status(d, True, 100)))
     return c
+
+
+def sync_core(**kw) -> AggregatorCore:
+    return core(**{"target": 2, "min_updates": 2, **kw})
 
 
 def async_core(**kw) -> AggregatorCore:
-    settings = dict(job="j", rounds=1, target=2, min_updates=1, deadline_s=10.0)
-    settings.update(mode="fedbuff", buffer_size=2, **kw)
-    c = AggregatorCore(
-        AggregatorSettings(**settings),
-        np.zeros(D, np.float32),
-        UpdateLimits(D),
-        seeded_generator(1),
-    )
-    for d in DEVICES:
-        c.on_status(d, encode_status(Status(d, True, 100)))
-    return c
+    return core(**{"target": 2, "min_updates": 1, "mode": "fedbuff", "buffer_size": 2, **kw})
 
 
 def update(c, device: str, rnd: int, value: float = 0.1, nonce: bytes | None = None) -> bytes:
