@@ -1,10 +1,18 @@
 """Whole-process time of `edge-fl simulate` (what a user waits for, run after run) and its parts.
 
-Each repetition runs the real command in a fresh interpreter; baselines measured in the same run:
-`python -c pass` (interpreter start) and `python -c "import numpy"`. The breakdown comes from the
-run's own summary.json (build, broker ready, fleet connected, first round, all rounds).
+Each repetition runs the real command in a fresh interpreter; baselines measured in the same run,
+alternating with it: `python -c pass` (interpreter start), `python -c "import numpy"` and
+tools/plain_fedavg.py (a plain numpy FedAvg loop of the same job: same data split, model, local
+training and averaging, no framework). The breakdown comes from the run's own summary.json
+(build, broker ready, fleet connected, first round, all rounds).
 
-    .venv/bin/python tools/bench_simulate.py --repeats 5
+    .venv/bin/python tools/bench_simulate.py --repeats 5            # the README's first job
+    .venv/bin/python tools/bench_simulate.py --repeats 5 --args ""  # the default job
+    .venv/bin/python tools/bench_simulate.py --args "" --guard tools/bench_simulate_baseline.json
+
+The regression guard compares the per-round cost, as a ratio to the plain loop's per-round cost
+measured in the same run (so the machine's speed cancels), with the recorded baseline and exits 1
+when it grew by more than 20%; `--record` writes the baseline.
 """
 
 from __future__ import annotations
@@ -20,6 +28,26 @@ from pathlib import Path
 
 PY = sys.executable
 EDGE_FL = str(Path(PY).with_name("edge-fl"))
+PLAIN = str(Path(__file__).with_name("plain_fedavg.py"))
+GUARD_TOLERANCE = 1.20
+
+
+def plain_args(simulate_args: str) -> list[str]:
+    """The plain loop's overrides for the simulate flags this benchmark passes."""
+    names = {
+        "--devices": "data.devices",
+        "--rounds": "rounds.rounds",
+        "--clients-per-round": "rounds.clients_per_round",
+        "--dataset": "data.dataset",
+        "--model": "model.name",
+    }
+    words = simulate_args.split()
+    out = []
+    for flag, value in zip(words[::2], words[1::2], strict=False):
+        if flag not in names:
+            raise SystemExit(f"bench_simulate: the plain loop has no equivalent of {flag}")
+        out.append(f"{names[flag]}={value}")
+    return out
 
 
 def timed(cmd: list[str]) -> float:
@@ -35,14 +63,24 @@ def main() -> None:
         "--args",
         default="--devices 50 --rounds 20 --clients-per-round 20 --dataset digits --model mlp",
     )
+    ap.add_argument("--guard", help="baseline JSON: exit 1 if per-round cost grew > 20%%")
+    ap.add_argument("--record", action="store_true", help="write --guard's baseline from this run")
     args = ap.parse_args()
     rows: dict[str, list[float]] = {"python -c pass": [], "python -c 'import numpy'": []}
+    rows["plain numpy FedAvg loop (whole process)"] = []
     rows["edge-fl simulate (whole process)"] = []
+    plain_rounds: list[float] = []
     parts: dict[str, list[float]] = {}
     per_round: list[float] = []
     for _ in range(args.repeats):
         rows["python -c pass"].append(timed([PY, "-c", "pass"]))
         rows["python -c 'import numpy'"].append(timed([PY, "-c", "import numpy"]))
+        t = time.perf_counter()
+        plain = subprocess.run(
+            [PY, PLAIN, *plain_args(args.args)], check=True, capture_output=True, text=True
+        )
+        rows["plain numpy FedAvg loop (whole process)"].append(time.perf_counter() - t)
+        plain_rounds.append(float(plain.stdout.rsplit("rounds ", 1)[1].split()[0]))
         with tempfile.TemporaryDirectory() as out:
             cmd = [EDGE_FL, "simulate", *args.args.split(), "--out", out, "--no-progress"]
             rows["edge-fl simulate (whole process)"].append(timed(cmd))
@@ -63,6 +101,30 @@ def main() -> None:
         f"  per-round wall time: median {statistics.median(per_round) * 1000:.1f} ms, "
         f"p90 {sorted(per_round)[int(0.9 * len(per_round))] * 1000:.1f} ms"
     )
+    whole = statistics.median(rows["edge-fl simulate (whole process)"])
+    plain_whole = statistics.median(rows["plain numpy FedAvg loop (whole process)"])
+    n_rounds = len(per_round) / args.repeats
+    plain_round = statistics.median(plain_rounds) / n_rounds
+    ratio_round = statistics.median(per_round) / plain_round
+    print(f"  whole process against the plain loop: x{whole / plain_whole:.2f}")
+    print(
+        f"  per round against the plain loop: x{ratio_round:.2f} "
+        f"({plain_round * 1000:.1f} ms per plain round)"
+    )
+    if args.guard:
+        guard = Path(args.guard)
+        if args.record:
+            guard.write_text(
+                json.dumps({"args": args.args, "per_round_vs_plain": ratio_round}) + "\n"
+            )
+            print(f"  baseline recorded in {guard}")
+            return
+        base_ratio = json.loads(guard.read_text())["per_round_vs_plain"]
+        grew = ratio_round / base_ratio
+        verdict = "REGRESSION" if grew > GUARD_TOLERANCE else "ok"
+        print(f"  guard: per-round cost x{grew:.2f} of the recorded baseline: {verdict}")
+        if grew > GUARD_TOLERANCE:
+            raise SystemExit(1)
 
 
 if __name__ == "__main__":
