@@ -72,6 +72,9 @@ RECONNECT_SETTLE_S = 10.0
 #: sharded ingest: how long the coordinator waits for the workers' answers to freeze and commit
 #: (a worker that went offline is not waited for); a share that does not come is reported lost
 SHARD_ANSWER_S = 10.0
+#: on a stop, after the done marker: how long the service still listens for updates devices
+#: had already sent (each is a release to charge); a fleet that leaves ends it at once
+STOP_GRACE_S = 1.0
 
 
 def _retrieved(task: asyncio.Task) -> None:
@@ -276,10 +279,8 @@ class AggregatorService:
             if qos and not self.ack_after_processing and self._paho is not None:
                 client_adapter.ack(self._paho, mid, 1)  # the chaos tool's ack-on-receipt
                 qos = 0
-            if (self.stopped is not None or self._settled) and self.topics.device_of(
-                topic, "up"
-            ) is not None:
-                return  # stopping or settled: not taken, not acknowledged (a resume gets it)
+            if self._settled and self.topics.device_of(topic, "up") is not None:
+                return  # settled: not taken, not acknowledged (a resume gets it)
             self._ingest(topic, payload, retain)
             if qos > 0:
                 self.commit.add(mid, qos, self._loop)
@@ -334,6 +335,7 @@ class AggregatorService:
         wrapped in an :class:`IngestTap` before aiomqtt registers it with the event loop."""
         self._paho = client
         client_adapter.manual_acks(client, self._on_paho_message)  # acked in _flush (see above)
+        client_adapter.quiet_on_loss(client)  # a lost broker is the one line run() logs
         mqtt5 = client_adapter.is_mqtt5(client)
 
         def wrap(sock: Any) -> IngestTap:
@@ -537,16 +539,17 @@ class AggregatorService:
             record["stopped"] = self.stopped
         return record
 
-    def _decide_on_stop(self) -> dict[str, Any] | None:
+    def _decide_on_stop(self, commit: bool = True) -> dict[str, Any] | None:
         """Close the open round if it has what it needs (its minimum, and at least one update),
-        else record it skipped; then the job ends."""
+        else record it skipped; then the job ends. ``commit=False``: the record is settled and
+        committed by the caller, after it charged what was already on its way."""
         core = self.core
         record = None
         rnd = core.current
         core.ended_early = f"stopped by {self.stopped}"  # first: closing knows it is the last
         if rnd is not None:
             enough = rnd.count >= max(rnd.min_updates, 1)
-            record = self._close(skipped=not enough)
+            record = self._close(skipped=not enough) if commit else self._close_round(not enough)
             log.warning(
                 "round %d %s on %s with %d updates",
                 record["round"],
@@ -557,6 +560,41 @@ class AggregatorService:
         else:  # between async windows: what waits for one is released all the same
             core.charge_held()
         return record
+
+    async def _end_on_stop(self, client: aiomqtt.Client) -> None:
+        """A stop: tell the devices the job ended now (they stop training and releasing), then
+        charge what they had already sent: listen until every device the last round asked has
+        answered or left (its offline status comes after its update on its own connection), for
+        at most :data:`STOP_GRACE_S`. A lost broker ends the wait; the record is still committed."""
+        with contextlib.suppress(aiomqtt.MqttError):
+            await self._publish_done(client)
+            until = self._now() + STOP_GRACE_S
+            while self._in_flight() and self._now() < until:
+                await self._sleep_until(until)
+            if self._in_flight():
+                log.warning(
+                    "stopped while %d devices may still be sending: what they send now is not "
+                    "charged",
+                    len(self._in_flight()),
+                )
+
+    def _in_flight(self) -> frozenset[str]:
+        """Devices that may have released an update the ledger has not seen yet: those the last
+        round asked (under Poisson selection every available device: the coins are secret)."""
+        core = self.core
+        if core.settings.sample_rate is not None:
+            return frozenset(core.available())
+        return core.outstanding()
+
+    async def _publish_done(self, client: aiomqtt.Client) -> None:
+        """The done marker (retained, signed like every global message), once."""
+        if self.done_published:
+            return
+        final = self.core.global_message(done=True, now=time.time())
+        await client.publish(
+            self.topics.global_model, encode_global(final, signer=self.signer), 1, retain=True
+        )
+        self.done_published = True
 
     async def _publish_record(self, client: aiomqtt.Client | None, record: dict) -> None:
         if client is None:
@@ -570,8 +608,11 @@ class AggregatorService:
         while not core.finished:
             if self.stopped is not None:
                 await self._collect_shares(client)
-                record = self._decide_on_stop()
+                record = self._decide_on_stop(commit=False)
+                await self._end_on_stop(client)
                 if record is not None:
+                    self._settle(record)
+                    self._commit(record)
                     await self._publish_record(client, record)
                 break
             if core.current is None:
@@ -609,6 +650,8 @@ class AggregatorService:
             if core.finished:  # the job's last round: charge what is still on its way first
                 if self.sharding is None:
                     await self._drain()
+                if self.stopped is not None:  # during the drain: what is in flight, at once
+                    await self._end_on_stop(client)
                 self._settle(record)
             self._commit(record)
             await self._publish_record(client, record)
@@ -709,14 +752,7 @@ class AggregatorService:
                     task.result()  # re-raise a reader MqttError or a round error
                 self._flush()
                 self._finish()  # summary and model on disk before devices hear the job ended
-                final = self.core.global_message(done=True, now=time.time())
-                await client.publish(
-                    self.topics.global_model,
-                    encode_global(final, signer=self.signer),
-                    1,
-                    retain=True,
-                )
-                self.done_published = True
+                await self._publish_done(client)  # (a stop published it first)
                 if self.sharding is not None:  # the workers' job is over too
                     from .sharding import pack
 
@@ -766,7 +802,9 @@ class AggregatorService:
                             f"after {self.reconnect_attempts} attempts: {exc}"
                         ) from exc
                     delay = min(0.2 * 2**attempt, 10.0)
-                    log.warning(
+                    # one line per outage: the first failure says it, the retries are debug
+                    log.log(
+                        logging.WARNING if attempt == 1 else logging.DEBUG,
                         "broker %s unavailable (%s); reconnecting in %.1fs (attempt %d/%d)",
                         self.spec.redacted(),
                         exc,
