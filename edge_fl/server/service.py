@@ -1,9 +1,11 @@
-"""The aggregator service: the core's I/O edge over aiomqtt (connection) and paho (packets).
+"""The aggregator service: drives the rounds of one job over MQTT around an AggregatorCore.
 
 Ingest: aiomqtt connects, subscribes and publishes; received PUBLISH packets do not go through
-its queue: an :class:`IngestTap` on paho's socket parses them from large reads and the service
-dispatches each into the core at once (``on_update``/``on_status``), then acknowledges a group of
-them after one journal fsync (BENCHMARKS.md, ``tools/bench_ingest.py``).
+its queue: an :class:`~edge_fl.transport.tap.IngestTap` on paho's socket parses them from large
+reads and the service dispatches each into the core at once (``on_update``/``on_status``); a
+:class:`~edge_fl.server.group_commit.GroupCommit` acknowledges them after one journal fsync
+(BENCHMARKS.md, ``tools/bench_ingest.py``); :class:`~edge_fl.server.acks.AckPolicy` decides the
+replies on ``ack/<device>``.
 
 It subscribes to updates and statuses, feeds payload bytes to :class:`AggregatorCore`, drives
 round deadlines with the event loop's clock, publishes the retained global model and one metrics
@@ -19,20 +21,20 @@ its metrics line, then a fresh journal. A ``kill -9`` at any point loses nothing
 journaled is replayed on ``--resume``, what was not was not acknowledged and the broker delivers it
 again to the persistent session.
 
-Clean stop: :meth:`request_stop` (SIGTERM/SIGINT through :class:`StopSignals`) stops accepting,
-closes the open round if it has what it needs (else records it skipped), commits it, runs
-``on_finish`` (summary, model) and publishes the done marker, so devices see the end of the job.
+Clean stop: :meth:`request_stop` (SIGTERM/SIGINT through
+:class:`~edge_fl.server.signals.StopSignals`) closes the open round at once with what arrived (or
+records it skipped), publishes the done marker so devices stop releasing, charges what was
+already on its way (until each device it asked answered or left, at most :data:`STOP_GRACE_S`),
+commits the round, runs ``on_finish`` (summary, model) and ends.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import errno
 import json
 import logging
 import math
-import signal
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -40,22 +42,25 @@ from typing import TYPE_CHECKING, Any
 
 import aiomqtt
 
-from edge_fl.protocol import Reject, Topics, ack_for, encode_ack, encode_global
+from edge_fl.protocol import Reject, Topics, encode_global
 from edge_fl.transport import client_adapter
+from edge_fl.transport.tap import IngestTap
 from edge_fl.transport.url import BrokerSpec
 
+from .acks import AckPolicy
 from .aggregator import AggregatorCore
+from .group_commit import ACK_BATCH, GroupCommit
 from .rounds import Decision
+from .signals import StopSignals
 
 if TYPE_CHECKING:
     import paho.mqtt.client as paho
 
+__all__ = ["ACK_BATCH", "AggregatorService", "BrokerUnavailable", "IngestTap", "StopSignals"]
+
 log = logging.getLogger("edge_fl.aggregator")
 
 RecordCallback = Callable[[dict[str, Any]], None]
-
-#: at most this many received messages wait for one journal fsync before their acknowledgements
-ACK_BATCH = 256
 #: a round that could end early because its remaining devices went offline waits this long first:
 #: a dying broker publishes every device's last will just before the connection drops, and those
 #: "offline" statuses must not skip a round the devices are still working on
@@ -67,205 +72,20 @@ RECONNECT_SETTLE_S = 10.0
 #: sharded ingest: how long the coordinator waits for the workers' answers to freeze and commit
 #: (a worker that went offline is not waited for); a share that does not come is reported lost
 SHARD_ANSWER_S = 10.0
+#: on a stop, after the done marker: how long the service still listens for updates devices
+#: had already sent (each is a release to charge); a fleet that leaves ends it at once
+STOP_GRACE_S = 1.0
+
+
+def _retrieved(task: asyncio.Task) -> None:
+    """Done callback of a publish nobody awaits: its failure (the broker went away) is expected
+    and reported once by the reconnect, not as "exception was never retrieved"."""
+    if not task.cancelled():
+        task.exception()
 
 
 class BrokerUnavailable(RuntimeError):
     """The broker could not be reached within the retry budget."""
-
-
-#: PUBLISH packet type (MQTT 3.1.1 section 2.2.1)
-_PUBLISH = 0x30
-#: bytes read from the socket per system call (paho reads a packet in 3-5 small reads)
-TAP_CHUNK = 1 << 18
-#: at most this many bytes are read and dispatched per call of the tap before paho runs again
-TAP_BURST = 1 << 20
-
-PublishHandler = Callable[[str, bytes, int, int, bool], None]
-
-
-class IngestTap:
-    """paho's socket, read in large chunks, with PUBLISH packets handed straight to a handler.
-
-    Why: paho reads a packet in 3-5 ``recv`` calls and builds an ``MQTTMessage``, and aiomqtt
-    then converts it, queues it and wakes a task for it: that plumbing cost more than decoding,
-    validating and folding the update (BENCHMARKS.md). The tap reads up to :data:`TAP_CHUNK`
-    bytes per call, parses each PUBLISH (QoS 0 or 1) itself and calls
-    ``handler(topic, payload, mid, qos, retain)``; every other packet (CONNACK, SUBACK, PUBACK
-    of our publishes, PINGRESP, a QoS 2 PUBLISH, a topic that is not UTF-8) goes to paho
-    unchanged, in stream order: parsing pauses until paho has read it. paho still writes
-    everything, acknowledges nothing by itself (manual acks) and keeps the connection state.
-
-    ``pending()`` says whether a complete packet waits in the buffer, which aiomqtt's reader
-    asks (as it does of a TLS socket) to call ``loop_read`` again before waiting on the socket.
-    """
-
-    def __init__(self, sock: Any, handler: PublishHandler, mqtt5: bool = False) -> None:
-        self._sock = sock
-        self._handler = handler
-        self._mqtt5 = mqtt5
-        self._buf = bytearray()  # read, not yet parsed
-        self._out = bytearray()  # a packet for paho, not yet read by it
-        self._eof = False
-        self.diverted = 0  # PUBLISH packets handed to the handler
-        self.passed = 0  # packets left to paho
-
-    def __getattr__(self, name: str) -> Any:  # send, fileno, close, setblocking, ...
-        return getattr(self._sock, name)
-
-    def recv(self, n: int) -> bytes:
-        if not self._out:
-            self._fill()
-        if self._out:
-            chunk = bytes(self._out[:n])
-            del self._out[:n]
-            return chunk
-        if self._eof:
-            return b""  # paho: connection lost
-        raise BlockingIOError(errno.EAGAIN, "no complete packet for paho yet")
-
-    def pending(self) -> int:
-        """Bytes that can be read without waiting on the socket (0 unless a whole packet)."""
-        inner = getattr(self._sock, "pending", None)
-        more = inner() if inner is not None else 0
-        return len(self._out) + (1 if self._frame_end() is not None else 0) + more
-
-    def _frame_end(self) -> tuple[int, int] | None:
-        """(offset of the variable header, end) of the first buffered packet, if complete."""
-        buf = self._buf
-        length, mult, i = 0, 1, 1
-        while True:
-            if i >= len(buf):
-                return None
-            byte = buf[i]
-            length += (byte & 0x7F) * mult
-            i += 1
-            if not byte & 0x80:
-                break
-            mult *= 128
-            if i > 4:  # malformed: let paho see it and drop the connection
-                return 1, len(buf)
-        end = i + length
-        return (i, end) if end <= len(buf) else None
-
-    def _fill(self) -> None:
-        """Parse buffered packets, reading the socket as needed, until one is for paho, the
-        socket has nothing more or :data:`TAP_BURST` bytes were read."""
-        read = 0
-        while not self._out:
-            frame = self._frame_end()
-            if frame is None:
-                if self._eof or read >= TAP_BURST:
-                    return
-                try:
-                    data = self._sock.recv(TAP_CHUNK)
-                except (BlockingIOError, InterruptedError):
-                    return
-                except OSError:  # TLS want-read/want-write and errors: paho handles them
-                    if read:
-                        return
-                    raise
-                if not data:
-                    self._eof = True
-                    return
-                read += len(data)
-                self._buf += data
-                continue
-            start, end = frame
-            if not self._divert(start, end):
-                self._out += self._buf[:end]
-                self.passed += 1
-            del self._buf[:end]
-
-    def _divert(self, start: int, end: int) -> bool:
-        """Hand a QoS 0/1 PUBLISH packet to the handler; False: paho reads it."""
-        buf = self._buf
-        cmd = buf[0]
-        qos = (cmd >> 1) & 3
-        if cmd & 0xF0 != _PUBLISH or qos > 1 or end - start < 2:
-            return False
-        tlen = (buf[start] << 8) | buf[start + 1]
-        if tlen == 0:  # an MQTT 5 topic alias: paho resolves it
-            return False
-        i = start + 2 + tlen
-        mid = 0
-        if qos:
-            if i + 2 > end:
-                return False
-            mid = (buf[i] << 8) | buf[i + 1]
-            i += 2
-        if self._mqtt5:  # skip the properties (variable byte integer length, then that many)
-            plen, mult = 0, 1
-            while i < end:
-                byte = buf[i]
-                i += 1
-                plen += (byte & 0x7F) * mult
-                mult *= 128
-                if not byte & 0x80:
-                    break
-            i += plen
-        if i > end:
-            return False
-        try:
-            topic = buf[start + 2 : start + 2 + tlen].decode("utf-8")
-        except UnicodeDecodeError:
-            return False
-        self.diverted += 1
-        self._handler(topic, bytes(buf[i:end]), mid, qos, bool(cmd & 1))
-        return True
-
-
-class StopSignals:
-    """SIGTERM and SIGINT as a clean-stop request, from process start to the end of the job.
-
-    ``install()`` (before the event loop runs) only remembers a signal; ``attach(loop, stop)``
-    hands it, and every later one, to ``stop(name)`` on the loop; ``restore()`` puts the previous
-    handlers back. A second signal while stopping changes nothing: the stop is already bounded."""
-
-    SIGNALS = (signal.SIGTERM, signal.SIGINT)
-
-    def __init__(self) -> None:
-        self.received: str | None = None
-        self._previous: dict[int, Any] = {}
-        self._loop: asyncio.AbstractEventLoop | None = None
-
-    def install(self) -> StopSignals:
-        for sig in self.SIGNALS:
-            with contextlib.suppress(ValueError, OSError):  # not the main thread
-                self._previous[sig] = signal.signal(sig, self._remember)
-        return self
-
-    def _remember(self, signum: int, _frame: Any) -> None:
-        self.received = self.received or signal.Signals(signum).name
-
-    def attach(self, loop: asyncio.AbstractEventLoop, stop: Callable[[str], None]) -> None:
-        def fire(sig: signal.Signals) -> None:
-            self.received = self.received or sig.name
-            stop(sig.name)
-
-        for sig in self.SIGNALS:
-            with contextlib.suppress(ValueError, RuntimeError, NotImplementedError):
-                loop.add_signal_handler(sig, fire, sig)
-        self._loop = loop
-        if self.received is not None:  # it came before the loop ran
-            loop.call_soon(stop, self.received)
-
-    def detach(self) -> None:
-        if self._loop is not None:
-            for sig in self.SIGNALS:
-                with contextlib.suppress(Exception):
-                    self._loop.remove_signal_handler(sig)
-            self._loop = None
-        for sig in self.SIGNALS:  # remove_signal_handler left SIG_DFL: keep remembering
-            if sig in self._previous:
-                with contextlib.suppress(ValueError, OSError):
-                    signal.signal(sig, self._remember)
-
-    def restore(self) -> None:
-        self.detach()
-        for sig, handler in self._previous.items():
-            with contextlib.suppress(ValueError, OSError, TypeError):
-                signal.signal(sig, handler)
-        self._previous.clear()
 
 
 class AggregatorService:
@@ -298,9 +118,7 @@ class AggregatorService:
         self._open_control: bytes | None = None  # the open round's message to the workers
         self.signer = signer
         self.job_document = job_document
-        self.acks = acks
-        self._acks_sent: Counter = Counter()  # per device in the current round (capped)
-        self._acks_round = -1
+        self.acks = AckPolicy(acks)
         self._live_status: set[str] = set()
         self.core = core
         self.spec = spec
@@ -320,8 +138,7 @@ class AggregatorService:
         self._round_started = 0.0
         self._settle_until: float | None = None
         self._grace_until = 0.0  # after a reconnect: no early close on statuses before this
-        self._pending_acks: list[tuple[int, int]] = []
-        self._flush_handle: asyncio.Handle | None = None
+        self.commit = GroupCommit(journal, on_error=self._fail)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._ingest_failed: asyncio.Future[None] | None = None
         self._paho: aiomqtt.Client | None = None  # the current client (acks on receipt)
@@ -344,30 +161,28 @@ class AggregatorService:
             self.stopped = reason
         self._wake.set()
 
-    #: replies per device and round at most: a flooding device gets its reason, not a flood back
-    MAX_ACKS_PER_ROUND = 5
+    def _ack(self, device: str, payload: bytes, reason: Reject | str | None, held: bool) -> None:
+        """Tell the device what became of its update (docs/protocol.md, Ack), as the
+        :class:`AckPolicy` decides. Fire and forget (QoS 1, not retained): ingest never waits."""
+        if self._client is None or not self.acks.enabled:
+            return
+        reply = self.acks.reply(self.core, device, payload, reason, held=held)
+        if reply is not None:
+            self._send_ack(device, reply)
 
-    def _ack(self, device: str, reason: Reject | str | None) -> None:
-        """Tell the device whether its update was accepted, and why not (docs/protocol.md, Ack).
-        Fire and forget (QoS 1, not retained): ingest never waits for it."""
-        if self.acks == "off" or (reason is None and self.acks != "all") or self._client is None:
-            return
-        if device not in self.core.devices:
-            return  # never announced itself: no reply (a flood of strangers gets no flood back)
-        if self.core.round_number != self._acks_round:
-            self._acks_round, self._acks_sent = self.core.round_number, Counter()
-        self._acks_sent[device] += 1
-        if self._acks_sent[device] > self.MAX_ACKS_PER_ROUND:
-            return
-        rejection = self.core.last_rejection if reason is not None else None
-        detail = rejection.detail if rejection is not None and rejection.reason == reason else None
-        rnd = getattr(rejection, "round", None) if detail is not None else None
-        payload = encode_ack(ack_for(device, reason, detail, rnd))
+    def _send_ack(self, device: str, reply: bytes) -> None:
         client = self._client
+        if client is None:
+            return
         task = asyncio.get_running_loop().create_task(
-            client.publish(self.topics.ack(device), payload, qos=1)
+            client.publish(self.topics.ack(device), reply, qos=1)
         )
-        task.add_done_callback(lambda t: t.exception() if not t.cancelled() else None)
+        task.add_done_callback(_retrieved)
+
+    def _ack_held(self) -> None:
+        """A window opened: ack what it decided about updates held for it."""
+        for device, reply in self.acks.held_verdicts(self.core):
+            self._send_ack(device, reply)
 
     def _dispatch(self, message: Any) -> None:
         """One received message (anything with ``topic``, ``payload`` and ``retain``)."""
@@ -378,7 +193,10 @@ class AggregatorService:
         if (device := self.topics.device_of(topic, "up")) is not None:
             core = self.core
             before = len(core.releases)
-            reason = core.on_update(device, bytes(payload))
+            window = core.current
+            counted = window.count if window is not None else None
+            data = bytes(payload)
+            reason = core.on_update(device, data)
             new = core.releases[before:]
             if self.journal is not None:
                 if reason is None:  # replaying the bytes re-folds it and re-records its release
@@ -403,7 +221,8 @@ class AggregatorService:
                 # any accepted update may end the round: the target, or the last one that can
                 # still come (decide() knows which devices stopped or went offline)
                 self._wake.set()
-            self._ack(device, reason)
+            held = reason is None and (core.current is None or core.current.count == counted)
+            self._ack(device, data, reason, held)
         elif (device := self.topics.device_of(topic, "status")) is not None:
             self.core.on_status(device, bytes(payload))
             if not retain:
@@ -443,15 +262,12 @@ class AggregatorService:
 
     def _flush(self) -> None:
         """Journal to disk, then acknowledge the messages whose effects it holds."""
-        if self.journal is not None:
-            self.journal.sync()
-        client = self._client
-        if client is None:
-            return  # connecting (acknowledged once connected) or gone (ids are void then)
-        if self.ack_after_processing:
-            for mid, qos in self._pending_acks:
-                client_adapter.ack(client, mid, qos)
-        self._pending_acks.clear()
+        self.commit.flush()
+
+    @property
+    def _pending_acks(self) -> list[tuple[int, int]]:
+        """Message ids waiting for the next journal sync (tests/test_journal.py appends here)."""
+        return self.commit.pending
 
     def _on_publish(self, topic: str, payload: bytes, mid: int, qos: int, retain: bool) -> None:
         """A message off the wire (from :class:`IngestTap`, or paho for what it leaves to paho):
@@ -463,17 +279,11 @@ class AggregatorService:
             if qos and not self.ack_after_processing and self._paho is not None:
                 client_adapter.ack(self._paho, mid, 1)  # the chaos tool's ack-on-receipt
                 qos = 0
-            if (self.stopped is not None or self._settled) and self.topics.device_of(
-                topic, "up"
-            ) is not None:
-                return  # stopping or settled: not taken, not acknowledged (a resume gets it)
+            if self._settled and self.topics.device_of(topic, "up") is not None:
+                return  # settled: not taken, not acknowledged (a resume gets it)
             self._ingest(topic, payload, retain)
             if qos > 0:
-                self._pending_acks.append((mid, qos))
-                if len(self._pending_acks) >= ACK_BATCH:
-                    self._flush()
-                elif self._flush_handle is None and self._loop is not None:
-                    self._flush_handle = self._loop.call_soon(self._scheduled_flush)
+                self.commit.add(mid, qos, self._loop)
         except Exception as exc:  # handed to the reader task, which raises it
             self._fail(exc)
 
@@ -489,19 +299,11 @@ class AggregatorService:
         payload = message.payload if isinstance(message.payload, bytes | bytearray) else b""
         self._on_publish(topic, bytes(payload), message.mid, message.qos, bool(message.retain))
 
-    def _scheduled_flush(self) -> None:
-        self._flush_handle = None
-        if self._ingest_failed is not None and self._ingest_failed.done():
-            return
-        try:
-            self._flush()
-        except Exception as exc:  # handed to the reader task, which raises it
-            self._fail(exc)
-
     def _fail(self, exc: Exception) -> None:
         """Ingest cannot go on (e.g. the journal's disk failed): the reader task raises ``exc``
         and the service stops as it did when the reader itself raised; nothing more is acked."""
         log.error("ingest failed: %s", exc)
+        self.commit.failed = True
         if self._ingest_failed is not None and not self._ingest_failed.done():
             self._ingest_failed.set_exception(exc)
 
@@ -533,6 +335,7 @@ class AggregatorService:
         wrapped in an :class:`IngestTap` before aiomqtt registers it with the event loop."""
         self._paho = client
         client_adapter.manual_acks(client, self._on_paho_message)  # acked in _flush (see above)
+        client_adapter.quiet_on_loss(client)  # a lost broker is the one line run() logs
         mqtt5 = client_adapter.is_mqtt5(client)
 
         def wrap(sock: Any) -> IngestTap:
@@ -685,6 +488,7 @@ class AggregatorService:
             self.journal.append("open", **self.core.round_spec(self._global_payload))
             self.journal.sync()
         self._round_started = time.perf_counter()
+        self._ack_held()  # async: what the new window did with the updates held for it
         return True
 
     def _close(self, skipped: bool, now: float | None = None) -> dict[str, Any]:
@@ -735,16 +539,17 @@ class AggregatorService:
             record["stopped"] = self.stopped
         return record
 
-    def _decide_on_stop(self) -> dict[str, Any] | None:
+    def _decide_on_stop(self, commit: bool = True) -> dict[str, Any] | None:
         """Close the open round if it has what it needs (its minimum, and at least one update),
-        else record it skipped; then the job ends."""
+        else record it skipped; then the job ends. ``commit=False``: the record is settled and
+        committed by the caller, after it charged what was already on its way."""
         core = self.core
         record = None
         rnd = core.current
         core.ended_early = f"stopped by {self.stopped}"  # first: closing knows it is the last
         if rnd is not None:
             enough = rnd.count >= max(rnd.min_updates, 1)
-            record = self._close(skipped=not enough)
+            record = self._close(skipped=not enough) if commit else self._close_round(not enough)
             log.warning(
                 "round %d %s on %s with %d updates",
                 record["round"],
@@ -755,6 +560,41 @@ class AggregatorService:
         else:  # between async windows: what waits for one is released all the same
             core.charge_held()
         return record
+
+    async def _end_on_stop(self, client: aiomqtt.Client) -> None:
+        """A stop: tell the devices the job ended now (they stop training and releasing), then
+        charge what they had already sent: listen until every device the last round asked has
+        answered or left (its offline status comes after its update on its own connection), for
+        at most :data:`STOP_GRACE_S`. A lost broker ends the wait; the record is still committed."""
+        with contextlib.suppress(aiomqtt.MqttError):
+            await self._publish_done(client)
+            until = self._now() + STOP_GRACE_S
+            while self._in_flight() and self._now() < until:
+                await self._sleep_until(until)
+            if self._in_flight():
+                log.warning(
+                    "stopped while %d devices may still be sending: what they send now is not "
+                    "charged",
+                    len(self._in_flight()),
+                )
+
+    def _in_flight(self) -> frozenset[str]:
+        """Devices that may have released an update the ledger has not seen yet: those the last
+        round asked (under Poisson selection every available device: the coins are secret)."""
+        core = self.core
+        if core.settings.sample_rate is not None:
+            return frozenset(core.available())
+        return core.outstanding()
+
+    async def _publish_done(self, client: aiomqtt.Client) -> None:
+        """The done marker (retained, signed like every global message), once."""
+        if self.done_published:
+            return
+        final = self.core.global_message(done=True, now=time.time())
+        await client.publish(
+            self.topics.global_model, encode_global(final, signer=self.signer), 1, retain=True
+        )
+        self.done_published = True
 
     async def _publish_record(self, client: aiomqtt.Client | None, record: dict) -> None:
         if client is None:
@@ -768,8 +608,11 @@ class AggregatorService:
         while not core.finished:
             if self.stopped is not None:
                 await self._collect_shares(client)
-                record = self._decide_on_stop()
+                record = self._decide_on_stop(commit=False)
+                await self._end_on_stop(client)
                 if record is not None:
+                    self._settle(record)
+                    self._commit(record)
                     await self._publish_record(client, record)
                 break
             if core.current is None:
@@ -807,6 +650,8 @@ class AggregatorService:
             if core.finished:  # the job's last round: charge what is still on its way first
                 if self.sharding is None:
                     await self._drain()
+                if self.stopped is not None:  # during the drain: what is in flight, at once
+                    await self._end_on_stop(client)
                 self._settle(record)
             self._commit(record)
             await self._publish_record(client, record)
@@ -848,9 +693,11 @@ class AggregatorService:
         self._install_tap(client)
         self._loop = asyncio.get_running_loop()
         self._ingest_failed = self._loop.create_future()
-        self._pending_acks.clear()  # message ids of an earlier connection mean nothing now
+        self.commit.forget()  # message ids of an earlier connection mean nothing now
+        self.commit.acknowledge = self.ack_after_processing
         async with client:
             self._client = client
+            self.commit.acker = lambda mid, qos: client_adapter.ack(client, mid, qos)
             self._flush()  # what arrived while connecting (the persistent session's queue)
             self._settle_until = None
             if self._ever_connected:  # a reconnect: the devices' statuses are stale for a while
@@ -905,14 +752,7 @@ class AggregatorService:
                     task.result()  # re-raise a reader MqttError or a round error
                 self._flush()
                 self._finish()  # summary and model on disk before devices hear the job ended
-                final = self.core.global_message(done=True, now=time.time())
-                await client.publish(
-                    self.topics.global_model,
-                    encode_global(final, signer=self.signer),
-                    1,
-                    retain=True,
-                )
-                self.done_published = True
+                await self._publish_done(client)  # (a stop published it first)
                 if self.sharding is not None:  # the workers' job is over too
                     from .sharding import pack
 
@@ -927,6 +767,7 @@ class AggregatorService:
                 if runner is not None:
                     runner.cancel()
                 self._client = None
+                self.commit.acker = None
 
     async def _backoff(self, delay: float) -> None:
         """Sleep before reconnecting; a stop request ends the wait."""
@@ -961,7 +802,9 @@ class AggregatorService:
                             f"after {self.reconnect_attempts} attempts: {exc}"
                         ) from exc
                     delay = min(0.2 * 2**attempt, 10.0)
-                    log.warning(
+                    # one line per outage: the first failure says it, the retries are debug
+                    log.log(
+                        logging.WARNING if attempt == 1 else logging.DEBUG,
                         "broker %s unavailable (%s); reconnecting in %.1fs (attempt %d/%d)",
                         self.spec.redacted(),
                         exc,

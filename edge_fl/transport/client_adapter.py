@@ -21,6 +21,7 @@ Mosquitto, so an upgrade of paho-mqtt or aiomqtt that breaks one fails there, by
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol, TypeAlias
@@ -43,6 +44,7 @@ __all__ = [
     "manual_acks",
     "paho_client",
     "publish_nowait",
+    "quiet_on_loss",
     "raw_socket",
     "tls_configured",
     "uses_tls",
@@ -127,6 +129,94 @@ def wrap_sockets(client: MqttClient, wrap: Callable[[Any], Any]) -> None:
         inner._sock = wrapped  # paho reads and writes through it from now on
         if opened is not None:
             opened(inner, userdata, wrapped)
+
+    pc.on_socket_open = on_socket_open
+
+
+# ------------------------------------------------------------------------ losing the broker
+
+
+class _LoopGuard:
+    """The event loop as one aiomqtt client's socket callbacks see it (aiomqtt keeps it as
+    ``_loop``): registrations for a socket that is no longer the client's are dropped.
+
+    Why: paho asks aiomqtt to watch a socket for writing from the thread that queued a publish,
+    and aiomqtt schedules ``add_writer(fd)`` for later; when the broker dies in between, paho has
+    closed that fd and asyncio logged an ``OSError: [Errno 9] Bad file descriptor`` traceback.
+    And aiomqtt's close unregisters the reader only: a writer left on the closed fd made the next
+    connection that reused the number fail to register its reader."""
+
+    def __init__(self, loop: Any, pc: paho.Client) -> None:
+        self._loop = loop
+        self._pc = pc
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._loop, name)
+
+    def _current(self, fd: int) -> bool:
+        sock = self._pc.socket()
+        try:
+            return sock is not None and sock.fileno() == fd >= 0
+        except OSError:
+            return False
+
+    def add_reader(self, fd: int, callback: Callable[..., Any], *args: Any) -> None:
+        if self._current(fd):
+            self._loop.add_reader(fd, callback, *args)
+
+    def add_writer(self, fd: int, callback: Callable[..., Any], *args: Any) -> None:
+        if self._current(fd):
+            self._loop.add_writer(fd, callback, *args)
+
+    def remove_reader(self, fd: int) -> bool:
+        """The socket is closing (aiomqtt calls this only then): stop watching it entirely."""
+        removed = False
+        with contextlib.suppress(OSError, ValueError):
+            removed = bool(self._loop.remove_writer(fd))
+        with contextlib.suppress(OSError, ValueError):
+            removed = bool(self._loop.remove_reader(fd)) or removed
+        return removed
+
+    def remove_writer(self, fd: int) -> bool:
+        with contextlib.suppress(OSError, ValueError):
+            return bool(self._loop.remove_writer(fd))
+        return False
+
+
+def _retrieve(future: Any) -> None:
+    if not future.cancelled():
+        future.exception()
+
+
+def quiet_on_loss(client: aiomqtt.Client) -> None:
+    """Make losing the broker one error the caller handles, nothing logged behind its back.
+
+    Two things aiomqtt 2.x does when a connection drops otherwise reach asyncio's logger: a
+    socket registration scheduled before the drop runs after it (:class:`_LoopGuard`), and the
+    client's "disconnected" future holds ``MqttCodeError('Unexpected disconnection')`` that nobody
+    reads when the caller replaces the client instead of leaving its ``async with`` (a fleet
+    re-opening a device session): asyncio then printed "Future exception was never retrieved"
+    for each, 45 three-line blocks per restart in a fleet. The error itself still reaches whoever
+    awaits the client (publish, messages, ``__aexit__``). Call before connecting."""
+    pc = paho_client(client)
+    loop = client._loop
+    if not isinstance(loop, _LoopGuard):
+        client._loop = _LoopGuard(loop, pc)  # type: ignore[assignment]
+    disconnected = pc.on_disconnect  # aiomqtt's: sets the future
+
+    def on_disconnect(*args: Any, **kwargs: Any) -> None:
+        if disconnected is not None:
+            disconnected(*args, **kwargs)
+        client._disconnected.add_done_callback(_retrieve)
+
+    pc.on_disconnect = on_disconnect
+    opened = pc.on_socket_open
+
+    def on_socket_open(inner: paho.Client, userdata: Any, sock: Any) -> None:
+        # a read or write error sets the future without a disconnect callback
+        client._disconnected.add_done_callback(_retrieve)
+        if opened is not None:
+            opened(inner, userdata, sock)
 
     pc.on_socket_open = on_socket_open
 

@@ -329,9 +329,16 @@ def install() -> None:
 def attach(client: Any, counter: WireCounter) -> WireCounter:
     """Count ``client``'s packets (an ``aiomqtt.Client`` or a paho client) into ``counter``.
 
-    Attach before connecting, so CONNECT/CONNACK are counted."""
-    from edge_fl.transport.client_adapter import listen_to_packets
+    Attach before connecting, so CONNECT/CONNACK are counted. An aiomqtt client is also made
+    quiet on losing the broker (:func:`~edge_fl.transport.client_adapter.quiet_on_loss`): the
+    fleet, whose device sessions are all attached here, re-opens them with new clients, and each
+    dropped one otherwise logged an unretrieved "Unexpected disconnection" future."""
+    import aiomqtt
+
+    from edge_fl.transport.client_adapter import listen_to_packets, quiet_on_loss
 
     install()
     listen_to_packets(client, counter)
+    if isinstance(client, aiomqtt.Client):
+        quiet_on_loss(client)
     return counter
