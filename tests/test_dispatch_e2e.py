@@ -27,7 +27,7 @@ from test_minimal_device import (
 )
 
 from edge_fl.config import load_config
-from edge_fl.protocol import GlobalModel, Topics, decode_global
+from edge_fl.protocol import GlobalModel, Topics, decode_global, encode_global
 from edge_fl.protocol.dispatch import decode_dispatch
 from edge_fl.protocol.messages import Dispatch
 from edge_fl.simulation import simulate
@@ -155,3 +155,60 @@ def test_the_minimal_device_answers_the_real_aggregators_dispatches(mosquitto, t
     assert len(answers) == len(set(answers))  # no update was sent twice
     for name, p in minis.items():
         assert p.returncode == 0, logs[name]
+
+
+def test_a_device_joining_late_is_asked_by_the_retained_dispatch_and_resends_only_on_the_model(
+    mosquitto,
+):
+    """`edge-fl device`'s runtime on its own session. Before it connects, version 3 is retained
+    selecting another device and a retained dispatch names it: it subscribes to ``dispatch`` once
+    it sees the asynchronous model, trains on version 3 and answers with its nonce. The model
+    re-broadcast (the aggregator lost the broker) makes it re-send the same bytes; a dispatch
+    naming it again does not; a live done marker ends it."""
+    import asyncio
+
+    import numpy as np
+    from test_device_policy_dispatch import real_agent
+
+    from edge_fl.device.runtime import run_device
+    from edge_fl.protocol.dispatch import encode_dispatch
+    from edge_fl.protocol.signing import Signer
+    from edge_fl.transport.url import parse_broker_url
+
+    job = f"late-{uuid.uuid4().hex[:6]}"
+    topics, key, nonce = Topics(job), Signer.generate(), bytes(range(16))
+    model = GlobalModel(
+        job, 3, 3, np.zeros(15, np.float32), mode="fedbuff", selected=("other",), nonce=nonce,
+        mechanism_params={"m": "none", "lr": 0.1, "ep": 1, "bs": 4},
+    )  # fmt: skip
+    dispatch = encode_dispatch(Dispatch(job, 3, nonce, ("d5",)), key)
+    agent = real_agent("d5")
+    spec = parse_broker_url(mosquitto.url)
+    from edge_fl.device.trust import Trust
+
+    async def scenario(tap: UpdateTap) -> int:
+        import aiomqtt
+
+        async with aiomqtt.Client(**spec.aiomqtt_kwargs(), identifier=f"agg-{job}") as agg:
+            await agg.publish(topics.global_model, encode_global(model, key), qos=1, retain=True)
+            await agg.publish(topics.dispatch, dispatch, qos=1, retain=True)
+            device = asyncio.create_task(
+                run_device(agent, spec, topics, trust=Trust(verifier=key.verifier))
+            )
+            assert await asyncio.to_thread(tap.wait_for_messages, 1, 30)
+            await agg.publish(topics.dispatch, dispatch, qos=1, retain=True)  # again: no re-send
+            await agg.publish(topics.global_model, encode_global(model, key), qos=1, retain=True)
+            assert await asyncio.to_thread(tap.wait_for_messages, 2, 30)
+            done = GlobalModel(job, 3, 3, model.params, mode="fedbuff", done=True)
+            await agg.publish(topics.global_model, encode_global(done, key), qos=1, retain=True)
+            sent = await asyncio.wait_for(device, 30)
+            for topic in (topics.global_model, topics.dispatch):
+                await agg.publish(topic, b"", qos=1, retain=True)
+            return sent
+
+    with UpdateTap(mosquitto.url, topics, identifier=f"tap-{job}") as tap:
+        assert asyncio.run(scenario(tap)) == 1
+    [(_, first), (_, again)] = tap.payloads  # the update, and its re-send: nothing else
+    assert first == again
+    update = msgpack.unpackb(first)
+    assert (update["r"], update["bv"], update["nc"]) == (3, 3, nonce)
