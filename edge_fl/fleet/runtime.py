@@ -417,9 +417,11 @@ class Fleet:
         return Uploaded(effect.round)
 
     async def _resend(self, agent: DeviceAgent, effect: Resend) -> None:
-        """Publish this round's update again: the aggregator re-broadcast the round."""
-        client = self.clients.get(agent.device_id)
-        if client is None or agent.device_id in self.crashed:
+        """Publish this round's update again: the aggregator re-broadcast the round (not while
+        the device is outside its availability window: it receives models then, does no work)."""
+        device = agent.device_id
+        client = self.clients.get(device)
+        if client is None or device in self.crashed or device in self.unavailable:
             return
         await client.publish(self.topics.update(agent.device_id), effect.payload, qos=1)
         self.resent += 1
