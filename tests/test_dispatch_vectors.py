@@ -18,6 +18,8 @@ from typing import Any
 import msgpack
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from edge_fl.protocol import GlobalModel, PayloadRejected, Reject, Topics, encode_global
 from edge_fl.protocol.dispatch import (
@@ -297,3 +299,36 @@ if __name__ == "__main__":
     FILE.write_text(dump(content))
     DOC.write_text(render_doc(DOC.read_text(), content))
     print(f"wrote {FILE} and the dispatch hex blocks of {DOC}")
+
+
+_VALUES = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(-(2**63), 2**64 - 1),
+    st.floats(allow_nan=True),
+    st.text(max_size=70),
+    st.binary(max_size=20),
+    st.lists(
+        st.one_of(st.text(max_size=8), st.integers(-(2**63), 2**63), st.binary(max_size=3)),
+        max_size=5,
+    ),
+)
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    st.dictionaries(
+        st.sampled_from(["v", "k", "job", "ver", "nc", "sel", "b", "sig", "x"]), _VALUES
+    ),
+    st.booleans(),
+)
+def test_any_map_decodes_to_a_valid_dispatch_or_a_rejection(obj, keyed):
+    """Structured fuzz: every map of the schema's keys (and one more) with any values either
+    decodes to a dispatch a device can use or is refused with a reason."""
+    try:
+        d = decode_dispatch(pack(obj), verifier=signer().verifier if keyed else None)
+    except PayloadRejected:
+        return
+    assert not keyed  # nothing unsigned passes where a key is configured
+    assert d.selected and len(set(d.selected)) == len(d.selected) and len(d.nonce) == 16
+    assert 0 <= d.version <= 2**40
