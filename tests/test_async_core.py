@@ -607,6 +607,45 @@ def test_a_journaled_dispatch_survives_a_resume(tmp_path):
     assert fresh.on_update(late, update(fresh, late, fresh.version, 0.5, 10)) is None
 
 
+def test_a_journaled_dispatch_message_survives_a_resume_and_leaves_the_model_retained(tmp_path):
+    """The service journals a mid-window selection as the dispatch message it publishes (the
+    model is not re-published): the resumed core counts the devices as selected, the retained
+    model to re-publish is still the window's, and the dispatch is there to publish after it."""
+    from edge_fl.protocol import encode_global
+    from edge_fl.protocol.dispatch import decode_dispatch, encode_dispatch
+    from edge_fl.protocol.messages import Dispatch
+    from edge_fl.server.checkpoint import save_checkpoint
+    from edge_fl.server.journal import Journal, resume, round_spec
+
+    c = limited_core("fedbuff", c=4, buffer_size=3)
+    save_checkpoint(c, tmp_path, journal_seq=0, last_record=None)
+    journal = Journal.start(tmp_path, job="j", digest="")
+    opened = encode_global(c.open_round(0.0))
+    journal.append("open", **round_spec(c, opened))
+    first = sorted(c.policy.in_flight)[0]
+    payload = update(c, first, c.policy.in_flight[first], 0.5, 10)
+    assert c.on_update(first, payload) is None
+    journal.append("accept", d=first, p=payload, dn=100)
+    sent = c.dispatch(0.5)
+    assert sent is not None and sent.selected
+    message = encode_dispatch(Dispatch.of(sent))
+    journal.append("dispatch", v=sent.version, sel=list(sent.selected), d=message)
+    journal.sync()
+
+    fresh = limited_core("fedbuff", c=4, buffer_size=3)
+    fresh.devices = {}
+    resumed = resume(fresh, tmp_path)
+    for d in MANY:
+        fresh.on_status(d, encode_status(Status(d, True, 100)))
+    assert set(sent.selected) <= fresh.current.selected
+    assert resumed.open_payload == opened  # the model was published once, with the window
+    assert resumed.dispatch_payload == message
+    d = decode_dispatch(message)
+    assert (d.version, d.nonce) == (fresh.version, fresh.nonce_of(fresh.version))
+    late = sent.selected[0]
+    assert fresh.on_update(late, update(fresh, late, fresh.version, 0.5, 10)) is None
+
+
 def test_a_fedbuff_window_waits_for_the_replacements_it_has_yet_to_send():
     """K = 3, C = 1: the one training device answers; its replacement is chosen but not sent
     yet. The window must wait (the service sends it mid-window), not apply 1 of K updates."""

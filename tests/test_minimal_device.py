@@ -49,7 +49,7 @@ def unhex(obj):
 
 def test_device_file_is_small_and_standalone():
     text = DEVICE.read_text()
-    assert len(text.splitlines()) < 320  # 300 before the quantised global model (q8)
+    assert len(text.splitlines()) < 345  # 300 before q8 global models, 320 before dispatch messages
     assert "edge_fl" not in text.replace("edge-fl", "")
 
 

@@ -18,12 +18,14 @@ import paho.mqtt.client as mqtt
 
 log = logging.getLogger("minimal-device")
 CSPRNG = secrets.SystemRandom()  # os.urandom: signs, selections, coins, noise, randomized response
-CONTEXT = b"edge-fl/global/v1\x00"
+CONTEXT, DCONTEXT = b"edge-fl/global/v1\x00", b"edge-fl/dispatch/v1\x00"
 BENIGN_NACKS = {"late", "not_selected", "duplicate", "stale", "future"}
 # key:type of the global message ("!" = required), and the mp keys each mechanism needs here
 GLOBAL = """v:int! k:str! job:str! ver:int! rnd:int! mode:str! dt:str! w:bin! dl:num! cfg:str! ts:num
     sel:list q:num sd:map mp:map done:bool nc:bin qp:bin"""
 GLOBAL = dict(kv.split(":") for kv in GLOBAL.split())
+DISPATCH = "v:int! k:str! job:str! ver:int! nc:bin! sel:list!"  # the dispatch message's keys
+DISPATCH = dict(kv.split(":") for kv in DISPATCH.split())
 MP = {"none": "", "signds": "d:int K:int h:int nth:int eps:num rr:num r0:num",
       "gaussian": "clip:num z:num", "gaussian-central": "clip:num"}  # fmt: skip
 TYPES = dict(int=[int], num=[int, float], str=[str], bin=[bytes], bool=[bool], list=[list], map=[dict])  # fmt: skip
@@ -46,19 +48,33 @@ def unpack_map(payload):  # one map, nothing after it (msgpack raises ExtraData)
     return obj
 
 
-def decode_global(payload, pubkey=None):
+def unseal(payload, pubkey, kind, context, schema):  # -> body map, signature checked, key types
     m = unpack_map(payload)
-    if m.get("k") == "gs":  # signed envelope: verify the body bytes as received, then parse them
+    if m.get("k") == kind + "s":  # signed envelope: verify the body bytes as received, then parse
         if set(m) != {"v", "k", "b", "sig"} or not is_a(m["b"], "bin") or not is_a(m["sig"], "bin"):
             raise ValueError("malformed signed envelope")
         if pubkey is not None:  # InvalidSignature (also for a wrong length) = bad_signature
-            pubkey.verify(m["sig"], CONTEXT + m["b"])
+            pubkey.verify(m["sig"], context + m["b"])
         m = unpack_map(m["b"])
     elif pubkey is not None:
         raise ValueError("unsigned")
-    bad = [] if m.get("k") == "g" else ["k (wrong_kind)"]
-    bad += [k for k in m if k not in GLOBAL or not is_a(m[k], GLOBAL[k].rstrip("!"))]
-    missing = [k for k, t in GLOBAL.items() if t.endswith("!") and k not in m]
+    bad = [] if m.get("k") == kind else ["k (wrong_kind)"]
+    bad += [k for k in m if k not in schema or not is_a(m[k], schema[k].rstrip("!"))]
+    return m, bad, [k for k, t in schema.items() if t.endswith("!") and k not in m]
+
+
+def decode_dispatch(payload, pubkey=None):  # who trains on version ver (nonce nc), no model
+    m, bad, missing = unseal(payload, pubkey, "d", DCONTEXT, DISPATCH)
+    sel = [] if bad or missing else m["sel"]
+    if not sel or len(m["nc"]) != 16 or len(set(map(str, sel))) != len(sel):
+        raise ValueError(f"dispatch: unknown_field/bad_type {bad}, missing {missing}, nc or sel")
+    if not all(is_a(d, "str") for d in sel):
+        raise ValueError("dispatch: bad_type in sel")
+    return m
+
+
+def decode_global(payload, pubkey=None):
+    m, bad, missing = unseal(payload, pubkey, "g", CONTEXT, GLOBAL)
     bad += ["qp (unknown_field)"] if "qp" in m and m.get("dt") != "q8" else []
     if bad or missing or m["dt"] not in ("f4", "f2", "q8") or len(m.get("nc", b"x" * 16)) != 16:
         raise ValueError(f"unknown_field/bad_type {bad}, missing_field {missing} or bad dt/nc")
@@ -184,9 +200,11 @@ class Device:
         pre = f"{a.prefix or 'edgefl'}/{a.job}"
         self.t_global, self.t_up = f"{pre}/global", f"{pre}/up/{a.id}"
         self.t_status, self.t_ack = f"{pre}/status/{a.id}", f"{pre}/ack/{a.id}"
+        self.t_dispatch = f"{pre}/dispatch"  # who trains on a version, sent without the model
         self.q, self.fresh, self.stopped, self.halted = queue.Queue(), True, None, None
         self.last_rnd = self.last_ver = self.answered = -1
         self.sent, self.uploads = (None, b""), 0  # sent = (round, bytes) of the last update
+        self.model = self.asked = None  # the last accepted global; (ver, nc) a dispatch asked for
         self.client = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id=a.id)
         self.client.will_set(self.t_status, self.status(False), qos=1, retain=True)
         self.client.on_connect = self.on_connect  # on_message: hand over to the main thread
@@ -200,7 +218,7 @@ class Device:
         if reason.is_failure:
             return log.error("connect refused: %s", reason)
         client.publish(self.t_status, self.status(True), qos=1, retain=True)  # status first
-        client.subscribe([(self.t_global, 1), (self.t_ack, 1)])
+        client.subscribe([(self.t_global, 1), (self.t_ack, 1), (self.t_dispatch, 1)])
         self.q.put(("connected", b"", False))
 
     def run(self):
@@ -225,6 +243,8 @@ class Device:
                         self.halted = ack.get("why")  # a bug or misconfiguration: stop uploading
                 elif payload and topic == self.t_global and self.on_global(payload, retained):
                     break
+                elif payload and topic == self.t_dispatch:
+                    self.on_dispatch(decode_dispatch(payload, self.pubkey))
             except Exception as e:  # a message that cannot be decoded or answered: log, go on
                 log.warning("%s ignored: %s %s", topic, type(e).__name__, e)
         bye = self.client.publish(self.t_status, self.status(False), qos=1, retain=True)
@@ -244,12 +264,25 @@ class Device:
         self.fresh, self.last_rnd, self.last_ver = False, rnd, ver
         if self.a.digest and g["cfg"] not in ("", self.a.digest):
             return log.error("config digest %s is not mine: not training", g["cfg"])
-        selected = self.id in g.get("sel", [self.id])
+        self.model = g
+        selected = self.id in g.get("sel", [self.id]) or self.asked == (ver, g.get("nc"))
         if not selected:  # checked first: a re-publication that no longer selects me asks nothing
             return False
         if self.sent[0] == rnd:  # the same round again (QoS 1 redelivery, republish): same bytes
             self.client.publish(self.t_up, self.sent[1], qos=1)
             return False
+        return self.answer(g)
+
+    def on_dispatch(self, d):  # never moves the window, never re-sends; binds to (ver, nc)
+        ver, in_window = d["ver"], self.fresh or 0 <= d["ver"] - self.last_ver <= 64
+        if d["job"] != self.a.job or not in_window or self.id not in d["sel"]:
+            return log.info("dispatch ignored: job %s, version %d", d["job"], ver)
+        self.asked, g = (ver, d["nc"]), self.model  # a dispatch may arrive before its global
+        if g is not None and (g["ver"], g.get("nc")) == self.asked and self.sent[0] != g["rnd"]:
+            self.answer(g)
+
+    def answer(self, g):  # train on g and publish the update, once per round
+        rnd, ver = g["rnd"], g["ver"]
         if rnd <= self.answered or self.stopped or self.halted:
             return False
         self.answered = rnd

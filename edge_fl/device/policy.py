@@ -11,14 +11,21 @@ the outcome as :class:`Trained`; an upload is reported as :class:`Uploaded`.
 The rules, in order, for a global model that passed the connection's checks
 (:mod:`edge_fl.device.trust`: signature, window, job, digest):
 
-1. Not selected (``sel`` without this device): nothing, not even a re-send. In FedBuff/FedAsync
-   the aggregator re-publishes a version to dispatch replacements; a device that already answered
-   that version is not among them and must stay quiet (before, every such device re-sent).
+1. Not asked (``sel`` without this device, and no dispatch for that version and nonce naming it):
+   nothing, not even a re-send. A re-publication that asks others asks nothing of this device.
 2. Busy training or uploading: the newest model it would answer waits for the device to finish.
 3. The round of the update it kept: publish the same bytes again. The aggregator re-broadcasts an
    open round after it lost the broker, and a PUBACK from a broker that then died proves nothing;
    it admits (device, round) once and counts a copy it has as a duplicate.
 4. A round it has not answered (and not stopped): train.
+
+A dispatch message (:class:`DispatchArrived`, FedBuff/FedAsync with a concurrency limit) asks
+devices to train on a version whose model went out earlier, without the model. For a device it
+names, it makes that version asked (rule 1) and, once the model of that version and nonce is
+there, acts as rules 2 and 4; it never causes a re-send (rule 3 is the model's: a dispatch that
+names a device which already answered asks nothing new). A dispatch that arrives before its model
+waits for it; one for an older version than the newest model is ignored (its model is gone; the
+aggregator gives the slot to another device when it times out).
 """
 
 from __future__ import annotations
@@ -26,11 +33,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from edge_fl.protocol import GlobalModel
+from edge_fl.protocol.messages import Dispatch
 
 __all__ = [
     "DevicePolicy",
     "DeviceState",
     "Disconnected",
+    "DispatchArrived",
     "Effect",
     "Event",
     "JobEnded",
@@ -56,6 +65,8 @@ class DeviceState:
     training: GlobalModel | None = None  # the model being trained on or answered (until Uploaded)
     queued: GlobalModel | None = None  # the newest model that arrived while training
     stopped_before: str | None = None  # stopped_reason when the current training began
+    model: GlobalModel | None = None  # the newest model admitted (a dispatch may ask for it)
+    assigned: tuple[int, bytes] | None = None  # (version, nonce) a dispatch asked this device for
 
 
 # ------------------------------------------------------------------------------------- events
@@ -67,6 +78,14 @@ class ModelArrived:
     (re)subscribe, or handed again to a device whose own session re-opened."""
 
     msg: GlobalModel
+
+
+@dataclass(frozen=True)
+class DispatchArrived:
+    """A dispatch message the connection admitted (signature, job, window): devices asked to
+    train on a version already published, bound to its model by the version's nonce."""
+
+    dispatch: Dispatch
 
 
 @dataclass(frozen=True)
@@ -101,7 +120,7 @@ class Disconnected:
     model comes again on the next session); an update it released is kept, to re-send."""
 
 
-Event = ModelArrived | JobEnded | Trained | Uploaded | Disconnected
+Event = ModelArrived | DispatchArrived | JobEnded | Trained | Uploaded | Disconnected
 
 
 # ------------------------------------------------------------------------------------ effects
@@ -152,13 +171,29 @@ class DevicePolicy:
         self.device_id = device_id
         self.state = state if state is not None else DeviceState()
 
+    @property
+    def uses_dispatch(self) -> bool:
+        """Whether this device's job may send dispatch messages: it is asynchronous (the mode
+        of the models admitted so far). A runtime subscribes to ``dispatch`` from then on, so a
+        synchronous job's traffic is what it was."""
+        model = self.state.model
+        return model is not None and model.mode != "sync"
+
+    def asked(self, msg: GlobalModel) -> bool:
+        """Whether ``msg``'s round or version asks this device: its selection names it (or it
+        has none), or a dispatch for that version and nonce did."""
+        if msg.selects(self.device_id):
+            return True
+        assigned = self.state.assigned
+        return assigned is not None and assigned == (msg.version, msg.nonce)
+
     def wants(self, msg: GlobalModel) -> bool:
         """Whether ``msg`` asks this device for an update it has not yet given."""
         if msg.done or self.state.stopped_reason is not None:
             return False
         if msg.round <= self.state.answered_round:
             return False
-        return msg.selects(self.device_id)
+        return self.asked(msg)
 
     def kept_for(self, msg: GlobalModel) -> bytes | None:
         """The update this device released for ``msg``'s round, if it keeps one."""
@@ -172,6 +207,8 @@ class DevicePolicy:
         """The effects of ``event``, in the order the runtime must execute them."""
         if isinstance(event, ModelArrived):
             return self._arrived(event.msg)
+        if isinstance(event, DispatchArrived):
+            return self._dispatched(event.dispatch)
         if isinstance(event, Trained):
             return self._trained(event)
         if isinstance(event, Uploaded):
@@ -186,16 +223,36 @@ class DevicePolicy:
     def _arrived(self, msg: GlobalModel) -> list[Effect]:
         state = self.state
         state.last_version = max(state.last_version, msg.version)
-        if not msg.selects(self.device_id):
+        if state.model is None or msg.version >= state.model.version:
+            state.model = msg
+        if not self.asked(msg):
             return []  # rule 1: selection before any re-send
         if state.training is not None:  # rule 2
-            if self.wants(msg) and msg.round > state.training.round:
-                state.queued = msg
-            return []
+            return self._wait(msg)
         kept = self.kept_for(msg)
         if kept is not None:  # rule 3
             return [Resend(msg.round, kept)]
         return self._train(msg)  # rule 4
+
+    def _dispatched(self, dispatch: Dispatch) -> list[Effect]:
+        state = self.state
+        if not dispatch.selects(self.device_id) or dispatch.version < state.last_version:
+            return []  # not this device; or its model was replaced by a newer one
+        state.assigned = (dispatch.version, dispatch.nonce)
+        model = state.model
+        if model is None or not dispatch.binds(model):
+            return []  # its model has not arrived yet: it asks this device when it does
+        if state.training is not None:  # rule 2
+            return self._wait(model)
+        return self._train(model)  # rule 4; never a re-send (rule 3 is the model's)
+
+    def _wait(self, msg: GlobalModel) -> list[Effect]:
+        """Busy: keep ``msg`` as the next model if it asks for a newer round."""
+        state = self.state
+        assert state.training is not None
+        if self.wants(msg) and msg.round > state.training.round:
+            state.queued = msg
+        return []
 
     def _train(self, msg: GlobalModel | None) -> list[Effect]:
         if msg is None or not self.wants(msg):

@@ -21,6 +21,7 @@ from typing import TypeVar
 import aiomqtt
 
 from edge_fl.device.agent import DeviceAgent
+from edge_fl.device.dispatch import receive_dispatch
 from edge_fl.device.policy import (
     Disconnected,
     Effect,
@@ -80,14 +81,25 @@ async def _session(
         # device counts as online, and the round's model must not arrive before the subscription.
         # QoS 0: a clean session queues nothing across a disconnect and the retained model comes
         # again on every subscribe, so QoS 1 buys nothing here; and on a NATS cluster a QoS 1
-        # subscription made right after a node died sometimes received nothing (docs/brokers.md)
-        await client.subscribe(topics.global_model, qos=0)
+        # subscription made right after a node died sometimes received nothing (docs/brokers.md).
+        # ``dispatch`` (who trains on the current version, without the model) once the job is
+        # known to be asynchronous: a sync job's traffic stays what it was
+        listening = agent.policy.uses_dispatch
+        if listening:  # one SUBSCRIBE; the two retained copies may come in either order
+            await client.subscribe([(topics.global_model, 0), (topics.dispatch, 0)])
+        else:
+            await client.subscribe(topics.global_model, qos=0)
         await client.publish(topics.status(agent.device_id), agent.status(True), qos=1, retain=True)
         log.info("device %s connected to %s", agent.device_id, spec.redacted())
         trust.window.rejoin()  # rounds may have passed while this device was away
         async for message in client.messages:
             payload = message.payload
             if not isinstance(payload, bytes | bytearray) or not payload:
+                continue
+            if message.topic.matches(topics.dispatch):
+                asked = receive_dispatch(trust, bytes(payload), topics)
+                if asked is not None:
+                    await _execute(agent, client, topics, agent.handle(asked))
                 continue
             event = trust.receive(
                 bytes(payload),
@@ -98,6 +110,9 @@ async def _session(
             )
             if event is None:
                 continue
+            if not listening and event.msg.mode != "sync":
+                await client.subscribe(topics.dispatch, qos=0)  # an asynchronous job
+                listening = True
             if await _execute(agent, client, topics, agent.handle(event)):
                 return True
             # since the previous round's line: this round's model, update and acks (the update's

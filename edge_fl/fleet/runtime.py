@@ -20,6 +20,12 @@ payload, no packet id, no PUBACK), sized exactly by ``mqtt_packet_bytes``. With
 ``device_downlink=True`` every device subscribes and receives the model on its own session instead
 (everything measured; the broker sends one copy per device).
 
+Dispatch messages (FedBuff/FedAsync with a concurrency limit: who trains on the current version,
+without the model) come on the same downlink once the fleet has seen an asynchronous model, and go
+to the local devices they name; each device is charged the message as its own subscription would
+receive it. A device asked by a dispatch already holds the model (it came when the version was
+published), so its training starts without a modelled download.
+
 What each device does with a model is its own policy's call (``DeviceAgent.handle``,
 :mod:`edge_fl.device.policy`, the same rules as a single device's runtime); the fleet carries out
 the effects in modelled time. A device session that drops while the downlink stays up (a cluster
@@ -40,8 +46,10 @@ from concurrent.futures import ThreadPoolExecutor
 import aiomqtt
 
 from edge_fl.device.agent import DeviceAgent
+from edge_fl.device.dispatch import receive_dispatch
 from edge_fl.device.policy import (
     Disconnected,
+    DispatchArrived,
     Effect,
     Event,
     JobEnded,
@@ -57,6 +65,7 @@ from edge_fl.device.trust import Trust
 from edge_fl.fleet.clock import SimClock
 from edge_fl.fleet.profiles import AlwaysAvailable, DeviceProfile
 from edge_fl.protocol import GlobalModel, Topics
+from edge_fl.protocol.messages import Dispatch
 from edge_fl.transport import client_adapter
 from edge_fl.transport.limits import ensure_open_files
 from edge_fl.transport.url import BrokerSpec
@@ -160,6 +169,10 @@ class Fleet:
         self._retry_at: dict[str, tuple[float, int]] = {}  # device: (next try, failures)
         self._last_msg: GlobalModel | None = None  # the newest model handed out
         self._last_model_bytes = 0
+        self._last_dispatch: Dispatch | None = None  # the newest dispatch handed out
+        #: an asynchronous model was seen: the downlink (and every device's own subscription, as
+        #: charged or with ``device_downlink``) takes the ``dispatch`` topic too
+        self.asynchronous = False
 
     def use_credentials(self, device_specs: dict[str, BrokerSpec]) -> None:
         """Connect each device with its own spec (its MQTT user); before `run`."""
@@ -194,9 +207,17 @@ class Fleet:
     def _tls(self, device: str) -> bool:
         return self.device_specs.get(device, self.spec).tls
 
-    def _charge_subscription(self, device: str) -> None:
-        """SUBSCRIBE/SUBACK of the model subscription a real device makes on its session."""
-        topics = [self.topics.global_model]
+    def _downlink_topics(self) -> list[str]:
+        """What a device subscribes to on a new session (``edge_fl.device.runtime``): the model,
+        and the dispatch messages once the job is known to be asynchronous."""
+        if self.asynchronous:
+            return [self.topics.global_model, self.topics.dispatch]
+        return [self.topics.global_model]
+
+    def _charge_subscription(self, device: str, topics: list[str] | None = None) -> None:
+        """SUBSCRIBE/SUBACK of the subscription a real device makes on its session (``topics``:
+        the model's, and the dispatch topic's when known asynchronous)."""
+        topics = topics if topics is not None else self._downlink_topics()
         sub = mqtt_packet_bytes("subscribe", topics=topics)
         suback = mqtt_packet_bytes("suback", topics=topics)
         self.wire[device].add(packet_counts([sub], [suback], self._tls(device), self.link))
@@ -262,7 +283,7 @@ class Fleet:
                 raise DeviceConnectError(agent.device_id, spec, exc) from exc
             self.clients[agent.device_id] = client
             if self.device_downlink and agent.device_id != self.downlink_device:
-                await client.subscribe(self.topics.global_model, qos=0)
+                await client.subscribe([(t, 0) for t in self._downlink_topics()])
                 self._spawn(self._drain(client))
             elif agent.device_id != self.downlink_device:
                 self._charge_subscription(agent.device_id)
@@ -396,9 +417,11 @@ class Fleet:
         return Uploaded(effect.round)
 
     async def _resend(self, agent: DeviceAgent, effect: Resend) -> None:
-        """Publish this round's update again: the aggregator re-broadcast the round."""
-        client = self.clients.get(agent.device_id)
-        if client is None or agent.device_id in self.crashed:
+        """Publish this round's update again: the aggregator re-broadcast the round (not while
+        the device is outside its availability window: it receives models then, does no work)."""
+        device = agent.device_id
+        client = self.clients.get(device)
+        if client is None or device in self.crashed or device in self.unavailable:
             return
         await client.publish(self.topics.update(agent.device_id), effect.payload, qos=1)
         self.resent += 1
@@ -423,14 +446,43 @@ class Fleet:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
+    def hand_dispatch(self, dispatch: Dispatch) -> None:
+        """Hand an admitted dispatch to the local devices it names (a device it does not name
+        does nothing with it: its policy's first rule); they already hold the model."""
+        self._last_dispatch = dispatch
+        event = DispatchArrived(dispatch)
+        for device in dispatch.selected:
+            agent = self.agents.get(device)
+            if agent is None or device in self.crashed or device in self.unavailable:
+                continue
+            self._hand(agent, event, 0)
+
+    async def _listen_for_dispatch(self, downlink: aiomqtt.Client) -> None:
+        """The job is asynchronous: take ``dispatch`` on the downlink, and charge (or, with
+        ``device_downlink``, make) each device's own subscription to it."""
+        self.asynchronous = True
+        await downlink.subscribe(self.topics.dispatch, qos=0)
+        for device, client in list(self.clients.items()):
+            if device == self.downlink_device or device in self.crashed:
+                continue
+            if self.device_downlink:
+                with contextlib.suppress(aiomqtt.MqttError):  # a lost session re-subscribes
+                    await client.subscribe(self.topics.dispatch, qos=0)
+            else:
+                self._charge_subscription(device, [self.topics.dispatch])
+
     def hand_out(self, msg: GlobalModel, model_bytes: int) -> None:
         """Hand an admitted model to every device that is there to receive it (what the shared
-        downlink does with each; ``model_bytes``: its size, for the modelled download)."""
+        downlink does with each; ``model_bytes``: its size, for the modelled download).
+
+        A device outside its availability window still holds its session and receives the model
+        (it does not train: ``_train``), so when it is back and a dispatch asks it to train on
+        this version, it has the model, as a real device would."""
         self._last_msg = msg
         self._last_model_bytes = model_bytes
         event = ModelArrived(msg)
         for device, agent in self.agents.items():
-            if device in self.crashed or device in self.unavailable:
+            if device in self.crashed:
                 continue
             self._hand(agent, event, model_bytes)
 
@@ -486,7 +538,10 @@ class Fleet:
 
     async def _serve_downlink(self, downlink: aiomqtt.Client) -> bool:
         """Receive global models on ``downlink`` and hand them out; True when the job is done."""
-        await downlink.subscribe(self.topics.global_model, qos=0)
+        if self.asynchronous:
+            await downlink.subscribe([(t, 0) for t in self._downlink_topics()])
+        else:
+            await downlink.subscribe(self.topics.global_model, qos=0)
         self.trust.window.rejoin()  # rounds may have passed while the downlink was away
         self.reconnect_attempt = 0
         self._downlink_up = True
@@ -502,6 +557,11 @@ class Fleet:
             payload = message.payload
             if not isinstance(payload, bytes | bytearray) or not payload:
                 continue  # cleared retained message: no model yet
+            if message.topic.matches(self.topics.dispatch):
+                asked = receive_dispatch(self.trust, bytes(payload), self.topics)
+                if asked is not None:
+                    self.hand_dispatch(asked.dispatch)
+                continue
             event = self.trust.receive(
                 bytes(payload),
                 self.topics,
@@ -513,6 +573,8 @@ class Fleet:
                 continue
             if isinstance(event, JobEnded):
                 return True  # every device says offline when the fleet leaves
+            if event.msg.mode != "sync" and not self.asynchronous:
+                await self._listen_for_dispatch(downlink)
             self.hand_out(event.msg, len(payload))
         return False
 
@@ -571,7 +633,11 @@ class Fleet:
             msg = self._last_msg
             if msg is not None and device not in self.unavailable and not self._closing:
                 # what its own subscription would get on the new session: the retained model
+                # (and the retained dispatch, when it names this device)
                 self._hand(self.agents[device], ModelArrived(msg), self._last_model_bytes)
+                asked = self._last_dispatch
+                if asked is not None and asked.selects(device):
+                    self._hand(self.agents[device], DispatchArrived(asked), 0)
         finally:
             self._reopening.discard(device)
 

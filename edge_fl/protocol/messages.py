@@ -13,6 +13,9 @@ NONCE_BYTES = 16  # the per-round nonce the aggregator puts in the signed global
 # Signed global messages (normative format: edge_fl/protocol/signing.py): Ed25519 over
 # GLOBAL_CONTEXT || body. Defined here so the codec needs no crypto import.
 GLOBAL_CONTEXT = b"edge-fl/global/v1\x00"
+# Signed dispatch messages (edge_fl/protocol/dispatch.py): a context of their own, so a dispatch
+# signature can never pass for a global message's, nor the reverse.
+DISPATCH_CONTEXT = b"edge-fl/dispatch/v1\x00"
 SIGNATURE_BYTES = 64
 MODES = ("sync", "fedbuff", "fedasync")  # GlobalModel.mode values on the wire
 
@@ -147,6 +150,38 @@ class GlobalModel:
             cached = frozenset(self.selected or ())
             object.__setattr__(self, "_sel_cache", cached)
         return cached
+
+
+@dataclass(frozen=True)
+class Dispatch:
+    """Who trains on a published model version, sent without the model (FedBuff/FedAsync with a
+    concurrency limit): the devices asked after the version's global message went out, bound to
+    it by the version's nonce (docs/protocol.md, "Dispatch message")."""
+
+    job: str
+    version: int  # the ``ver`` (= ``rnd``) of the global message it adds to
+    nonce: bytes  # that global message's ``nc``: a dispatch applies to that model only
+    selected: tuple[str, ...]  # the devices newly asked to train on it
+
+    def selects(self, device: str) -> bool:
+        return device in self.selected
+
+    def binds(self, msg: GlobalModel) -> bool:
+        """Whether this dispatch adds to ``msg``: same job, version and nonce."""
+        return (
+            msg.job == self.job
+            and msg.version == self.version
+            and msg.nonce is not None
+            and msg.nonce == self.nonce
+        )
+
+    @classmethod
+    def of(cls, msg: GlobalModel) -> Dispatch:
+        """The dispatch carrying ``msg``'s selection for ``msg``'s version (what an aggregator
+        sends instead of publishing the same model again with another selection)."""
+        if msg.nonce is None or not msg.selected:
+            raise ValueError("a dispatch needs the version's nonce and at least one device")
+        return cls(msg.job, msg.version, msg.nonce, tuple(msg.selected))
 
 
 @dataclass(frozen=True)

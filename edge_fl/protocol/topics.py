@@ -40,6 +40,12 @@ class Topics:
         return f"{self.base}/global"
 
     @property
+    def dispatch(self) -> str:
+        """Retained: who trains on the current model version, without the model (async modes
+        with a concurrency limit; ``edge_fl.protocol.dispatch``)."""
+        return f"{self.base}/dispatch"
+
+    @property
     def job_document(self) -> str:
         """Retained: the job's device-side settings (``edge_fl.protocol.jobdoc``)."""
         return f"{self.base}/job"

@@ -27,6 +27,12 @@ process that outlived it would reject the new run as ``STALE`` until :meth:`Glob
 Signatures give origin, not freshness across runs of the same job id and key: keep ACLs on the
 global topic (only the aggregator publishes), or use one key per run.
 
+A dispatch message (who trains on a published version, :mod:`edge_fl.protocol.dispatch`) is
+checked against the same window but never moves it: only a global message does. Its version may
+not be below the last accepted one (its model is gone: ``STALE``) nor further ahead than a global
+message could be (``FUTURE``); it may be ahead at all because a dispatch can arrive before the
+global message it adds to (another topic: the broker orders each topic, not the two together).
+
 The window is pure state (two integers and a flag); :func:`check_global` is the rule itself.
 """
 
@@ -36,7 +42,7 @@ from dataclasses import dataclass
 
 from edge_fl.protocol.messages import GlobalModel, PayloadRejected, Reject
 
-__all__ = ["DEFAULT_MAX_AHEAD", "GlobalWindow", "check_global"]
+__all__ = ["DEFAULT_MAX_AHEAD", "GlobalWindow", "check_dispatch", "check_global"]
 
 DEFAULT_MAX_AHEAD = 64
 
@@ -79,6 +85,35 @@ def check_global(
     return None
 
 
+def check_dispatch(
+    version: int,
+    last_version: int | None,
+    *,
+    max_ahead: int | None = DEFAULT_MAX_AHEAD,
+    max_version: int | None = None,
+) -> PayloadRejected | None:
+    """None if a device that last accepted a global message of ``last_version`` may take a
+    dispatch for ``version``; otherwise the rejection (``STALE`` or ``FUTURE``), returned."""
+    if max_version is not None and version > max_version:
+        return PayloadRejected(
+            Reject.FUTURE, f"dispatch version {version} exceeds the job's maximum of {max_version}"
+        )
+    if last_version is None:
+        return None
+    if version < last_version:
+        return PayloadRejected(
+            Reject.STALE,
+            f"dispatch version {version} is older than the last accepted version {last_version}",
+        )
+    if max_ahead is not None and version - last_version > max_ahead:
+        return PayloadRejected(
+            Reject.FUTURE,
+            f"dispatch version {version} is more than {max_ahead} ahead of the last accepted "
+            f"version {last_version}",
+        )
+    return None
+
+
 @dataclass
 class GlobalWindow:
     """A device's memory of the last accepted global message; see the module docstring."""
@@ -106,6 +141,15 @@ class GlobalWindow:
             self.last_version,
             max_ahead=None if self.rejoining else self.max_ahead,
             max_round=self.max_round,
+            max_version=self.max_version,
+        )
+
+    def check_dispatch(self, version: int) -> PayloadRejected | None:
+        """The rejection a dispatch for ``version`` gets; the window never moves for one."""
+        return check_dispatch(
+            version,
+            self.last_version,
+            max_ahead=None if self.rejoining else self.max_ahead,
             max_version=self.max_version,
         )
 

@@ -14,8 +14,12 @@ devices, and whenever one of them answers (its update arrives, whatever the verd
 replacement among the available devices that are not in flight, so C stay busy. The selection of a
 window travels in its global message (``selected``, as in sync mode); replacements chosen while a
 window is open go out with :meth:`AsyncPolicy.dispatch` (a service that publishes it keeps C
-busy between applications) or else with the next window's message. Only a device selected for the
-version it trained on is admitted and charged (admission before accounting).
+busy between applications) or else with the next window's message. The model of a version goes
+out once; a mid-window selection goes out as a dispatch message (``edge_fl.protocol.dispatch``:
+the version, its nonce and the devices, without the model; ``Dispatch.of`` of what
+:meth:`AsyncPolicy.dispatch` returns), so devices download each version once, not once per
+selection. Only a device selected for the version it trained on is admitted and charged
+(admission before accounting).
 
 Device work: ``device_updates`` in every record is the number of updates devices computed for the
 job that reached the aggregator (one per (device, version), counted once, admitted or not: late,
@@ -299,9 +303,11 @@ class AsyncPolicy:
         return gone
 
     def dispatch(self, now: float) -> GlobalModel | None:
-        """The global message that sends the replacements selected since the last one (on the
-        current model version), or None if there are none. A service that publishes it after
-        updates and status changes keeps C devices busy while a window fills."""
+        """The replacements selected since the last publication (on the current model version),
+        as that version's global message selecting them, or None if there are none. A service
+        publishes its selection as a dispatch message (``Dispatch.of``: the model went out with
+        the window; every device already has it) after updates and status changes, which keeps
+        C devices busy while a window fills."""
         e = self.engine
         if self.concurrency is None or e.current is None:
             return None

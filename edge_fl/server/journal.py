@@ -11,6 +11,9 @@ order, every input that changed its state:
              declared: replaying them through ``AggregatorCore.on_update`` rebuilds the round's
              running sums, admission state and the release in the ledger exactly (an async update
              held for the next window too);
+``dispatch`` devices selected mid-window (async with a concurrency limit): the version, the
+             devices and the dispatch message as published (``d``; journals written before
+             dispatch messages existed hold the re-published global message, ``g``);
 ``release``  a ledger release of an update it did not accept (late, duplicate key, not selected,
              budget-stopped device, wrong mechanism): (device, round, samples).
 
@@ -275,6 +278,7 @@ class Resumed:
     mismatched: int = 0  # journaled as accepted, not re-accepted on replay (should be 0)
     open_round: int | None = None
     open_payload: bytes | None = None  # the reopened round's global message as published
+    dispatch_payload: bytes | None = None  # the last dispatch message published since
     torn_bytes: int = 0
 
     @property
@@ -319,6 +323,7 @@ def replay(core: AggregatorCore, records: list[dict[str, Any]], resumed: Resumed
             reopen_round(core, rec)
             resumed.open_round = core.round_number
             resumed.open_payload = rec.get("g")
+            resumed.dispatch_payload = None  # an earlier window's
         elif kind == "accept":
             reason = _admit_as_then(core, str(rec["d"]), bytes(rec["p"]), rec.get("dn", 0))
             if reason is None:
@@ -328,7 +333,10 @@ def replay(core: AggregatorCore, records: list[dict[str, Any]], resumed: Resumed
                 log.warning("journal replay: update from %s not re-accepted (%s)", rec["d"], reason)
         elif kind == "dispatch":  # replacements sent mid-window (async concurrency limit)
             core.restore_dispatch(int(rec["v"]), list(rec["sel"]))
-            resumed.open_payload = rec.get("g")  # the retained message is now this one
+            if rec.get("d") is not None:  # a dispatch message: the retained model is unchanged
+                resumed.dispatch_payload = rec["d"]
+            elif rec.get("g") is not None:  # an older journal: the model was re-published
+                resumed.open_payload = rec["g"]
         elif kind == "release":
             key = (str(rec["d"]), int(rec["r"]))
             if key not in released:

@@ -43,6 +43,8 @@ from typing import TYPE_CHECKING, Any
 import aiomqtt
 
 from edge_fl.protocol import Reject, Topics, encode_global
+from edge_fl.protocol.dispatch import encode_dispatch
+from edge_fl.protocol.messages import Dispatch
 from edge_fl.transport import client_adapter
 from edge_fl.transport.tap import IngestTap
 from edge_fl.transport.url import BrokerSpec
@@ -134,6 +136,7 @@ class AggregatorService:
         self.client_id = client_id or f"edgefl-{topics.job}-aggregator"
         self._wake = asyncio.Event()
         self._global_payload: bytes | None = resumed_payload
+        self._dispatch_payload: bytes | None = None  # the open window's last dispatch message
         self._client: aiomqtt.Client | None = None
         self._round_started = 0.0
         self._settle_until: float | None = None
@@ -483,6 +486,7 @@ class AggregatorService:
         if msg is None:
             return False
         self._global_payload = encode_global(msg, signer=self.signer)
+        self._dispatch_payload = None  # the retained one is an earlier window's
         self._open_control = None  # made from this round's global message when published
         if self.journal is not None:
             self.journal.append("open", **self.core.round_spec(self._global_payload))
@@ -658,18 +662,19 @@ class AggregatorService:
 
     async def _send_replacements(self, client: aiomqtt.Client) -> None:
         """Async with a concurrency limit: publish the devices chosen to replace those that
-        answered, timed out or left, so C keep training while a window fills. Journaled (and on
-        disk) before any device can see it, like a round's opening; it becomes the retained
-        message a reconnect re-broadcasts."""
+        answered, timed out or left, so C keep training while a window fills, as a dispatch
+        message (the version, its nonce, the devices; not the model, which every device got
+        with the window). Journaled (and on disk) before any device can see it, like a round's
+        opening; retained, so a device that reconnects finds it beside the model."""
         msg = self.core.dispatch(self._now())
         if msg is None:
             return
-        payload = encode_global(msg, signer=self.signer)
+        payload = encode_dispatch(Dispatch.of(msg), signer=self.signer)
         if self.journal is not None:
-            self.journal.append("dispatch", v=msg.version, sel=list(msg.selected or ()), g=payload)
+            self.journal.append("dispatch", v=msg.version, sel=list(msg.selected or ()), d=payload)
             self.journal.sync()
-        self._global_payload = payload
-        await client.publish(self.topics.global_model, payload, qos=1, retain=True)
+        self._dispatch_payload = payload
+        await client.publish(self.topics.dispatch, payload, qos=1, retain=True)
         self.core.tally.bytes_down += len(payload) * self.core.online_count
 
     def _early(self, core: AggregatorCore) -> bool:
@@ -705,6 +710,8 @@ class AggregatorService:
             if self.core.round_number == 0 and self.core.current is None:
                 # forget the retained model of an earlier run of this job id
                 await client.publish(self.topics.global_model, b"", qos=1, retain=True)
+                if self.core.settings.mode != "sync":  # and its last dispatch
+                    await client.publish(self.topics.dispatch, b"", qos=1, retain=True)
                 if self.sharding is not None:  # and its last round's open, for the workers
                     await client.publish(self.topics.ingest_control, b"", qos=1, retain=True)
             if self.job_document is not None and not self.core.finished:
@@ -740,6 +747,10 @@ class AggregatorService:
                         )
                     if self.stopped is None:
                         await self._publish_global(client)
+                        if self._dispatch_payload is not None:  # after its model
+                            await client.publish(
+                                self.topics.dispatch, self._dispatch_payload, qos=1, retain=True
+                            )
                         if resumed:  # the round's tally restarted with this process
                             payload = self._global_payload or b""
                             self.core.tally.bytes_down += len(payload) * self.core.online_count
