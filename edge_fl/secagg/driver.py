@@ -1,0 +1,105 @@
+"""One SecAgg+ round run in memory between device and aggregator sessions, with devices vanishing
+at chosen phases: what the tests, the test vectors and tools/bench_secagg.py drive. It routes
+bytes exactly as the broker would (device -> aggregator, aggregator -> one device's inbox) and
+counts them per device."""
+
+from __future__ import annotations
+
+import os
+from collections import defaultdict
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from edge_fl.secagg.aggregator import AggregatorSession, Observer
+from edge_fl.secagg.device import DeviceSession
+from edge_fl.secagg.primitives import RandBytes
+from edge_fl.secagg.session import Aborted, Deliver, Finished, Outcome, RoundParams, Send
+
+#: the phases a device can vanish before: it sends nothing from that phase on
+VANISH = ("advertise", "share", "mask", "unmask")
+
+
+@dataclass
+class Trace:
+    outcome: Outcome
+    up: dict[str, int] = field(default_factory=lambda: defaultdict(int))  # bytes a device sent
+    down: dict[str, int] = field(default_factory=lambda: defaultdict(int))  # bytes it received
+    sent: list[tuple[str, str, bytes]] = field(default_factory=list)  # (direction, device, payload)
+    aborted: dict[str, str] = field(default_factory=dict)
+
+
+def run_round(
+    params: RoundParams,
+    inputs: Mapping[str, np.ndarray],
+    vanish: Mapping[str, str] | None = None,
+    *,
+    randbytes: Callable[[str], RandBytes] | None = None,
+    observer: Observer | None = None,
+    record: bool = False,
+) -> Trace:
+    """Run a round; ``vanish[device]`` is the phase (in :data:`VANISH`) before which it stops."""
+    vanish = dict(vanish or {})
+    gone: set[str] = set()
+    agg = AggregatorSession(params, observer=observer)
+    devs = {
+        d: DeviceSession(d, params, randbytes=randbytes(d) if randbytes else os.urandom)
+        for d in params.roster
+    }
+    trace = Trace(outcome=None)  # type: ignore[arg-type]
+    pending: list[Deliver] = []
+
+    def up(device: str, payload: bytes) -> None:
+        trace.up[device] += len(payload)
+        if record:
+            trace.sent.append(("up", device, payload))
+        for effect in agg.receive(device, payload):
+            if isinstance(effect, Deliver):
+                pending.append(effect)
+            elif isinstance(effect, Finished):
+                trace.outcome = effect.outcome
+
+    def handle(device: str, effects: list) -> None:
+        for effect in effects:
+            if isinstance(effect, Send):
+                up(device, effect.payload)
+            elif isinstance(effect, Aborted):
+                trace.aborted[device] = effect.reason
+
+    def vanished(device: str, phase: str) -> bool:
+        if vanish.get(device) == phase:
+            gone.add(device)
+        return device in gone
+
+    for d in params.roster:
+        if not vanished(d, "advertise"):
+            handle(d, [devs[d].advertise()])
+    for phase in ("share", "mask", "unmask", None):
+        if trace.outcome is not None:
+            break
+        if not pending:
+            for effect in agg.close_phase():
+                if isinstance(effect, Deliver):
+                    pending.append(effect)
+                elif isinstance(effect, Finished):
+                    trace.outcome = effect.outcome
+        batch, pending[:] = list(pending), []
+        if phase is None:
+            break
+        for d in {e.device for e in batch}:
+            vanished(d, phase)
+        for effect in batch:
+            if effect.device in gone:
+                continue
+            trace.down[effect.device] += len(effect.payload)
+            if record:
+                trace.sent.append(("down", effect.device, effect.payload))
+            handle(effect.device, devs[effect.device].receive(effect.payload))
+            if phase == "mask" and devs[effect.device].phase == "ready":
+                handle(effect.device, devs[effect.device].submit(inputs[effect.device]))
+    if trace.outcome is None:
+        for effect in agg.close_phase():
+            if isinstance(effect, Finished):
+                trace.outcome = effect.outcome
+    return trace
