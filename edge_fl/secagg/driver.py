@@ -38,8 +38,11 @@ def run_round(
     randbytes: Callable[[str], RandBytes] | None = None,
     observer: Observer | None = None,
     record: bool = False,
+    tamper: Callable[[str, str, bytes], bytes] | None = None,
 ) -> Trace:
-    """Run a round; ``vanish[device]`` is the phase (in :data:`VANISH`) before which it stops."""
+    """Run a round; ``vanish[device]`` is the phase (in :data:`VANISH`) before which it stops.
+    ``tamper(direction, device, payload)`` may replace any payload in transit ("up": device to
+    aggregator, "down": aggregator to device), as a hostile broker would."""
     vanish = dict(vanish or {})
     gone: set[str] = set()
     agg = AggregatorSession(params, observer=observer)
@@ -51,6 +54,8 @@ def run_round(
     pending: list[Deliver] = []
 
     def up(device: str, payload: bytes) -> None:
+        if tamper is not None:
+            payload = tamper("up", device, payload)
         trace.up[device] += len(payload)
         if record:
             trace.sent.append(("up", device, payload))
@@ -92,10 +97,11 @@ def run_round(
         for effect in batch:
             if effect.device in gone:
                 continue
-            trace.down[effect.device] += len(effect.payload)
+            payload = tamper("down", effect.device, effect.payload) if tamper else effect.payload
+            trace.down[effect.device] += len(payload)
             if record:
-                trace.sent.append(("down", effect.device, effect.payload))
-            handle(effect.device, devs[effect.device].receive(effect.payload))
+                trace.sent.append(("down", effect.device, payload))
+            handle(effect.device, devs[effect.device].receive(payload))
             if phase == "mask" and devs[effect.device].phase == "ready":
                 handle(effect.device, devs[effect.device].submit(inputs[effect.device]))
     if trace.outcome is None:

@@ -181,9 +181,7 @@ def from_ring(values: np.ndarray, bits: int) -> np.ndarray:
     if bits == 64:
         return v.view(np.int64).copy()
     half = np.uint64(1 << (bits - 1))
-    signed = v.astype(np.int64)
-    signed[v >= half] -= np.int64(1 << (bits - 1)) * 2
-    return signed
+    return (v ^ half).astype(np.int64) - np.int64(1 << (bits - 1))  # sign-extend bit bits-1
 
 
 def pack(values: np.ndarray, bits: int) -> bytes:
