@@ -9,6 +9,8 @@ import os
 from collections import defaultdict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from functools import partial
+from typing import Any
 
 import numpy as np
 
@@ -28,6 +30,8 @@ class Trace:
     down: dict[str, int] = field(default_factory=lambda: defaultdict(int))  # bytes it received
     sent: list[tuple[str, str, bytes]] = field(default_factory=list)  # (direction, device, payload)
     aborted: dict[str, str] = field(default_factory=dict)
+    cpu_device: dict[str, float] = field(default_factory=lambda: defaultdict(float))
+    cpu_aggregator: float = 0.0
 
 
 def run_round(
@@ -39,6 +43,7 @@ def run_round(
     observer: Observer | None = None,
     record: bool = False,
     tamper: Callable[[str, str, bytes], bytes] | None = None,
+    clock: Callable[[], float] | None = None,
 ) -> Trace:
     """Run a round; ``vanish[device]`` is the phase (in :data:`VANISH`) before which it stops.
     ``tamper(direction, device, payload)`` may replace any payload in transit ("up": device to
@@ -59,7 +64,11 @@ def run_round(
         trace.up[device] += len(payload)
         if record:
             trace.sent.append(("up", device, payload))
-        for effect in agg.receive(device, payload):
+        start = clock() if clock else 0.0
+        effects = agg.receive(device, payload)
+        if clock:
+            trace.cpu_aggregator += clock() - start
+        for effect in effects:
             if isinstance(effect, Deliver):
                 pending.append(effect)
             elif isinstance(effect, Finished):
@@ -77,14 +86,25 @@ def run_round(
             gone.add(device)
         return device in gone
 
+    def timed(device: str, call: Callable[[], Any]) -> Any:
+        start = clock() if clock else 0.0
+        effects = call()
+        if clock:
+            trace.cpu_device[device] += clock() - start
+        return effects
+
     for d in params.roster:
         if not vanished(d, "advertise"):
-            handle(d, [devs[d].advertise()])
+            handle(d, [timed(d, devs[d].advertise)])
     for phase in ("share", "mask", "unmask", None):
         if trace.outcome is not None:
             break
         if not pending:
-            for effect in agg.close_phase():
+            start = clock() if clock else 0.0
+            closing = agg.close_phase()
+            if clock:
+                trace.cpu_aggregator += clock() - start
+            for effect in closing:
                 if isinstance(effect, Deliver):
                     pending.append(effect)
                 elif isinstance(effect, Finished):
@@ -101,11 +121,17 @@ def run_round(
             trace.down[effect.device] += len(payload)
             if record:
                 trace.sent.append(("down", effect.device, payload))
-            handle(effect.device, devs[effect.device].receive(payload))
-            if phase == "mask" and devs[effect.device].phase == "ready":
-                handle(effect.device, devs[effect.device].submit(inputs[effect.device]))
+            dev = devs[effect.device]
+            handle(effect.device, timed(effect.device, partial(dev.receive, payload)))
+            if phase == "mask" and dev.phase == "ready":
+                x = inputs[effect.device]
+                handle(effect.device, timed(effect.device, partial(dev.submit, x)))
     if trace.outcome is None:
-        for effect in agg.close_phase():
+        start = clock() if clock else 0.0
+        closing = agg.close_phase()
+        if clock:
+            trace.cpu_aggregator += clock() - start
+        for effect in closing:
             if isinstance(effect, Finished):
                 trace.outcome = effect.outcome
     return trace
