@@ -101,14 +101,16 @@ class DeviceSession:
                 self._replies[bytes(payload)] = effect.payload
         return effects
 
-    def submit(self, values: np.ndarray) -> list[Effect]:
+    def submit(self, values: np.ndarray, *, modular: bool = False) -> list[Effect]:
         """The device's integer vector (quantised, |value| <= max_int): masked and sent as soon
-        as the neighbours' shares are in."""
+        as the neighbours' shares are in. ``modular``: values beyond max_int are taken modulo
+        2^b (distributed DP's noised integers: the sum mod 2^b is a function of the true sum, so
+        a wrap costs accuracy, never privacy)."""
         p = self.params
         vec = np.asarray(values)
         if vec.shape != (p.dim,) or vec.dtype.kind not in "iu":
             raise ValueError(f"the input is {p.dim} integers, got {vec.dtype} {vec.shape}")
-        if vec.size and int(np.abs(vec.astype(np.int64)).max()) > p.max_int:
+        if not modular and vec.size and int(np.abs(vec.astype(np.int64)).max()) > p.max_int:
             raise ValueError(f"an input value exceeds max_int = {p.max_int} (the sum could wrap)")
         if self._input is not None or self.phase in ("masked", "done"):
             raise RuntimeError("a device submits one input per round")

@@ -44,6 +44,7 @@ def run_round(
     record: bool = False,
     tamper: Callable[[str, str, bytes], bytes] | None = None,
     clock: Callable[[], float] | None = None,
+    modular: bool = False,
 ) -> Trace:
     """Run a round; ``vanish[device]`` is the phase (in :data:`VANISH`) before which it stops.
     ``tamper(direction, device, payload)`` may replace any payload in transit ("up": device to
@@ -125,7 +126,7 @@ def run_round(
             handle(effect.device, timed(effect.device, partial(dev.receive, payload)))
             if phase == "mask" and dev.phase == "ready":
                 x = inputs[effect.device]
-                handle(effect.device, timed(effect.device, partial(dev.submit, x)))
+                handle(effect.device, timed(effect.device, partial(dev.submit, x, modular=modular)))
     if trace.outcome is None:
         start = clock() if clock else 0.0
         closing = agg.close_phase()
