@@ -9,6 +9,8 @@ import os
 import msgpack
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 import edge_fl.secagg.messages as M
@@ -20,6 +22,7 @@ from edge_fl.secagg import (
     Deliver,
     DeviceSession,
     Failed,
+    Finished,
     Rejected,
     RoundParams,
     Send,
@@ -38,7 +41,7 @@ def raw(obj: dict) -> bytes:
     return msgpack.packb(obj, use_bin_type=True)
 
 
-HEAD = {"v": 1, "k": "mx", "r": 7, "nc": NONCE, "b": 16, "y": b"\x00" * 16}
+HEAD = {"v": 1, "k": "mx", "r": 7, "nc": NONCE, "b": 16, "m": b"\x0f", "y": b"\x00" * 16}
 
 
 @pytest.mark.parametrize(
@@ -60,6 +63,8 @@ HEAD = {"v": 1, "k": "mx", "r": 7, "nc": NONCE, "b": 16, "y": b"\x00" * 16}
         (raw({"v": 1, "k": "nk", "r": 7, "nc": NONCE, "keys": [[b"a" * 32]] * 4}), "out_of_range"),
         (b"\x82\xa1v\x01\xa1v\x01", "malformed"),
         (raw(HEAD) + b"\x00", "malformed"),
+        (raw({**HEAD, "m": b"\x1f"}), "out_of_range"),
+        (raw({**HEAD, "m": b"\x0f\x00"}), "out_of_range"),
         (b"\x00" * 10_000, "oversized"),
     ],
 )
@@ -103,7 +108,8 @@ def test_aggregator_rejects_strangers_wrong_nonce_phase_and_duplicates() -> None
     )
     assert agg.receive("d0", other)[0].reason == "wrong_nonce"
     assert (
-        agg.receive("d0", M.encode("mx", 7, NONCE, b=16, y=b"\x00" * 16))[0].reason == "wrong_phase"
+        agg.receive("d0", M.encode("mx", 7, NONCE, b=16, m=b"\x0f", y=b"\x00" * 16))[0].reason
+        == "wrong_phase"
     )
     assert agg.receive("d0", ak) == []
     assert agg.receive("d0", ak)[0].reason == "duplicate"
@@ -135,11 +141,11 @@ def test_aggregator_refuses_inconsistent_shares_and_masked_vectors() -> None:
     assert agg.phase == "masked"
     target = effects[0].device
     assert (
-        agg.receive(target, M.encode("mx", 7, NONCE, b=12, y=b"\x00" * 16))[0].reason
+        agg.receive(target, M.encode("mx", 7, NONCE, b=12, m=b"\x0f", y=b"\x00" * 16))[0].reason
         == "bad_masked"
     )
     assert (
-        agg.receive(target, M.encode("mx", 7, NONCE, b=16, y=b"\x00" * 15))[0].reason
+        agg.receive(target, M.encode("mx", 7, NONCE, b=16, m=b"\x0f", y=b"\x00" * 15))[0].reason
         == "bad_masked"
     )
 
@@ -279,3 +285,117 @@ def test_a_device_that_is_done_answers_only_the_same_request() -> None:
     first = devs[uq.device].receive(uq.payload)
     assert devs[uq.device].receive(uq.payload) == first
     assert isinstance(devs[uq.device].receive(M.encode("uq", 7, NONCE, a=[0, 0, 0]))[0], Rejected)
+
+
+def test_low_order_keys_are_refused_by_both_sides() -> None:
+    p = params()
+    agg = AggregatorSession(p)
+    bad = M.encode("ak", 7, NONCE, ck=bytes(32), sk=P.public_bytes(5 * 8 + 2**254), bh=bytes(32))
+    (out,) = agg.receive("d0", bad)
+    assert out.reason == "bad_keys" and "low-order" in out.detail
+    dev = DeviceSession("d1", p)
+    dev.advertise()
+    near = p.graph.neighbours("d1")
+    keys = [[bytes(32), bytes(32)] for _ in near]
+    (out,) = dev.receive(M.encode("nk", 7, NONCE, keys=keys))
+    assert isinstance(out, Aborted) and "low-order" in out.reason
+
+
+def _mutations():
+    values = st.one_of(
+        st.none(), st.booleans(), st.integers(-(2**64), 2**64), st.binary(max_size=100),
+        st.text(max_size=10), st.lists(st.one_of(st.none(), st.binary(max_size=90), st.integers()), max_size=6),
+    )  # fmt: skip
+    return st.one_of(
+        st.tuples(st.just("flip"), st.integers(0, 10**6), st.integers(1, 255)),
+        st.tuples(st.just("cut"), st.integers(0, 10**6)),
+        st.tuples(st.just("set"), st.sampled_from(["v", "k", "r", "nc", "ck", "sk", "bh", "sig", "keys", "c", "b", "y", "a", "s", "zz"]), values),
+        st.tuples(st.just("del"), st.sampled_from(["v", "k", "r", "nc", "ck", "c", "y", "a", "s", "keys"])),
+        st.tuples(st.just("junk"), st.binary(max_size=300)),
+    )  # fmt: skip
+
+
+def _mutate(payload: bytes, how) -> bytes:
+    kind = how[0]
+    if kind == "flip":
+        i = how[1] % len(payload)
+        return payload[:i] + bytes([payload[i] ^ how[2]]) + payload[i + 1 :]
+    if kind == "cut":
+        return payload[: how[1] % len(payload)]
+    if kind == "junk":
+        return how[1]
+    obj = msgpack.unpackb(payload, raw=False)
+    if kind == "set":
+        obj[how[1]] = how[2]
+    else:
+        obj.pop(how[1], None)
+    return msgpack.packb(obj, use_bin_type=True)
+
+
+class _Check:
+    def __init__(self, key) -> None:
+        self.key = key
+
+    def verify(self, data: bytes, signature: bytes) -> bool:
+        try:
+            self.key.verify(signature, data)
+        except Exception:
+            return False
+        return True
+
+
+SIGNERS = {f"d{i}": Ed25519PrivateKey.generate() for i in range(6)}
+
+
+def DIRECTORY(device: str) -> _Check:
+    return _Check(SIGNERS[device].public_key())
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.integers(0, 3), st.integers(0, 3), _mutations())
+def test_no_payload_makes_a_session_raise(phase: int, who: int, how) -> None:
+    """Any corruption of a genuine message of any phase, in either direction, is a Rejected,
+    an abort or a (legal) effect; never an exception, and the round sums exactly or fails.
+    With device signing keys (the model against a malicious broker): unsigned, the masked
+    vector itself has no integrity but the broker's ACL and TLS."""
+    p = params(4, 3, 2, dim=4)
+    target = f"d{who}"
+    kinds_up, kinds_down = ("ak", "sh", "mx", "ua"), ("nk", "sf", "uq")
+
+    def tamper(way: str, device: str, payload: bytes) -> bytes:
+        kind = M.decode(payload, 10**6).kind
+        hit = (way == "up" and kind == kinds_up[phase]) or (
+            way == "down" and phase < 3 and kind == kinds_down[phase]
+        )
+        return _mutate(payload, how) if hit and device == target else payload
+
+    xs = {d: np.full(4, i, dtype=np.int64) for i, d in enumerate(p.roster)}
+    trace = run_round(p, xs, tamper=tamper, signers=SIGNERS, directory=DIRECTORY)
+    assert trace.outcome is not None
+    if isinstance(trace.outcome, Summed):
+        assert np.array_equal(trace.outcome.total, sum(xs[d] for d in trace.outcome.contributors))
+
+
+def test_a_dropped_forwarded_share_is_caught_by_the_mask_set() -> None:
+    """A broker removes one sealed share from a device's forwarded shares: the device masks
+    without that neighbour, the neighbour masks with it. The mask set in ``mx`` shows the
+    mismatch: the device is refused and treated as dropped, and the sum of the others is exact."""
+    p = params(5, 4, 2)
+    cut = {}
+
+    def tamper(way: str, device: str, payload: bytes) -> bytes:
+        msg = M.decode(payload, 10**6)
+        if way == "down" and device == "d0" and msg.kind == "sf":
+            c = list(msg.body["c"])
+            i = next(i for i, x in enumerate(c) if x is not None)
+            cut["at"] = i
+            c[i] = None
+            return M.encode("sf", msg.round, msg.nonce, c=c)
+        return payload
+
+    xs = {d: np.arange(8) + i for i, d in enumerate(p.roster)}
+    trace = run_round(p, xs, tamper=tamper)
+    assert "at" in cut
+    assert isinstance(trace.outcome, Summed)
+    assert "d0" not in trace.outcome.contributors
+    assert np.array_equal(trace.outcome.total, sum(xs[d] for d in trace.outcome.contributors))

@@ -38,32 +38,41 @@ def drbg(label: str) -> P.RandBytes:
 
 def build() -> dict[str, Any]:
     rand = drbg("secagg-vector/keys")
-    a, b = P.new_key(rand), P.new_key(rand)
+    a, b = P.new_key(rand), P.new_key(rand)  # d0's and d1's share-encryption keys (c)
+    am, bm = P.new_key(rand), P.new_key(rand)  # their mask keys (s)
     shared = P.agree(a, P.public_bytes(b))
     assert shared == P.agree(b, P.public_bytes(a))
+    mask_shared = P.agree(am, P.public_bytes(bm))
     key_ab = P.share_key(shared, JOB, ROUND, NONCE, "d0", "d1")
     common = {"job": JOB, "round": ROUND, "nonce": NONCE.hex()}
     agreement = {
         **common,
-        "a_scalar_le": a.to_bytes(32, "little").hex(),
-        "a_public": P.public_bytes(a).hex(),
-        "b_scalar_le": b.to_bytes(32, "little").hex(),
-        "b_public": P.public_bytes(b).hex(),
-        "x25519": shared.hex(),
-        "pair_seed_d0_d1": P.pair_seed(shared, JOB, ROUND, NONCE, "d0", "d1").hex(),
+        "d0_c_scalar_le": a.to_bytes(32, "little").hex(),
+        "d0_c_public": P.public_bytes(a).hex(),
+        "d1_c_scalar_le": b.to_bytes(32, "little").hex(),
+        "d1_c_public": P.public_bytes(b).hex(),
+        "d0_s_scalar_le": am.to_bytes(32, "little").hex(),
+        "d0_s_public": P.public_bytes(am).hex(),
+        "d1_s_scalar_le": bm.to_bytes(32, "little").hex(),
+        "d1_s_public": P.public_bytes(bm).hex(),
+        "x25519_c": shared.hex(),
+        "x25519_s": mask_shared.hex(),
         "share_key_d0_to_d1": key_ab.hex(),
         "share_key_d1_to_d0": P.share_key(shared, JOB, ROUND, NONCE, "d1", "d0").hex(),
+        "pair_seed_d0_d1": P.pair_seed(mask_shared, JOB, ROUND, NONCE, "d0", "d1").hex(),
         "hkdf_info_pair_mask": P.context("pair-mask", JOB, ROUND, "d0", "d1").hex(),
     }
     plain = P.share_bytes(12345) + P.share_bytes(P.PRIME - 1)
+    keys = P.public_bytes(a) + P.public_bytes(am) + P.public_bytes(b) + P.public_bytes(bm)
+    aad = P.share_aad(JOB, ROUND, NONCE, "d0", "d1", keys)
     encryption = {
         **common,
         "sender": "d0",
         "receiver": "d1",
         "key": key_ab.hex(),
         "plaintext": plain.hex(),
-        "aad": (P.context("share", JOB, ROUND, "d0", "d1") + NONCE).hex(),
-        "sealed": P.seal(key_ab, plain, JOB, ROUND, NONCE, "d0", "d1").hex(),
+        "aad": aad.hex(),
+        "sealed": P.seal(key_ab, plain, aad).hex(),
     }
     srand = drbg("secagg-vector/shamir")
     secret = P.new_seed(srand)
@@ -79,7 +88,7 @@ def build() -> dict[str, Any]:
     x = np.array([-100, -1, 0, 1, 2, 3, 100, 2047], dtype=np.int64)
     seed = P.new_seed(rand)
     self_mask = P.expand(P.self_seed(seed, JOB, ROUND, NONCE, "d0"), dim, bits)
-    pair_mask = P.expand(P.pair_seed(shared, JOB, ROUND, NONCE, "d0", "d1"), dim, bits)
+    pair_mask = P.expand(P.pair_seed(mask_shared, JOB, ROUND, NONCE, "d0", "d1"), dim, bits)
     y = (P.to_ring(x, bits) + self_mask + pair_mask) & P.ring_mask(bits)  # d0 < d1: +
     masking = {
         **common,
@@ -147,9 +156,8 @@ def test_the_code_reproduces_the_vectors() -> None:
 def test_the_vectors_mean_what_they_say() -> None:
     v = json.loads(FILE.read_text())
     enc = v["share_encryption"]
-    nonce = bytes.fromhex(enc["nonce"])
     opened = P.open_sealed(
-        bytes.fromhex(enc["key"]), bytes.fromhex(enc["sealed"]), JOB, ROUND, nonce, "d0", "d1"
+        bytes.fromhex(enc["key"]), bytes.fromhex(enc["sealed"]), bytes.fromhex(enc["aad"])
     )
     assert opened.hex() == enc["plaintext"]
     sh = v["shamir"]

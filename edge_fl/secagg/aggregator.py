@@ -28,6 +28,7 @@ from edge_fl.secagg.session import (
     Rejected,
     RoundParams,
     Summed,
+    Verifies,
 )
 
 Effect = Deliver | Rejected | Finished
@@ -37,8 +38,17 @@ _KIND = {"keys": "ak", "shares": "sh", "masked": "mx", "unmask": "ua"}
 
 
 class AggregatorSession:
-    def __init__(self, params: RoundParams, *, observer: Observer | None = None) -> None:
+    def __init__(
+        self,
+        params: RoundParams,
+        *,
+        observer: Observer | None = None,
+        device_key: Callable[[str], Verifies | None] | None = None,
+    ) -> None:
+        """``device_key``: a device id -> its public signing key (None: that device is not
+        checked); with one, its ``ak`` and ``mx`` must carry its valid signature."""
         self.params = params
+        self._device_key = device_key
         self.phase = "keys"
         self.outcome: Outcome | None = None
         self._observe = observer
@@ -61,6 +71,9 @@ class AggregatorSession:
     # ------------------------------------------------------------ inbox
     def receive(self, device: str, payload: bytes) -> list[Effect]:
         p = self.params
+        if not isinstance(payload, bytes | bytearray | memoryview):
+            return [Rejected(device, "malformed", f"payload is {type(payload).__name__}")]
+        payload = bytes(payload)
         if device not in self._near:
             return [Rejected(device, "not_selected", "not in this round's roster")]
         if self.phase == "done":
@@ -100,6 +113,14 @@ class AggregatorSession:
     # ------------------------------------------------------------ per message
     def _on_keys(self, device: str, msg: M.Message) -> str | None:
         b = msg.body
+        if not (P.valid_public(b["ck"]) and P.valid_public(b["sk"])):
+            return "a public key is a low-order X25519 point"
+        p = self.params
+        why = self._check_signature(
+            device, b["sig"], M.advert_body(p.job, p.round, p.nonce, device, b["ck"], b["sk"])
+        )
+        if why is not None:
+            return why
         self._adverts[device] = (b["ck"], b["sk"], b["bh"], b["sig"])
         return None
 
@@ -117,6 +138,16 @@ class AggregatorSession:
         p = self.params
         if msg.body["b"] != p.bits:
             return f"bit width {msg.body['b']}, the round's is {p.bits}"
+        b = msg.body
+        why = self._check_signature(
+            device, b["sig"], M.masked_body(p.job, p.round, p.nonce, device, b["m"], b["y"])
+        )
+        if why is not None:
+            return why
+        # the device masked against exactly the neighbours whose shares it was forwarded, or
+        # the pairwise masks would not cancel (a broker that dropped a forwarded share)
+        if b["m"] != M.bitmap([v in self._sealed for v in self._near[device]]):
+            return "its mask set is not the neighbours the aggregator forwarded shares from"
         y = P.unpack(msg.body["y"], p.dim, p.bits)
         if y is None:
             return f"'y' is not {p.dim} values of Z_2^{p.bits} in {p.vector_bytes} bytes"
@@ -141,6 +172,14 @@ class AggregatorSession:
                 got.append((v, value))
         for v, value in got:
             self._shares.setdefault(v, []).append((point, value))
+        return None
+
+    def _check_signature(self, device: str, sig: bytes | None, body: bytes) -> str | None:
+        verifier = self._device_key(device) if self._device_key is not None else None
+        if verifier is None:
+            return None
+        if sig is None or not verifier.verify(body, sig):
+            return "not signed by the device's key"
         return None
 
     # ------------------------------------------------------------ phase ends

@@ -56,6 +56,7 @@ class DeviceSession:
         self._input: np.ndarray | None = None
         self._replies: dict[bytes, bytes] = {}  # a payload answered -> the answer
         self._c = self._s = self._seed = 0
+        self._own = b""  # this device's ck || sk
 
     # ------------------------------------------------------------ phase 0
     def advertise(self) -> Send:
@@ -66,6 +67,7 @@ class DeviceSession:
         self._c, self._s = P.new_key(self._rand), P.new_key(self._rand)
         self._seed = P.new_seed(self._rand)
         ck, sk = P.public_bytes(self._c), P.public_bytes(self._s)
+        self._own = ck + sk
         fields: dict[str, bytes] = {
             "ck": ck,
             "sk": sk,
@@ -80,6 +82,9 @@ class DeviceSession:
 
     # ------------------------------------------------------------ inbox
     def receive(self, payload: bytes) -> list[Effect]:
+        if not isinstance(payload, bytes | bytearray | memoryview):
+            return [Rejected(None, "malformed", f"payload is {type(payload).__name__}")]
+        payload = bytes(payload)
         if self.phase in ("aborted", "done") and payload not in self._replies:
             return [Rejected(None, "closed", f"the device's round is {self.phase}")]
         if payload in self._replies:
@@ -98,7 +103,7 @@ class DeviceSession:
         effects = handler(msg)
         for effect in effects:
             if isinstance(effect, Send):
-                self._replies[bytes(payload)] = effect.payload
+                self._replies[payload] = effect.payload
         return effects
 
     def submit(self, values: np.ndarray, *, modular: bool = False) -> list[Effect]:
@@ -129,6 +134,8 @@ class DeviceSession:
             if entry is None:
                 continue
             ck, sk, sig = entry
+            if not (P.valid_public(ck) and P.valid_public(sk)):
+                return self._abort(f"neighbour {v}'s keys are low-order X25519 points")
             verifier = self._peer_key(v) if self._peer_key is not None else None
             if verifier is not None and (
                 sig is None
@@ -149,7 +156,10 @@ class DeviceSession:
             shared = P.agree(self._c, self._keys[v][0])
             key = P.share_key(shared, p.job, p.round, p.nonce, self.device, v)
             plain = P.share_bytes(ks) + P.share_bytes(ss)
-            sealed[v] = P.seal(key, plain, p.job, p.round, p.nonce, self.device, v)
+            aad = P.share_aad(
+                p.job, p.round, p.nonce, self.device, v, self._own + b"".join(self._keys[v])
+            )
+            sealed[v] = P.seal(key, plain, aad)
         self.phase = "shared"
         out = M.encode("sh", p.round, p.nonce, c=[sealed.get(v) for v in self._near])
         return [Send(out)]
@@ -164,7 +174,10 @@ class DeviceSession:
             shared = P.agree(self._c, self._keys[v][0])
             key = P.share_key(shared, p.job, p.round, p.nonce, v, self.device)
             try:
-                plain = P.open_sealed(key, blob, p.job, p.round, p.nonce, v, self.device)
+                aad = P.share_aad(
+                    p.job, p.round, p.nonce, v, self.device, b"".join(self._keys[v]) + self._own
+                )
+                plain = P.open_sealed(key, blob, aad)
             except InvalidTag:
                 return self._abort(f"the shares from {v} do not authenticate")
             ks = P.share_value(plain[: P.SHARE_BYTES])
@@ -189,7 +202,14 @@ class DeviceSession:
                 y -= mask
         y &= P.ring_mask(p.bits)
         self.phase = "masked"
-        return [Send(M.encode("mx", p.round, p.nonce, b=p.bits, y=P.pack(y, p.bits)))]
+        blob = P.pack(y, p.bits)
+        mask_set = M.bitmap([v in self._held for v in self._near])
+        fields: dict[str, object] = {"b": p.bits, "m": mask_set, "y": blob}
+        if self._signer is not None:
+            fields["sig"] = self._signer.sign(
+                M.masked_body(p.job, p.round, p.nonce, self.device, mask_set, blob)
+            )
+        return [Send(M.encode("mx", p.round, p.nonce, **fields))]
 
     def _pair_seed(self, v: str) -> bytes:
         p = self.params

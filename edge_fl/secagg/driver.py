@@ -17,7 +17,16 @@ import numpy as np
 from edge_fl.secagg.aggregator import AggregatorSession, Observer
 from edge_fl.secagg.device import DeviceSession
 from edge_fl.secagg.primitives import RandBytes
-from edge_fl.secagg.session import Aborted, Deliver, Finished, Outcome, RoundParams, Send
+from edge_fl.secagg.session import (
+    Aborted,
+    Deliver,
+    Finished,
+    Outcome,
+    RoundParams,
+    Send,
+    Signs,
+    Verifies,
+)
 
 #: the phases a device can vanish before: it sends nothing from that phase on
 VANISH = ("advertise", "share", "mask", "unmask")
@@ -45,15 +54,23 @@ def run_round(
     tamper: Callable[[str, str, bytes], bytes] | None = None,
     clock: Callable[[], float] | None = None,
     modular: bool = False,
+    signers: Mapping[str, Signs] | None = None,
+    directory: Callable[[str], Verifies | None] | None = None,
 ) -> Trace:
     """Run a round; ``vanish[device]`` is the phase (in :data:`VANISH`) before which it stops.
     ``tamper(direction, device, payload)`` may replace any payload in transit ("up": device to
     aggregator, "down": aggregator to device), as a hostile broker would."""
     vanish = dict(vanish or {})
     gone: set[str] = set()
-    agg = AggregatorSession(params, observer=observer)
+    agg = AggregatorSession(params, observer=observer, device_key=directory)
     devs = {
-        d: DeviceSession(d, params, randbytes=randbytes(d) if randbytes else os.urandom)
+        d: DeviceSession(
+            d,
+            params,
+            randbytes=randbytes(d) if randbytes else os.urandom,
+            signer=signers[d] if signers else None,
+            peer_key=directory,
+        )
         for d in params.roster
     }
     trace = Trace(outcome=None)  # type: ignore[arg-type]

@@ -13,7 +13,7 @@ msgpack, exact types, no unknown or repeated keys) and raises
 | ``nk`` | aggregator -> device | ``keys``: per neighbour nil or [ck, sk] or [ck, sk, sig] |
 | ``sh`` | device -> aggregator | ``c``: per neighbour nil or its sealed shares (80 bytes) |
 | ``sf`` | aggregator -> device | ``c``: per neighbour nil or the shares it sealed for this device |
-| ``mx`` | device -> aggregator | ``b`` (bits), ``y`` (masked vector, ceil(b/8) bytes per value) |
+| ``mx`` | device -> aggregator | ``b`` (bits), ``m`` (bitmap: masked with neighbour i), ``y`` (masked vector, ceil(b/8) bytes per value), ``sig`` (opt.) |
 | ``uq`` | aggregator -> device | ``a``: per neighbour 0 (nothing), 1 (survived: its seed share), 2 (dropped: its key share) |
 | ``ua`` | device -> aggregator | ``s``: per neighbour nil or the asked share (32 bytes) |
 """
@@ -38,7 +38,7 @@ _KEYS: dict[str, frozenset[str]] = {
     "nk": frozenset({*_HEAD, "keys"}),
     "sh": frozenset({*_HEAD, "c"}),
     "sf": frozenset({*_HEAD, "c"}),
-    "mx": frozenset({*_HEAD, "b", "y"}),
+    "mx": frozenset({*_HEAD, "b", "m", "y", "sig"}),
     "uq": frozenset({*_HEAD, "a"}),
     "ua": frozenset({*_HEAD, "s"}),
 }
@@ -152,7 +152,16 @@ def decode(payload: Any, max_bytes: int, neighbours: int | None = None) -> Messa
         )
     elif kind == "mx":
         body["b"] = F.int_field(obj, "b", "bit width", 1, 64)
+        m = F.get(obj, "m", bytes, "mask set", "bin")
+        if neighbours is not None:
+            m = _bin(m, "m", "mask set", (neighbours + 7) // 8)
+            if neighbours % 8 and m[-1] >> (neighbours % 8):
+                raise F.out_of_range("m", "mask set", m, "padding bits 0")
+        body["m"] = m
         body["y"] = F.get(obj, "y", bytes, "masked vector", "bin")
+        body["sig"] = (
+            _bin(obj["sig"], "sig", "device signature", SIG_BYTES) if "sig" in obj else None
+        )
     elif kind == "uq":
         asks = _array(obj, "a", "unmask request", neighbours)
         for i, a in enumerate(asks):
@@ -181,3 +190,17 @@ def _no_duplicates(pairs: list[tuple[Any, Any]]) -> dict[Any, Any]:
 def advert_body(job: str, rnd: int, nonce: bytes, device: str, ck: bytes, sk: bytes) -> bytes:
     """What a device's signing key signs in ``ak``: the keys in their context."""
     return context("advert", job, rnd, device) + nonce + ck + sk
+
+
+def masked_body(job: str, rnd: int, nonce: bytes, device: str, m: bytes, y: bytes) -> bytes:
+    """What a device's signing key signs in ``mx``: its mask set and masked vector in context."""
+    return context("masked", job, rnd, device) + nonce + m + y
+
+
+def bitmap(flags: list[bool]) -> bytes:
+    """Bit i (least significant first within each byte) set iff flags[i]."""
+    out = bytearray((len(flags) + 7) // 8)
+    for i, flag in enumerate(flags):
+        if flag:
+            out[i // 8] |= 1 << (i % 8)
+    return bytes(out)

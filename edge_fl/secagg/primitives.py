@@ -93,6 +93,19 @@ def agree(scalar: int, peer_public: bytes) -> bytes:
     return private_key(scalar).exchange(X25519PublicKey.from_public_bytes(peer_public))
 
 
+_PROBE = clamp(bytes(range(32)))
+
+
+def valid_public(key: bytes) -> bool:
+    """A peer key X25519 accepts: 32 bytes whose agreement is not all zero (a low-order point
+    would give every peer the same, public, shared secret)."""
+    try:
+        agree(_PROBE, key)
+    except ValueError:
+        return False
+    return True
+
+
 def new_seed(randbytes: RandBytes) -> int:
     """A self-mask seed: uniform in [0, PRIME) (rejection from 255 random bits)."""
     while True:
@@ -126,28 +139,24 @@ def share_key(shared: bytes, job: str, rnd: int, nonce: bytes, sender: str, rece
     return hkdf(shared, nonce, context("share-key", job, rnd, sender, receiver))
 
 
-def _aad(job: str, rnd: int, nonce: bytes, sender: str, receiver: str) -> bytes:
-    return context("share", job, rnd, sender, receiver) + nonce
+def share_aad(job: str, rnd: int, nonce: bytes, sender: str, receiver: str, keys: bytes) -> bytes:
+    """The associated data of a sealed share: the context, the nonce and the four public keys
+    (sender's ck, sk, receiver's ck, sk) as the sealing device saw them, so that a key altered
+    on its way to either party makes the share fail to open instead of making masks that do not
+    cancel."""
+    return context("share", job, rnd, sender, receiver) + nonce + keys
 
 
 _ZERO_NONCE = bytes(12)
 
 
-def seal(
-    key: bytes, plaintext: bytes, job: str, rnd: int, nonce: bytes, sender: str, receiver: str
-) -> bytes:
-    return ChaCha20Poly1305(key).encrypt(
-        _ZERO_NONCE, plaintext, _aad(job, rnd, nonce, sender, receiver)
-    )
+def seal(key: bytes, plaintext: bytes, aad: bytes) -> bytes:
+    return ChaCha20Poly1305(key).encrypt(_ZERO_NONCE, plaintext, aad)
 
 
-def open_sealed(
-    key: bytes, sealed: bytes, job: str, rnd: int, nonce: bytes, sender: str, receiver: str
-) -> bytes:
+def open_sealed(key: bytes, sealed: bytes, aad: bytes) -> bytes:
     """The plaintext, or ``cryptography.exceptions.InvalidTag``."""
-    return ChaCha20Poly1305(key).decrypt(
-        _ZERO_NONCE, sealed, _aad(job, rnd, nonce, sender, receiver)
-    )
+    return ChaCha20Poly1305(key).decrypt(_ZERO_NONCE, sealed, aad)
 
 
 # ------------------------------------------------------------------ masks in Z_2^b
