@@ -9,9 +9,9 @@ import os
 import msgpack
 import numpy as np
 import pytest
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 import edge_fl.secagg.messages as M
 import edge_fl.secagg.primitives as P
@@ -22,7 +22,6 @@ from edge_fl.secagg import (
     Deliver,
     DeviceSession,
     Failed,
-    Finished,
     Rejected,
     RoundParams,
     Send,
