@@ -409,3 +409,17 @@ def test_a_lying_aggregator_with_t_minus_1_key_shares_gets_no_key() -> None:
         blob = M.decode(reply.payload, 10**6).body["s"][near.index(target)]
         shares.append((p.graph.point(u), P.share_value(blob)))
     assert P.public_bytes(P.combine(shares)) != mask_keys[target]
+
+
+def test_the_benchmark_runs_and_checks_its_sum() -> None:
+    """tools/bench_secagg.py on a tiny round: the numbers it prints come from a checked sum."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "tools" / "bench_secagg.py"
+    spec = importlib.util.spec_from_file_location("bench_secagg", path)
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    row = bench.bench(12, 40, 1.0, 2**-8, 0.1, np.random.default_rng(0))
+    assert row["up"] > 40 * 2 and row["dropped"] == 1 and row["agg_s"] >= 0
