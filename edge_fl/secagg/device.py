@@ -57,6 +57,8 @@ class DeviceSession:
         self._replies: dict[bytes, bytes] = {}  # a payload answered -> the answer
         self._c = self._s = self._seed = 0
         self._own = b""  # this device's ck || sk
+        # per neighbour with keys: (sealing key, opening key, opening AAD, pair-mask seed)
+        self._derived: dict[str, tuple[bytes, bytes, bytes, bytes]] = {}
 
     # ------------------------------------------------------------ phase 0
     def advertise(self) -> Send:
@@ -134,15 +136,24 @@ class DeviceSession:
             if entry is None:
                 continue
             ck, sk, sig = entry
-            if not (P.valid_public(ck) and P.valid_public(sk)):
-                return self._abort(f"neighbour {v}'s keys are low-order X25519 points")
             verifier = self._peer_key(v) if self._peer_key is not None else None
             if verifier is not None and (
                 sig is None
                 or not verifier.verify(M.advert_body(p.job, p.round, p.nonce, v, ck, sk), sig)
             ):
                 return self._abort(f"neighbour {v}'s keys are not signed by its device key")
+            try:  # one agreement per key: X25519 refuses a low-order point here
+                shared, mask_shared = P.agree(self._c, ck), P.agree(self._s, sk)
+            except ValueError:
+                return self._abort(f"neighbour {v}'s keys are low-order X25519 points")
+            aad = P.share_aad(p.job, p.round, p.nonce, v, self.device, ck + sk + self._own)
             self._keys[v] = (ck, sk)
+            self._derived[v] = (
+                P.share_key(shared, p.job, p.round, p.nonce, self.device, v),
+                P.share_key(shared, p.job, p.round, p.nonce, v, self.device),
+                aad,
+                P.pair_seed(mask_shared, p.job, p.round, p.nonce, self.device, v),
+            )
         if len(self._keys) < p.threshold:
             return self._abort(
                 f"{len(self._keys)} neighbours advertised keys; the threshold is {p.threshold}"
@@ -153,30 +164,23 @@ class DeviceSession:
         seed_shares = P.split(self._seed, p.threshold, points, self._rand)
         sealed: dict[str, bytes] = {}
         for v, ks, ss in zip(owners, key_shares, seed_shares, strict=True):
-            shared = P.agree(self._c, self._keys[v][0])
-            key = P.share_key(shared, p.job, p.round, p.nonce, self.device, v)
             plain = P.share_bytes(ks) + P.share_bytes(ss)
             aad = P.share_aad(
                 p.job, p.round, p.nonce, self.device, v, self._own + b"".join(self._keys[v])
             )
-            sealed[v] = P.seal(key, plain, aad)
+            sealed[v] = P.seal(self._derived[v][0], plain, aad)
         self.phase = "shared"
         out = M.encode("sh", p.round, p.nonce, c=[sealed.get(v) for v in self._near])
         return [Send(out)]
 
     def _on_shares(self, msg: M.Message) -> list[Effect]:
-        p = self.params
         for v, blob in zip(self._near, msg.body["c"], strict=True):
             if blob is None:
                 continue
             if v not in self._keys:
                 return self._abort(f"shares from {v}, which advertised no keys")
-            shared = P.agree(self._c, self._keys[v][0])
-            key = P.share_key(shared, p.job, p.round, p.nonce, v, self.device)
+            _, key, aad, _ = self._derived[v]
             try:
-                aad = P.share_aad(
-                    p.job, p.round, p.nonce, v, self.device, b"".join(self._keys[v]) + self._own
-                )
                 plain = P.open_sealed(key, blob, aad)
             except InvalidTag:
                 return self._abort(f"the shares from {v} do not authenticate")
@@ -195,7 +199,7 @@ class DeviceSession:
         self._input = None  # nothing unmasked outlives this call
         y += P.expand(P.self_seed(self._seed, p.job, p.round, p.nonce, self.device), p.dim, p.bits)
         for v in self._held:  # the neighbours that sent shares: exactly the aggregator's U2 edges
-            mask = P.expand(self._pair_seed(v), p.dim, p.bits)
+            mask = P.expand(self._derived[v][3], p.dim, p.bits)
             if self.device < v:
                 y += mask
             else:
@@ -210,11 +214,6 @@ class DeviceSession:
                 M.masked_body(p.job, p.round, p.nonce, self.device, mask_set, blob)
             )
         return [Send(M.encode("mx", p.round, p.nonce, **fields))]
-
-    def _pair_seed(self, v: str) -> bytes:
-        p = self.params
-        shared = P.agree(self._s, self._keys[v][1])
-        return P.pair_seed(shared, p.job, p.round, p.nonce, self.device, v)
 
     def _on_request(self, msg: M.Message) -> list[Effect]:
         p = self.params
