@@ -37,9 +37,31 @@ def test_bernoulli_exp_has_the_right_mean() -> None:
         assert abs(hits / 20_000 - p) < 5 * math.sqrt(p * (1 - p) / 20_000)
 
 
-@pytest.mark.parametrize("sigma2", [Fraction(1, 2), Fraction(4), Fraction(45, 2)])
+def test_the_vectorised_bernoulli_exp_has_the_right_mean() -> None:
+    vec = ddg._VectorExact(np.random.default_rng(11))
+    for a, b in ((1, 3), (5, 2), (7, 1), (0, 9)):
+        hits = vec.bernoulli_exp(np.full(40_000, a, np.int64), np.full(40_000, b, np.int64))
+        p = math.exp(-a / b)
+        assert abs(hits.mean() - p) < 5 * math.sqrt(p * (1 - p) / 40_000) + 1e-12
+
+
+def test_the_scalar_and_vectorised_samplers_agree() -> None:
+    """Two-sample chi-square: the rational-arithmetic draws and the int64 array draws of the
+    same discrete Gaussian (sigma^2 = 4) have one distribution."""
+    scalar = ddg.Exact(drbg("scalar"))
+    a = np.array([scalar.discrete_gaussian(Fraction(4)) for _ in range(8000)])
+    b = ddg.Exact(drbg("vector")).discrete_gaussians(Fraction(4), 8000)
+    support = np.arange(-6, 7)
+    table = np.array([[np.sum(np.clip(s, -6, 6) == v) for v in support] for s in (a, b)])
+    assert stats.chi2_contingency(table).pvalue > 1e-4
+
+
+@pytest.mark.parametrize(
+    "sigma2", [Fraction(1, 2), Fraction(1), Fraction(4), Fraction(45, 2), Fraction(23)]
+)
 def test_the_exact_sampler_matches_the_discrete_gaussian(sigma2: Fraction) -> None:
-    """Chi-square of 12,000 draws against P[x] = exp(-x^2 / 2 sigma^2) / Z (tails pooled)."""
+    """Chi-square of 12,000 draws against P[x] = exp(-x^2 / 2 sigma^2) / Z (tails pooled);
+    integer variances take the vectorised path, the others the scalar one."""
     xs = ddg.Exact(drbg(f"dg{sigma2}")).discrete_gaussians(sigma2, 12_000)
     s2 = float(sigma2)
     support = np.arange(-60, 61)
@@ -142,3 +164,9 @@ def test_a_secure_round_sums_the_clipped_updates_plus_the_calibrated_noise() -> 
     noise_sd = math.sqrt(n * float(p.sigma2)) * p.gamma
     assert abs(err.std() / noise_sd - 1) < 0.15
     assert abs(err.mean()) < 4 * noise_sd / math.sqrt(d)
+
+
+def test_a_large_variance_keeps_its_variance() -> None:
+    xs = ddg.Exact(drbg("large")).discrete_gaussians(Fraction(10**6), 60_000)
+    assert abs(xs.var() / 10**6 - 1) < 5 * math.sqrt(2 / 60_000)
+    assert abs(xs.mean()) < 5 * 1000 / math.sqrt(60_000)

@@ -92,7 +92,95 @@ class Exact:
                 return y
 
     def discrete_gaussians(self, sigma2: Fraction, size: int) -> np.ndarray:
+        """``size`` draws; an integer sigma2 in [1, 10^8] takes the vectorised path (same
+        algorithm, same exactness, numpy's unbiased bounded integers over ChaCha20)."""
+        if sigma2.denominator == 1 and 1 <= sigma2 <= VECTOR_MAX_SIGMA2:
+            key = int.from_bytes(self._rand(32), "little")
+            rng = np.random.Generator(ChaCha(key=key, counter=0, rounds=20))
+            return _VectorExact(rng).discrete_gaussians(int(sigma2), size)
         return np.array([self.discrete_gaussian(sigma2) for _ in range(size)], dtype=np.int64)
+
+
+#: the vectorised sampler's int64 arithmetic holds for integer variances up to this
+VECTOR_MAX_SIGMA2 = 10**8
+_SAFE = 2**62
+
+
+class _VectorExact:
+    """CKS 2020 over arrays: every Bernoulli(a / b) is ``integers(0, b) < a`` on int64, every
+    product checked against 2^62 first; the rare entries that would overflow (far tails) are
+    decided by the scalar exact path."""
+
+    def __init__(self, rng: np.random.Generator) -> None:
+        self._rng = rng
+        self._scalar = Exact(lambda n: rng.bytes(n))
+
+    def _exp_small(self, a: np.ndarray, b: np.ndarray) -> np.ndarray:
+        """Bernoulli(exp(-a/b)) for 0 <= a <= b, elementwise (alternating series)."""
+        k = np.ones(a.size, dtype=np.int64)
+        active = np.arange(a.size)
+        while active.size:
+            if bool((b[active] > _SAFE // k[active]).any()):  # b <= 2e16: k would pass 230
+                raise OverflowError("Bernoulli series beyond int64 (probability below 1/229!)")
+            bound = b[active] * k[active]
+            hit = self._rng.integers(0, bound) < a[active]
+            k[active[hit]] += 1
+            active = active[hit]
+        return k % 2 == 1
+
+    def bernoulli_exp(self, a: np.ndarray, b: np.ndarray) -> np.ndarray:
+        """Bernoulli(exp(-a/b)) for a >= 0, b >= 1 (int64 arrays)."""
+        whole, rest = np.divmod(a, b)
+        out = np.ones(a.size, dtype=bool)
+        ones = np.ones(a.size, dtype=np.int64)
+        for j in range(int(whole.max(initial=0))):
+            idx = np.flatnonzero(out & (whole > j))
+            if not idx.size:
+                break
+            out[idx] = self._exp_small(ones[idx], ones[idx])
+        idx = np.flatnonzero(out)
+        out[idx] = self._exp_small(rest[idx], b[idx])
+        return out
+
+    def discrete_laplace(self, t: int, size: int) -> np.ndarray:
+        out = np.zeros(size, dtype=np.int64)
+        todo = np.arange(size)
+        tt = np.full(size, t, dtype=np.int64)
+        while todo.size:
+            m = todo.size
+            u = self._rng.integers(0, t, m)
+            d = self.bernoulli_exp(u, tt[:m])
+            v = np.zeros(m, dtype=np.int64)
+            going = np.flatnonzero(d)
+            while going.size:
+                s = self.bernoulli_exp(np.ones(going.size, np.int64), np.ones(going.size, np.int64))
+                v[going[s]] += 1
+                going = going[s]
+            x = u + t * v
+            neg = self._rng.integers(0, 2, m) == 1
+            ok = d & ~(neg & (x == 0))
+            out[todo[ok]] = np.where(neg, -x, x)[ok]
+            todo = todo[~ok]
+        return out
+
+    def discrete_gaussians(self, sigma2: int, size: int) -> np.ndarray:
+        t = math.isqrt(sigma2) + 1
+        out = np.zeros(size, dtype=np.int64)
+        todo = np.arange(size)
+        while todo.size:
+            y = self.discrete_laplace(t, todo.size)
+            gap = np.abs(y) * t - sigma2  # gamma = gap^2 / (2 sigma2 t^2)
+            b = np.full(y.size, 2 * sigma2 * t * t, dtype=np.int64)
+            fits = np.abs(gap) < 2**31
+            accept = np.zeros(y.size, dtype=bool)
+            idx = np.flatnonzero(fits)
+            accept[idx] = self.bernoulli_exp(gap[idx] ** 2, b[idx])
+            for i in np.flatnonzero(~fits):  # far tails: exact rational arithmetic
+                gamma = Fraction(int(gap[i]) ** 2, 2 * sigma2 * t * t)
+                accept[i] = self._scalar.bernoulli_exp(gamma)
+            out[todo[accept]] = y[accept]
+            todo = todo[~accept]
+        return out
 
 
 # ------------------------------------------------------------------ rotation and rounding
@@ -281,4 +369,6 @@ def calibrate(
             lo = mid
         else:
             hi = mid
+    if hi >= 1:  # an integer variance: the vectorised exact sampler applies
+        return params(Fraction(math.ceil(hi)))
     return params(Fraction(math.ceil(hi * 1000), 1000))
