@@ -423,3 +423,28 @@ def test_the_benchmark_runs_and_checks_its_sum() -> None:
     spec.loader.exec_module(bench)
     row = bench.bench(12, 40, 1.0, 2**-8, 0.1, np.random.default_rng(0))
     assert row["up"] > 40 * 2 and row["dropped"] == 1 and row["agg_s"] >= 0
+
+
+def test_the_device_side_needs_no_server_extra() -> None:
+    """A Pi runs DeviceSession and the distributed-DP device step from the base install: neither
+    imports dp-accounting, scipy or anything else of the server extra."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = (
+        "import sys, numpy as np, os\n"
+        "import edge_fl.secagg, edge_fl.secagg.ddg as ddg\n"
+        "from fractions import Fraction\n"
+        "p = ddg.DdgParams(1.0, 0.01, Fraction(9), 0.6, 20, 5)\n"
+        "ddg.device_encode(np.ones(20), p, bytes(32), os.urandom)\n"
+        "bad = ('dp_accounting', 'scipy', 'onnx', 'onnxruntime', 'sklearn', 'matplotlib', 'amqtt')\n"
+        "print(sorted(m for m in bad if m in sys.modules))\n"
+    )
+    root = Path(__file__).resolve().parents[1]
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=root, timeout=120,
+        env={**os.environ, "PYTHONPATH": str(root)},
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"
