@@ -105,6 +105,11 @@ def _bounds(
     return _log2(secrecy), _log2(split), _log2(failure)
 
 
+def _shown(log2p: float) -> str:
+    """A probability from its log2 (a union bound may pass 1: then it says so)."""
+    return f"2^{log2p:.1f}" if log2p < 0 else f"1 (union bound 2^{log2p:.1f})"
+
+
 def _check_inputs(n: int, clip: float, step: float, dropout: float, collude: float) -> None:
     if type(n) is not int or n < 2:
         raise CalibrationError(f"secure aggregation needs at least 2 devices per round, got {n!r}")
@@ -155,17 +160,17 @@ def check(
     if secrecy > -sigma:
         raise CalibrationError(
             f"threshold {t} of {k} neighbours: {collude:.0%} colluding devices reach a device's "
-            f"secrets with probability 2^{secrecy:.1f} (> 2^-{sigma}); raise t or neighbours"
+            f"secrets with probability {_shown(secrecy)} (> 2^-{sigma}); raise t or neighbours"
         )
     if split > -sigma:
         raise CalibrationError(
             f"neighbours {k}: with {dropout:.0%} dropouts and {collude:.0%} colluders the survivors "
-            f"split (a partial sum leaks) with probability 2^{split:.1f} (> 2^-{sigma}); raise neighbours"
+            f"split (a partial sum leaks) with probability {_shown(split)} (> 2^-{sigma}); raise neighbours"
         )
     if failure > -eta:
         raise CalibrationError(
             f"threshold {t} of {k} neighbours: {dropout:.0%} dropouts fail a round with probability "
-            f"2^{failure:.1f} (> 2^-{eta}); lower t or raise neighbours"
+            f"{_shown(failure)} (> 2^-{eta}); lower t or raise neighbours"
         )
     return Calibration(n, k, t, bits, clip, step, dropout, collude, sigma, eta, against_lying,
                        secrecy, split, failure)  # fmt: skip
