@@ -8,7 +8,7 @@
 - Shamir t-of-n sharing over GF(p), p = 2^255 - 19. Why not a library: pycryptodome's ``Shamir``
   (the one well-kept Python implementation) shares only 16-byte secrets over GF(2^128), numbers
   shares 1..n itself, and its pure-Python field multiplication takes 49 ms per reconstruction at
-  t = 26 (measured), about a minute of aggregator CPU per round of 1,000 devices; Python's
+  t = 26 (measured; 1.29 ms here): 49 s for the self-mask seeds of 1,000 survivors. Python's
   integers make GF(p) a dozen lines whose only operations are ``*``, ``+`` and ``pow(x, -1, p)``.
   p is the Curve25519 prime, so an X25519 private scalar (clamped, below 2^255) is one field
   element, and every share is 32 bytes.
