@@ -153,7 +153,9 @@ def test_a_secure_round_sums_the_clipped_updates_plus_the_calibrated_noise() -> 
     rng = np.random.default_rng(4)
     deltas = {f"d{i}": rng.normal(size=d) * 0.2 for i in range(n)}  # norms ~3.5: clipped to 1
     ints = {dev: ddg.device_encode(x, p, seed, os.urandom) for dev, x in deltas.items()}
-    bits = 24
+    bits = ddg.ring_bits(p, n)
+    reach = max(int(np.abs(v).max()) for v in ints.values()) * n
+    assert reach < 2 ** (bits - 1) and bits <= 24  # no wrap, and a 3-byte masked value
     rp = RoundParams("job1", 1, os.urandom(16), tuple(sorted(ints)), n - 1, 3, bits, p.padded, 1000)
     trace = run_round(rp, ints, {}, modular=True)
     assert isinstance(trace.outcome, Summed)

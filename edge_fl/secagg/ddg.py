@@ -292,6 +292,14 @@ def server_decode(total: np.ndarray, p: DdgParams, rotation_seed: bytes) -> np.n
     return unrotate(np.asarray(total, dtype=np.float64) * p.gamma, rotation_seed, p.dim)
 
 
+def ring_bits(p: DdgParams, n: int, sds: float = 7.0) -> int:
+    """The SecAgg+ bit width for n devices: room for the signal in the worst case (each device's
+    integer coordinate is at most its L2 bound) plus ``sds`` standard deviations of the summed
+    noise. Beyond it the sum wraps: an accuracy loss, never a privacy one (module docstring)."""
+    reach = n * p.l2 + sds * math.sqrt(n * float(p.sigma2))
+    return math.ceil(reach).bit_length() + 1
+
+
 def tau(sigma2: float, n: int) -> float:
     """Kairouz et al.'s tau for n discrete Gaussians of variance sigma2 each."""
     return 10 * sum(math.exp(-2 * math.pi**2 * sigma2 * k / (k + 1)) for k in range(1, n))
