@@ -398,3 +398,27 @@ def test_a_dropped_forwarded_share_is_caught_by_the_mask_set() -> None:
     assert isinstance(trace.outcome, Summed)
     assert "d0" not in trace.outcome.contributors
     assert np.array_equal(trace.outcome.total, sum(xs[d] for d in trace.outcome.contributors))
+
+
+def test_a_key_altered_on_its_way_to_one_device_aborts_it_instead_of_a_wrong_sum() -> None:
+    """Unsigned keys; a broker swaps one neighbour's mask key in d0's ``nk`` for another valid
+    key. d0 would mask against a key its neighbour never used; because each seal's associated
+    data holds the keys the sealer saw, d0 cannot open that neighbour's shares and leaves the
+    round, and the others' sum is exact."""
+    p = params(5, 4, 2)
+
+    def tamper(way: str, device: str, payload: bytes) -> bytes:
+        msg = M.decode(payload, 10**6)
+        if way == "down" and device == "d0" and msg.kind == "nk":
+            keys = list(msg.body["keys"])
+            ck, _, _ = keys[0]
+            keys[0] = [ck, P.public_bytes(P.new_key(os.urandom))]
+            keys = [k if i == 0 else [k[0], k[1]] for i, k in enumerate(keys)]
+            return M.encode("nk", msg.round, msg.nonce, keys=keys)
+        return payload
+
+    xs = {d: np.arange(8) * (i + 2) for i, d in enumerate(p.roster)}
+    trace = run_round(p, xs, tamper=tamper)
+    assert "do not authenticate" in trace.aborted["d0"]
+    assert isinstance(trace.outcome, Summed) and "d0" not in trace.outcome.contributors
+    assert np.array_equal(trace.outcome.total, sum(xs[d] for d in trace.outcome.contributors))
