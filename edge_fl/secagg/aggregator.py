@@ -1,0 +1,287 @@
+"""The aggregator side of one SecAgg+ round, sans I/O: (device, payload) in, effects out
+(:class:`Deliver` to a device's inbox, :class:`Rejected`, :class:`Finished`). All legality lives
+in :meth:`AggregatorSession.receive`; :meth:`close_phase` is the runtime's deadline.
+
+keys (U1: ``ak``) -> shares (U2: ``sh``) -> masked (U3: ``mx``) -> unmask (``ua``) -> done.
+A phase closes when every device it waits for answered, or at ``close_phase``.
+
+The session never holds a device's unmasked vector: a masked vector is added into one running sum
+in Z_2^b the moment it arrives and then dropped; unmasking subtracts the survivors' self masks and
+the dropped devices' pairwise masks from that sum. ``observer(label, vector)`` sees every vector
+the session materialises (tests/test_secagg.py proves none is an individual input).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+
+import edge_fl.secagg.messages as M
+import edge_fl.secagg.primitives as P
+from edge_fl.protocol import PayloadRejected
+from edge_fl.secagg.session import (
+    Deliver,
+    Failed,
+    Finished,
+    Outcome,
+    Rejected,
+    RoundParams,
+    Summed,
+    Verifies,
+)
+
+Effect = Deliver | Rejected | Finished
+Observer = Callable[[str, np.ndarray], None]
+PHASES = ("keys", "shares", "masked", "unmask", "done")
+_KIND = {"keys": "ak", "shares": "sh", "masked": "mx", "unmask": "ua"}
+
+
+class AggregatorSession:
+    def __init__(
+        self,
+        params: RoundParams,
+        *,
+        observer: Observer | None = None,
+        device_key: Callable[[str], Verifies | None] | None = None,
+    ) -> None:
+        """``device_key``: a device id -> its public signing key (None: that device is not
+        checked); with one, its ``ak`` and ``mx`` must carry its valid signature."""
+        self.params = params
+        self._device_key = device_key
+        self.phase = "keys"
+        self.outcome: Outcome | None = None
+        self._observe = observer
+        self._graph = params.graph
+        self._near = {d: params.graph.neighbours(d) for d in params.roster}
+        self._waiting: set[str] = set(params.roster)
+        self._adverts: dict[str, tuple[bytes, bytes, bytes, bytes | None]] = {}  # U1
+        self._sealed: dict[str, dict[str, bytes]] = {}  # U2: sender -> receiver -> sealed
+        self._survivors: list[str] = []  # U3, in arrival order
+        self._sum = np.zeros(params.dim, dtype=np.uint64)
+        self._asked: dict[str, list[int]] = {}
+        # target -> [(point, share)] of its seed (survivors) or its key (dropped)
+        self._shares: dict[str, list[tuple[int, int]]] = {}
+        self._seen: dict[str, bytes] = {}  # device -> the payload accepted in this phase
+
+    @property
+    def survivors(self) -> tuple[str, ...]:
+        return tuple(sorted(self._survivors))
+
+    # ------------------------------------------------------------ inbox
+    def receive(self, device: str, payload: bytes) -> list[Effect]:
+        p = self.params
+        if not isinstance(payload, bytes | bytearray | memoryview):
+            return [Rejected(device, "malformed", f"payload is {type(payload).__name__}")]
+        payload = bytes(payload)
+        if device not in self._near:
+            return [Rejected(device, "not_selected", "not in this round's roster")]
+        if self.phase == "done":
+            return [Rejected(device, "late", "the round is over")]
+        if self._seen.get(device) == payload:
+            return [Rejected(device, "duplicate", "this phase's message again")]
+        try:
+            msg = M.decode(payload, p.max_bytes, len(self._near[device]))
+        except PayloadRejected as exc:
+            return [Rejected(device, exc.reason.value, exc.detail)]
+        if msg.round != p.round or msg.nonce != p.nonce:
+            return [Rejected(device, "wrong_nonce", f"round {msg.round} or nonce not this round's")]
+        if msg.kind != _KIND[self.phase]:
+            return [
+                Rejected(device, "wrong_phase", f"{msg.kind!r} while the round is in {self.phase}")
+            ]
+        if device in self._seen:
+            return [Rejected(device, "duplicate", f"a second {msg.kind!r} in this phase")]
+        if device not in self._waiting:
+            return [Rejected(device, "late", f"dropped from the round before {self.phase}")]
+        why = getattr(self, f"_on_{self.phase}")(device, msg)
+        if why is not None:
+            return [Rejected(device, "bad_" + self.phase, why)]
+        self._seen[device] = bytes(payload)
+        self._waiting.discard(device)
+        return self.close_phase() if not self._waiting else []
+
+    def close_phase(self) -> list[Effect]:
+        """End the current phase with whoever answered (the runtime's deadline)."""
+        if self.phase == "done":
+            return []
+        step = {"keys": self._after_keys, "shares": self._after_shares,
+                "masked": self._after_masked, "unmask": self._finish}[self.phase]  # fmt: skip
+        self._seen = {}
+        return step()
+
+    # ------------------------------------------------------------ per message
+    def _on_keys(self, device: str, msg: M.Message) -> str | None:
+        b = msg.body
+        if not (P.valid_public(b["ck"]) and P.valid_public(b["sk"])):
+            return "a public key is a low-order X25519 point"
+        p = self.params
+        why = self._check_signature(
+            device, b["sig"], M.advert_body(p.job, p.round, p.nonce, device, b["ck"], b["sk"])
+        )
+        if why is not None:
+            return why
+        self._adverts[device] = (b["ck"], b["sk"], b["bh"], b["sig"])
+        return None
+
+    def _on_shares(self, device: str, msg: M.Message) -> str | None:
+        sealed: dict[str, bytes] = {}
+        for v, blob in zip(self._near[device], msg.body["c"], strict=True):
+            if (blob is None) != (v not in self._adverts):
+                return f"shares for {v} {'missing' if blob is None else 'unexpected'}"
+            if blob is not None:
+                sealed[v] = blob
+        self._sealed[device] = sealed
+        return None
+
+    def _on_masked(self, device: str, msg: M.Message) -> str | None:
+        p = self.params
+        if msg.body["b"] != p.bits:
+            return f"bit width {msg.body['b']}, the round's is {p.bits}"
+        b = msg.body
+        why = self._check_signature(
+            device, b["sig"], M.masked_body(p.job, p.round, p.nonce, device, b["m"], b["y"])
+        )
+        if why is not None:
+            return why
+        # the device masked against exactly the neighbours whose shares it was forwarded, or
+        # the pairwise masks would not cancel (a broker that dropped a forwarded share)
+        if b["m"] != M.bitmap([v in self._sealed for v in self._near[device]]):
+            return "its mask set is not the neighbours the aggregator forwarded shares from"
+        y = P.unpack(msg.body["y"], p.dim, p.bits)
+        if y is None:
+            return f"'y' is not {p.dim} values of Z_2^{p.bits} in {p.vector_bytes} bytes"
+        self._sum += y
+        self._sum &= P.ring_mask(p.bits)
+        del y  # folded: the session keeps no individual vector, masked or not
+        self._survivors.append(device)
+        self._notify("masked_sum", self._sum)
+        return None
+
+    def _on_unmask(self, device: str, msg: M.Message) -> str | None:
+        asked = self._asked[device]
+        point = self._graph.point(device)
+        got: list[tuple[str, int]] = []
+        for v, ask, blob in zip(self._near[device], asked, msg.body["s"], strict=True):
+            if (blob is None) != (ask == M.ASK_NOTHING):
+                return f"share of {v} {'missing' if blob is None else 'not asked for'}"
+            if blob is not None:
+                value = P.share_value(blob)
+                if value is None:
+                    return f"the share of {v} is not a field element"
+                got.append((v, value))
+        for v, value in got:
+            self._shares.setdefault(v, []).append((point, value))
+        return None
+
+    def _check_signature(self, device: str, sig: bytes | None, body: bytes) -> str | None:
+        verifier = self._device_key(device) if self._device_key is not None else None
+        if verifier is None:
+            return None
+        if sig is None or not verifier.verify(body, sig):
+            return "not signed by the device's key"
+        return None
+
+    # ------------------------------------------------------------ phase ends
+    def _fail(self, phase: str, reason: str) -> list[Effect]:
+        self.phase = "done"
+        self._sum = np.zeros(0, dtype=np.uint64)
+        self.outcome = Failed(phase, reason)
+        return [Finished(self.outcome)]
+
+    def _after_keys(self) -> list[Effect]:
+        p = self.params
+        u1 = set(self._adverts)
+        if len(u1) < p.min_survivors:
+            return self._fail(
+                "keys", f"{len(u1)} devices advertised keys; {p.min_survivors} needed"
+            )
+        out: list[Effect] = []
+        for u in sorted(u1):
+            keys: list[list[bytes] | None] = []
+            for v in self._near[u]:
+                if v not in u1:
+                    keys.append(None)
+                    continue
+                ck, sk, _, sig = self._adverts[v]
+                keys.append([ck, sk] if sig is None else [ck, sk, sig])
+            out.append(Deliver(u, M.encode("nk", p.round, p.nonce, keys=keys)))
+        self.phase, self._waiting = "shares", u1
+        return out
+
+    def _after_shares(self) -> list[Effect]:
+        p = self.params
+        u2 = set(self._sealed)
+        if len(u2) < p.min_survivors:
+            return self._fail("shares", f"{len(u2)} devices sent shares; {p.min_survivors} needed")
+        out: list[Effect] = []
+        for u in sorted(u2):
+            c = [self._sealed[v].get(u) if v in u2 else None for v in self._near[u]]
+            out.append(Deliver(u, M.encode("sf", p.round, p.nonce, c=c)))
+        self._sealed = {u: {} for u in u2}  # forwarded: only U2 membership is kept
+        self.phase, self._waiting = "masked", u2
+        return out
+
+    def _after_masked(self) -> list[Effect]:
+        p = self.params
+        u2, u3 = set(self._sealed), set(self._survivors)
+        if len(u3) < p.min_survivors:
+            return self._fail(
+                "masked", f"{len(u3)} masked inputs arrived; {p.min_survivors} needed"
+            )
+        out: list[Effect] = []
+        for u in sorted(u3):
+            asks = [
+                M.ASK_SEED if v in u3 else M.ASK_KEY if v in u2 else M.ASK_NOTHING
+                for v in self._near[u]
+            ]
+            self._asked[u] = asks
+            out.append(Deliver(u, M.encode("uq", p.round, p.nonce, a=asks)))
+        self.phase, self._waiting = "unmask", set(u3)
+        return out
+
+    def _finish(self) -> list[Effect]:
+        p = self.params
+        u2, u3 = set(self._sealed), set(self._survivors)
+        need = p.threshold
+        # the dropped devices whose pairwise masks are in the sum (a survivor neighbour masked with them)
+        dropped = sorted(v for v in u2 - u3 if any(u in u3 for u in self._near[v]))
+        for v in sorted(u3) + dropped:
+            have = len(self._shares.get(v, ()))
+            if have < need:
+                what = "self mask" if v in u3 else "pairwise masks"
+                return self._fail(
+                    "unmask", f"{v}'s {what} need {need} shares; {have} neighbours answered"
+                )
+        for v in sorted(u3):
+            seed = P.combine(self._shares[v][:need])
+            bh = self._adverts[v][2]
+            if P.seed_commitment(p.job, p.round, p.nonce, v, seed) != bh:
+                return self._fail("unmask", f"{v}'s seed shares do not match its commitment")
+            mask = P.expand(P.self_seed(seed, p.job, p.round, p.nonce, v), p.dim, p.bits)
+            self._notify("self_mask", mask)
+            self._sum -= mask
+        for v in dropped:
+            scalar = P.combine(self._shares[v][:need])
+            if scalar >= P.PRIME or P.public_bytes(scalar) != self._adverts[v][1]:
+                return self._fail("unmask", f"{v}'s key shares do not match its advertised key")
+            for u in self._near[v]:
+                if u not in u3:
+                    continue
+                shared = P.agree(scalar, self._adverts[u][1])
+                mask = P.expand(P.pair_seed(shared, p.job, p.round, p.nonce, u, v), p.dim, p.bits)
+                self._notify("pair_mask", mask)
+                if u < v:
+                    self._sum -= mask
+                else:
+                    self._sum += mask
+        self._sum &= P.ring_mask(p.bits)
+        total = P.from_ring(self._sum, p.bits)
+        self._notify("sum", total)
+        self.phase = "done"
+        self.outcome = Summed(total, tuple(sorted(u3)))
+        return [Finished(self.outcome)]
+
+    def _notify(self, label: str, vec: np.ndarray) -> None:
+        if self._observe is not None:
+            self._observe(label, vec.copy())
