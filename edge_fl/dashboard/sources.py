@@ -76,11 +76,17 @@ class BrokerSource:
                     for topic in self.subscriptions():
                         await client.subscribe(topic, qos=0)
                     self.connected.set()
+                    self.state.connected = True
+                    self.state.touch()
+                    self.on_change()
                     attempt = 0
                     async for message in client.messages:
                         self.handle(str(message.topic), bytes(message.payload or b""))
             except aiomqtt.MqttError as exc:
                 self.connected.clear()
+                self.state.connected = False
+                self.state.touch()
+                self.on_change()
                 delay = RECONNECT_S[min(attempt, len(RECONNECT_S) - 1)]
                 attempt += 1
                 log.warning("broker %s: %s; reconnecting in %.1fs", self.spec, exc, delay)

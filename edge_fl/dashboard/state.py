@@ -110,6 +110,7 @@ class DashboardState:
     samples: dict[str, deque[str]] = field(default_factory=dict)
     summary: dict[str, Any] = field(default_factory=dict)
     devices_as_of: str = "retained statuses"
+    connected: bool | None = None  # live: whether the relay holds a broker session
     seq: int = 0
     messages: int = 0  # every message folded in (statuses included): the relay's load
 
@@ -262,6 +263,7 @@ class DashboardState:
             "seq": self.seq,
             "operator": operator,
             "redacted": redact,
+            "connected": self.connected,
             "job": self._job(),
             "current": dict(self.current),
             "records": rows,

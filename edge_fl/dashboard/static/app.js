@@ -258,9 +258,12 @@ function apply(v) {
 function connect() {
   const source = new EventSource("/events");
   source.addEventListener("view", (e) => {
-    $("conn").textContent = "live";
-    $("conn").className = "conn ok";
-    apply(JSON.parse(e.data));
+    const v = JSON.parse(e.data);
+    const broker = v.connected === false ? " (broker unreachable)" : "";
+    $("conn").textContent = (v.job.source === "run" ? "following the run directory" : "live") + broker;
+    $("conn").className = broker ? "conn bad" : "conn ok";
+    document.body.dataset.connected = JSON.stringify(v.connected);
+    apply(v);
   });
   source.onerror = () => {
     $("conn").textContent = "reconnecting…";

@@ -1,0 +1,203 @@
+"""The dashboard page in a real headless Chromium (Debian's chromium + chromium-driver, through
+selenium) against a live job on a real Mosquitto, then against the run directory it wrote: the
+numbers the page shows are metrics.jsonl's, and its device counts are the retained statuses'."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+import threading
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import paho.mqtt.client as paho
+import pytest
+
+from edge_fl.protocol.codec import decode_status
+from edge_fl.protocol.topics import Topics
+
+EDGE_FL = str(Path(sys.executable).with_name("edge-fl"))
+CHROMIUM = shutil.which("chromium")
+CHROMEDRIVER = shutil.which("chromedriver")
+
+pytestmark = [
+    pytest.mark.broker,
+    pytest.mark.skipif(
+        CHROMIUM is None or CHROMEDRIVER is None,
+        reason="needs Debian's chromium and chromium-driver (apt-get install -y chromium "
+        "chromium-driver; tools/test.sh installs them)",
+    ),
+]
+
+ROUNDS = 4
+DEVICES = 20
+TIMEOUT = 120
+
+
+@pytest.fixture
+def browser() -> Iterator[Any]:
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    options = webdriver.ChromeOptions()
+    options.binary_location = CHROMIUM or ""
+    for arg in ("--headless=new", "--no-sandbox", "--disable-gpu", "--window-size=1400,1800"):
+        options.add_argument(arg)
+    driver = webdriver.Chrome(service=Service(CHROMEDRIVER or ""), options=options)
+    try:
+        yield driver
+    finally:
+        driver.quit()
+
+
+def start_dashboard(args: list[str], token_file: Path) -> tuple[subprocess.Popen, str]:
+    """`edge-fl dashboard ARGS` on a free port; its process and base URL (from what it prints)."""
+    proc = subprocess.Popen(
+        [EDGE_FL, "dashboard", *args, "--port", "0", "--token-file", str(token_file)],
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert proc.stderr is not None
+    line = proc.stderr.readline()
+    if "dashboard at " not in line:
+        proc.kill()
+        raise AssertionError(f"the dashboard did not start: {line}{proc.stderr.read()}")
+    url = line.split("dashboard at ", 1)[1].strip()
+    return proc, url.split("/?token=")[0]
+
+
+def wait(driver: Any, condition: Callable[[Any], Any], timeout: float = TIMEOUT) -> Any:
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    return WebDriverWait(driver, timeout, poll_frequency=0.2).until(condition)
+
+
+def page_round(driver: Any, rnd: int) -> dict[str, Any]:
+    """The page's rounds-table row of round ``rnd``: field -> (exact value, text shown)."""
+    cells = driver.execute_script(
+        "return [...document.querySelectorAll(arguments[0])]"
+        ".map(td => [td.dataset.field, td.dataset.value, td.textContent])",
+        f'#rounds tr[data-round="{rnd}"] td',
+    )  # one script: the table is redrawn between two WebDriver calls
+    return {field: (json.loads(value), text) for field, value, text in cells}
+
+
+def page_counts(driver: Any) -> dict[str, Any]:
+    cells = driver.execute_script(
+        "return [...document.querySelectorAll('#devices td[data-count]')]"
+        ".map(td => [td.dataset.count, td.dataset.value])"
+    )
+    return {name: json.loads(value) for name, value in cells if value is not None}
+
+
+def retained_statuses(url: str, job: str, expected: int) -> dict[str, tuple[bool, str | None]]:
+    """Every device's retained status as the broker holds it now (a fresh subscription)."""
+    host, port = url.split("://", 1)[1].rsplit(":", 1)
+    topics = Topics(job)
+    seen: dict[str, tuple[bool, str | None]] = {}
+    got = threading.Event()
+
+    def on_message(_c: Any, _u: Any, msg: paho.MQTTMessage) -> None:
+        device = topics.device_of(msg.topic, "status")
+        if device and msg.payload:
+            status = decode_status(msg.payload, device)
+            seen[device] = (status.online, status.info.get("stopped"))
+        if len(seen) >= expected:
+            got.set()
+
+    client = paho.Client(paho.CallbackAPIVersion.VERSION2)
+    client.on_message = on_message
+    client.on_connect = lambda c, *_: c.subscribe(topics.all_status, qos=1)
+    client.connect(host, int(port))
+    client.loop_start()
+    try:
+        assert got.wait(30), f"only {len(seen)} of {expected} retained statuses"
+    finally:
+        client.loop_stop()
+        client.disconnect()
+    return seen
+
+
+def expected_counts(statuses: dict[str, tuple[bool, str | None]]) -> dict[str, int]:
+    stopped = [why for _, why in statuses.values() if why]
+    online = sum(1 for on, why in statuses.values() if on and not why)
+    return {
+        "known": len(statuses),
+        "online": online,
+        "stopped": len(stopped),
+        "out_of_budget": stopped.count("budget_exhausted"),
+        "offline": len(statuses) - online - len(stopped),
+    }
+
+
+def check_round(driver: Any, record: dict[str, Any]) -> None:
+    """The page's row of ``record``'s round holds exactly its numbers, shown as the page says."""
+    row = wait(driver, lambda d: page_round(d, record["round"]) or False)
+    for key in ("version", "accuracy", "loss", "epsilon", "bytes_up", "bytes_down", "received"):
+        assert row[key][0] == record.get(key), (key, row[key], record.get(key))
+    for key in ("wire_up_p50", "wire_up_p95", "wire_up_max", "wire_down_p95"):
+        assert row[key][0] == record[key], (key, row[key], record[key])
+    assert row["accuracy"][1] == f"{record['accuracy']:.4f}"
+    assert row["bytes_up"][1] == f"{record['bytes_up']:,}"
+    assert row["wire_up_max"][1] == f"{record['wire_up_max']:,}"
+
+
+def test_live_job_then_run_dir(make_broker, browser, tmp_path: Path) -> None:
+    broker = make_broker()
+    job = "dash-live"
+    token = tmp_path / "token"
+    token.write_text("operator-token-for-the-test-0123456789")
+    out = tmp_path / "run"
+    dash, base = start_dashboard(["--broker", broker.url, "--job", job], token)
+    job_proc = None
+    try:
+        # without the token: nothing (and no participation) for anyone
+        browser.get(base + "/")
+        assert "operator token required" in browser.find_element("tag name", "body").text
+        browser.get(f"{base}/?token={token.read_text()}")
+        wait(browser, lambda d: d.find_element("tag name", "body").get_attribute("data-connected")
+             == "true")  # fmt: skip
+        job_proc = subprocess.Popen(
+            [EDGE_FL, "simulate", "--broker", broker.url, "--job", job, "--devices", str(DEVICES),
+             "--rounds", str(ROUNDS), "--clients-per-round", "10", "--mechanism", "gaussian",
+             "--epsilon", "16", "--budget", "9", "--out", str(out), "--no-progress"],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        # after round N, the page's row N is metrics.jsonl's line N
+        wait(browser, lambda d: page_round(d, 2) or False)
+        records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+        check_round(browser, records[1])
+        stdout, stderr = job_proc.communicate(timeout=TIMEOUT)
+        assert job_proc.returncode == 0, stderr
+        records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+        for record in records:
+            check_round(browser, record)
+        assert browser.find_element("id", "accuracy").text == f"{records[-1]['accuracy']:.4f}"
+        # the device table counts are the retained statuses' (once the last ones have arrived)
+        want = expected_counts(retained_statuses(broker.url, job, DEVICES))
+        assert want["known"] == DEVICES
+        wait(browser, lambda d: {k: page_counts(d).get(k) for k in want} == want, 30)
+    finally:
+        for proc in (job_proc, dash):
+            if proc is not None and proc.poll() is None:
+                proc.kill()
+                proc.wait()
+
+    # the finished run, from its directory
+    dash, base = start_dashboard([str(out)], token)
+    try:
+        browser.get(f"{base}/?token={token.read_text()}")
+        wait(browser, lambda d: d.find_element("tag name", "body").get_attribute("data-records")
+             == str(len(records)))  # fmt: skip
+        for record in records:
+            check_round(browser, record)
+        checkpoint = json.loads((out / "checkpoint.json").read_text())
+        fleet = {dev: (bool(on), why) for dev, (on, _n, why) in checkpoint["devices"].items()}
+        want = expected_counts(fleet)
+        wait(browser, lambda d: {k: page_counts(d).get(k) for k in want} == want, 30)
+    finally:
+        dash.kill()
+        dash.wait()
