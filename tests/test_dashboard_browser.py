@@ -170,7 +170,7 @@ def test_live_job_then_run_dir(make_broker, browser, tmp_path: Path) -> None:
         wait(browser, lambda d: page_round(d, 2) or False)
         records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
         check_round(browser, records[1])
-        stdout, stderr = job_proc.communicate(timeout=TIMEOUT)
+        _, stderr = job_proc.communicate(timeout=TIMEOUT)
         assert job_proc.returncode == 0, stderr
         records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
         for record in records:
