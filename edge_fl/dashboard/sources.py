@@ -17,6 +17,7 @@ import contextlib
 import json
 import logging
 import secrets
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -121,12 +122,16 @@ class BrokerSource:
             if not payload:
                 return
             msg = decode_global(payload)
+            mechanism = (msg.mechanism_params or {}).get("m")
+            if isinstance(mechanism, str) and not state.config.get("privacy"):
+                state.config["privacy"] = {"mechanism": mechanism}  # no job document (simulate)
             state.set_global(
                 round_=msg.round,
                 version=msg.version,
                 mode=msg.mode,
                 deadline_s=msg.deadline_s,
-                issued_at=msg.issued_at,
+                # ts is informational and may be 0: then the deadline runs from its arrival
+                issued_at=msg.issued_at or time.time(),
                 selected=msg.selected,
                 sample_rate=msg.sample_rate,
                 done=msg.done,

@@ -272,6 +272,7 @@ class DashboardState:
         if redact:
             return out
         out["devices"] = self.device_counts()
+        out["relay"] = {"messages": self.messages}
         out["rejections"] = {
             "by_reason": dict(self.rejections.most_common()),
             "samples": {k: list(v) for k, v in sorted(self.samples.items())},

@@ -50,11 +50,26 @@ function xs() {
 
 // ---------------------------------------------------------------- charts
 
+function compact(v) {
+  if (v == null) return "";
+  const a = Math.abs(v);
+  if (a >= 1e9) return +(v / 1e9).toPrecision(3) + "G";
+  if (a >= 1e6) return +(v / 1e6).toPrecision(3) + "M";
+  if (a >= 1e4) return +(v / 1e3).toPrecision(3) + "k";
+  return +v.toPrecision(4) + "";
+}
+
+const INTEGER_STEPS = [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000];
+
 function makeChart(id, series, opts) {
   const box = $(id);
   const width = Math.max(300, box.clientWidth - 4);
-  const axes = [{ label: view && view.job.mode && view.job.mode !== "sync" ? "version" : "round" }, { size: 70 }];
-  if (opts.y2) axes.push({ side: 1, scale: "y2", grid: { show: false }, size: 60 });
+  const values = (u, vals) => vals.map(compact);
+  const axes = [
+    { label: view && view.job.mode && view.job.mode !== "sync" ? "version" : "round", incrs: INTEGER_STEPS },
+    { size: 60, values },
+  ];
+  if (opts.y2) axes.push({ side: 1, scale: "y2", grid: { show: false }, size: 60, values });
   const scales = { x: { time: false }, y: opts.log ? { distr: 3 } : {} };
   if (opts.y2) scales.y2 = {};
   const u = new uPlot({ width, height: 220, series: [{}, ...series], axes, scales, legend: { live: false } },
@@ -118,6 +133,13 @@ function drawCharts() {
     ], {});
   }
   charts.dev.setData([x, ...["up_p50", "up_p95", "up_max", "down_p50", "down_p95", "down_max"].map((k) => column("wire_" + k))]);
+  const wire = records.some((r) => typeof r.wire_up_max === "number");
+  $("dev-note").textContent = wire || !records.length ? ""
+    : view.job.poisson ? "(not published with Poisson selection: it would count who took part)"
+    : "(not in these records: a simulated fleet (edge-fl simulate) counts every device's wire bytes)";
+  const perDevice = records.some((r) => typeof r.epsilon_device_max === "number");
+  $("eps-note").textContent = perDevice || !records.length ? ""
+    : "(per-device distribution: not in these records; the job's value is the worst device's)";
 }
 
 // ---------------------------------------------------------------- tables and cards

@@ -1,0 +1,175 @@
+"""Dashboard screenshots and responsiveness (docs/dashboard.md), never run in CI.
+
+One private Mosquitto, ``edge-fl aggregator`` and ``edge-fl fleet`` shards as separate processes,
+``edge-fl dashboard`` live on the job and a headless Chromium on its page. Measures, from the
+moment every device is online until the job ends: the page's rendered updates per second and
+its time per render, the relay's MQTT messages per second, and the CPU of the dashboard process,
+of Chromium (all its processes) and of the aggregator, from /proc.
+
+    EDGE_FL_DASH_DEVICES=1000 pytest -m bench -s tests/test_dashboard_bench.py -k screenshot
+    EDGE_FL_DASH_DEVICES=10000 pytest -m bench -s tests/test_dashboard_bench.py -k responsive
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from test_dashboard_browser import EDGE_FL, browser, start_dashboard, wait  # noqa: F401
+
+from edge_fl.transport.broker import EmbeddedBroker
+
+pytestmark = [pytest.mark.bench, pytest.mark.broker, pytest.mark.timeout(1800)]
+
+DOCS_IMG = Path(__file__).resolve().parent.parent / "docs" / "img"
+
+
+def cpu_s(pid: int) -> float:
+    """User + system CPU seconds of a process so far (/proc/PID/stat)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return 0.0
+
+
+def tree(pid: int) -> list[int]:
+    import psutil
+
+    try:
+        root = psutil.Process(pid)
+        return [pid, *(p.pid for p in root.children(recursive=True))]
+    except psutil.Error:
+        return []
+
+
+def page(driver: Any) -> dict[str, Any]:
+    return driver.execute_script(
+        "const s = window.__dashboard; const b = document.body.dataset;"
+        "const c = {}; document.querySelectorAll('#devices td[data-count]')"
+        ".forEach(td => c[td.dataset.count] = JSON.parse(td.dataset.value || 'null'));"
+        "return {rendered: s.rendered, renderMs: s.renderMs, records: +(b.records || 0), counts: c}"
+    )
+
+
+def job_commands(url: str, job: str, devices: int, out: Path) -> tuple[list[str], list[str]]:
+    per_round = max(10, devices // 10)
+    common = ["--broker", url, "--job", job, "--devices", str(devices), "--dataset", "synthetic",
+              "--model", "logreg", "--rounds", os.environ.get("EDGE_FL_DASH_ROUNDS", "12"),
+              "--clients-per-round", str(per_round), "--deadline", "60",
+              "--mechanism", "gaussian", "--epsilon", "40", "--budget", "20"]  # fmt: skip
+    aggregator = [EDGE_FL, "aggregator", *common, "--out", str(out)]
+    return aggregator, common
+
+
+def run(
+    browser: Any, tmp_path: Path, devices: int, shot: Path | None, simulate: bool = False
+) -> dict[str, Any]:  # noqa: F811
+    """``simulate``: the job as one ``edge-fl simulate`` process (whose records carry every
+    device's wire bytes), else ``edge-fl aggregator`` and ``edge-fl fleet`` shards (the
+    aggregator's CPU apart)."""
+    shards = max(1, devices // 5000)
+    broker = EmbeddedBroker(kind="mosquitto").start()
+    token = tmp_path / "token"
+    token.write_text("operator-token-for-the-bench-0123456789")
+    job = "dash-bench"
+    out = tmp_path / "run"
+    dash, base = start_dashboard(["--broker", broker.url, "--job", job], token)
+    procs: list[subprocess.Popen] = []
+    try:
+        browser.get(f"{base}/?token={token.read_text()}")
+        wait(browser, lambda d: d.execute_script("return document.body.dataset.connected")
+             == "true")  # fmt: skip
+        relay0 = relay(base, token)
+        aggregator, common = job_commands(broker.url, job, devices, out)
+        if simulate:
+            aggregator = [EDGE_FL, "simulate", *common, "--out", str(out), "--no-progress"]
+        agg = subprocess.Popen(aggregator, stderr=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
+        procs.append(agg)
+        for i in range(0 if simulate else shards):
+            fleet = [EDGE_FL, "fleet", *common, "--shard", f"{i}/{shards}"]
+            procs.append(subprocess.Popen(fleet, stderr=subprocess.DEVNULL))
+        t_connect = time.monotonic()
+        wait(browser, lambda d: (page(d)["counts"].get("online") or 0) >= devices, 900)
+        online_s = time.monotonic() - t_connect
+        connect_rate = (relay(base, token) - relay0) / online_s
+        chrome = browser.service.process.pid
+        start = {"t": time.monotonic(), "page": page(browser), "relay": relay(base, token)}
+        cpu0 = {"dashboard": cpu_s(dash.pid), "aggregator": cpu_s(agg.pid),
+                "chromium": sum(cpu_s(p) for p in tree(chrome))}  # fmt: skip
+        shot_taken = False
+        agg_cpu = cpu0["aggregator"]
+        while agg.poll() is None:
+            agg_cpu = max(agg_cpu, cpu_s(agg.pid))  # /proc forgets it once it has exited
+            now = page(browser)
+            if shot is not None and not shot_taken and now["records"] >= 6:
+                browser.save_screenshot(str(shot))
+                shot_taken = True
+            try:
+                agg.wait(timeout=1.0)
+            except subprocess.TimeoutExpired:
+                pass
+        end = {"t": time.monotonic(), "page": page(browser), "relay": relay(base, token)}
+        cpu1 = {"dashboard": cpu_s(dash.pid), "aggregator": agg_cpu,
+                "chromium": sum(cpu_s(p) for p in tree(chrome))}  # fmt: skip
+        # the aggregator's CPU is read at exit: the last reading before it ended
+        span = end["t"] - start["t"]
+        rendered = end["page"]["rendered"] - start["page"]["rendered"]
+        result = {
+            "devices": devices,
+            "online_after_s": round(online_s, 1),
+            "window_s": round(span, 1),
+            "rounds": end["page"]["records"],
+            "page_updates_per_s": round(rendered / span, 2),
+            "page_ms_per_update": round(
+                (end["page"]["renderMs"] - start["page"]["renderMs"]) / max(rendered, 1), 2
+            ),
+            "relay_messages_per_s": round((end["relay"] - start["relay"]) / span, 1),
+            "relay_messages_per_s_while_connecting": round(connect_rate, 1),
+            "cpu_percent": {k: round(100 * (cpu1[k] - cpu0[k]) / span, 1) for k in cpu0},
+        }
+        print(json.dumps(result))
+        return result
+    finally:
+        for proc in (*procs, dash):
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        broker.stop()
+
+
+def relay(base: str, token: Path) -> int:
+    import urllib.request
+
+    request = urllib.request.Request(
+        base + "/api/view", headers={"Cookie": f"edgefl_dashboard={token.read_text()}"}
+    )
+    with urllib.request.urlopen(request, timeout=30) as response:
+        return int(json.loads(response.read())["relay"]["messages"])
+
+
+def test_screenshot_live_fleet(browser, tmp_path: Path) -> None:  # noqa: F811
+    devices = int(os.environ.get("EDGE_FL_DASH_DEVICES", "1000"))
+    DOCS_IMG.mkdir(parents=True, exist_ok=True)
+    run(browser, tmp_path, devices, DOCS_IMG / "dashboard-live.png", simulate=True)
+    # and the finished run, from its directory
+    token = tmp_path / "token"
+    dash, base = start_dashboard([str(tmp_path / "run")], token)
+    try:
+        browser.get(f"{base}/?token={token.read_text()}")
+        wait(browser, lambda d: page(d)["records"] > 0)
+        browser.save_screenshot(str(DOCS_IMG / "dashboard-run.png"))
+    finally:
+        dash.kill()
+        dash.wait()
+
+
+def test_responsive_with_many_devices(browser, tmp_path: Path) -> None:  # noqa: F811
+    devices = int(os.environ.get("EDGE_FL_DASH_DEVICES", "10000"))
+    result = run(browser, tmp_path, devices, None)
+    assert result["page_updates_per_s"] > 0
