@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -15,7 +16,7 @@ import numpy as np
 import pytest
 
 from edge_fl.dashboard import Dashboard
-from edge_fl.dashboard.sources import BrokerSource
+from edge_fl.dashboard.sources import BrokerSource, wall_clock
 from edge_fl.dashboard.state import DashboardState
 from edge_fl.protocol.codec import encode_ack, encode_global, encode_status
 from edge_fl.protocol.messages import Ack, GlobalModel, Status
@@ -60,9 +61,9 @@ def status(source: BrokerSource, device: str, online: bool, stopped: str | None 
     source.handle(source.topics.status(device), payload)
 
 
-def global_message(source: BrokerSource, rnd: int, **kw: Any) -> None:
+def global_message(source: BrokerSource, rnd: int, issued_at: float = 0.0, **kw: Any) -> None:
     msg = GlobalModel(
-        JOB, rnd - 1, rnd, np.zeros(4, np.float32), deadline_s=20.0, issued_at=1000.0, **kw
+        JOB, rnd - 1, rnd, np.zeros(4, np.float32), deadline_s=20.0, issued_at=issued_at, **kw
     )
     source.handle(source.topics.global_model, encode_global(msg))
 
@@ -74,7 +75,8 @@ def test_device_counts_follow_the_retained_statuses() -> None:
     status(source, "d4", online=False)  # its last will
     status(source, "d5", online=True, stopped="budget_exhausted")
     status(source, "d6", online=True, stopped="unsupported_mechanism")
-    global_message(source, 2, selected=("d0", "d1", "d4"))
+    issued = time.time() - 5
+    global_message(source, 2, issued, selected=("d0", "d1", "d4"))
     counts = source.state.device_counts()
     assert counts["known"] == 7
     assert (counts["online"], counts["offline"], counts["stopped"]) == (4, 1, 2)
@@ -82,7 +84,17 @@ def test_device_counts_follow_the_retained_statuses() -> None:
     assert counts["training"] == 2  # d4 is selected but offline
     source.handle(source.topics.status("d0"), b"")  # cleared: the broker holds nothing now
     assert source.state.device_counts()["known"] == 6
-    assert source.state.current["ends_at"] == 1020.0
+    assert source.state.current["ends_at"] == issued + 20
+
+
+def test_a_ts_that_is_no_unix_time_counts_from_arrival() -> None:
+    """Today's aggregator writes its event loop's clock into ``ts``."""
+    assert wall_clock(12345.6, now=1.7e9) == 1.7e9
+    assert wall_clock(1.7e9 - 3, now=1.7e9) == 1.7e9 - 3
+    source = relay()
+    before = time.time()
+    global_message(source, 1, issued_at=812.25)
+    assert before <= source.state.current["issued_at"] <= time.time()
 
 
 def test_poisson_selection_keeps_training_secret() -> None:
@@ -101,9 +113,7 @@ def test_acks_and_workers_feed_rejections_and_ingest() -> None:
     source.handle(f"edgefl/{JOB}/ingest/worker/w2", b"offline")
     source.handle(source.topics.metrics, json.dumps({**RECORD, "workers_missing": ["w2"]}).encode())
     view = source.state.view(operator=True)
-    assert view["rejections"]["samples"]["wrong_nonce"][0] == (
-        "round 2: d3: field 'nc' is absent"
-    )
+    assert view["rejections"]["samples"]["wrong_nonce"][0] == ("round 2: d3: field 'nc' is absent")
     assert view["rejections"]["by_reason"] == {"wrong_nonce": 1, "stale": 1}
     assert view["ingest"] == {
         "workers": {"w1": "online", "w2": "offline"},

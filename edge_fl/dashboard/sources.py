@@ -34,6 +34,13 @@ log = logging.getLogger("edge_fl.dashboard")
 RECONNECT_S = (0.5, 1.0, 2.0, 5.0)  # backoff between broker sessions
 
 
+def wall_clock(ts: float, now: float | None = None) -> float:
+    """A global message's ``ts`` when it is a plausible Unix time, else the message's arrival:
+    ``ts`` is informational, may be 0, and today's aggregator writes its event loop's clock."""
+    now = time.time() if now is None else now
+    return ts if abs(ts - now) < 3600 else now
+
+
 class BrokerSource:
     """Feeds ``state`` from the broker until cancelled; reconnects when the broker goes away."""
 
@@ -130,8 +137,7 @@ class BrokerSource:
                 version=msg.version,
                 mode=msg.mode,
                 deadline_s=msg.deadline_s,
-                # ts is informational and may be 0: then the deadline runs from its arrival
-                issued_at=msg.issued_at or time.time(),
+                issued_at=wall_clock(msg.issued_at),
                 selected=msg.selected,
                 sample_rate=msg.sample_rate,
                 done=msg.done,
