@@ -12,6 +12,7 @@ of Chromium (all its processes) and of the aggregator, from /proc.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -68,8 +69,8 @@ def job_commands(url: str, job: str, devices: int, out: Path) -> tuple[list[str]
 
 
 def run(
-    browser: Any, tmp_path: Path, devices: int, shot: Path | None, simulate: bool = False
-) -> dict[str, Any]:  # noqa: F811
+    driver: Any, tmp_path: Path, devices: int, shot: Path | None, simulate: bool = False
+) -> dict[str, Any]:
     """``simulate``: the job as one ``edge-fl simulate`` process (whose records carry every
     device's wire bytes), else ``edge-fl aggregator`` and ``edge-fl fleet`` shards (the
     aggregator's CPU apart)."""
@@ -82,8 +83,8 @@ def run(
     dash, base = start_dashboard(["--broker", broker.url, "--job", job], token)
     procs: list[subprocess.Popen] = []
     try:
-        browser.get(f"{base}/?token={token.read_text()}")
-        wait(browser, lambda d: d.execute_script("return document.body.dataset.connected")
+        driver.get(f"{base}/?token={token.read_text()}")
+        wait(driver, lambda d: d.execute_script("return document.body.dataset.connected")
              == "true")  # fmt: skip
         relay0 = relay(base, token)
         aggregator, common = job_commands(broker.url, job, devices, out)
@@ -95,26 +96,24 @@ def run(
             fleet = [EDGE_FL, "fleet", *common, "--shard", f"{i}/{shards}"]
             procs.append(subprocess.Popen(fleet, stderr=subprocess.DEVNULL))
         t_connect = time.monotonic()
-        wait(browser, lambda d: (page(d)["counts"].get("online") or 0) >= devices, 900)
+        wait(driver, lambda d: (page(d)["counts"].get("online") or 0) >= devices, 900)
         online_s = time.monotonic() - t_connect
         connect_rate = (relay(base, token) - relay0) / online_s
-        chrome = browser.service.process.pid
-        start = {"t": time.monotonic(), "page": page(browser), "relay": relay(base, token)}
+        chrome = driver.service.process.pid
+        start = {"t": time.monotonic(), "page": page(driver), "relay": relay(base, token)}
         cpu0 = {"dashboard": cpu_s(dash.pid), "aggregator": cpu_s(agg.pid),
                 "chromium": sum(cpu_s(p) for p in tree(chrome))}  # fmt: skip
         shot_taken = False
         agg_cpu = cpu0["aggregator"]
         while agg.poll() is None:
             agg_cpu = max(agg_cpu, cpu_s(agg.pid))  # /proc forgets it once it has exited
-            now = page(browser)
+            now = page(driver)
             if shot is not None and not shot_taken and now["records"] >= 6:
-                browser.save_screenshot(str(shot))
+                driver.save_screenshot(str(shot))
                 shot_taken = True
-            try:
+            with contextlib.suppress(subprocess.TimeoutExpired):
                 agg.wait(timeout=1.0)
-            except subprocess.TimeoutExpired:
-                pass
-        end = {"t": time.monotonic(), "page": page(browser), "relay": relay(base, token)}
+        end = {"t": time.monotonic(), "page": page(driver), "relay": relay(base, token)}
         cpu1 = {"dashboard": cpu_s(dash.pid), "aggregator": agg_cpu,
                 "chromium": sum(cpu_s(p) for p in tree(chrome))}  # fmt: skip
         # the aggregator's CPU is read at exit: the last reading before it ended
