@@ -201,3 +201,36 @@ def test_live_job_then_run_dir(make_broker, browser, tmp_path: Path) -> None:
     finally:
         dash.kill()
         dash.wait()
+
+
+@pytest.mark.parametrize(("top", "log"), [(8.0, False), (1300.0, True)])
+def test_epsilon_axis_goes_log_over_two_orders_of_magnitude(
+    browser, tmp_path: Path, top: float, log: bool
+) -> None:
+    """SignDS's ~1,300 next to a budget of 4 flattens a linear axis: over 100x, the axis is log."""
+    out = tmp_path / "run"
+    out.mkdir()
+    config = {"job": "eps", "privacy": {"mechanism": "signds", "budget_epsilon": 4.0}}
+    (out / "run.json").write_text(json.dumps({"config": config}))
+    eps = [top * (r / 5) for r in range(1, 6)]
+    lines = [
+        json.dumps({"round": r + 1, "version": r + 1, "epsilon": e}) for r, e in enumerate(eps)
+    ]
+    (out / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    token = tmp_path / "token"
+    token.write_text("operator-token-for-the-test-0123456789")
+    dash, base = start_dashboard([str(out)], token)
+    try:
+        browser.get(f"{base}/?token={token.read_text()}")
+        wait(browser, lambda d: d.find_element("tag name", "body").get_attribute("data-records")
+             == "5")  # fmt: skip
+        note = browser.find_element("id", "eps-scale").text
+        assert ("log scale" in note) is log, note
+        legend = browser.execute_script(
+            "return [...document.querySelectorAll('#chart-eps .u-legend .u-label')]"
+            ".map(e => e.textContent)"
+        )
+        assert legend == ["job (worst device)", "budget"]  # every series named
+    finally:
+        dash.kill()
+        dash.wait()
