@@ -131,6 +131,7 @@ def run(
             "relay_messages_per_s": round((end["relay"] - start["relay"]) / span, 1),
             "relay_messages_per_s_while_connecting": round(connect_rate, 1),
             "cpu_percent": {k: round(100 * (cpu1[k] - cpu0[k]) / span, 1) for k in cpu0},
+            "load_average": os.getloadavg()[0],
         }
         print(json.dumps(result))
         return result
@@ -172,3 +173,76 @@ def test_responsive_with_many_devices(browser, tmp_path: Path) -> None:  # noqa:
     devices = int(os.environ.get("EDGE_FL_DASH_DEVICES", "10000"))
     result = run(browser, tmp_path, devices, None)
     assert result["page_updates_per_s"] > 0
+
+
+def test_status_storm(browser, tmp_path: Path) -> None:  # noqa: F811
+    """Every one of N devices comes online, then goes offline (last wills), as fast as one
+    publisher can send: how fast the relay folds statuses, what the page renders meanwhile, and
+    how long after the last status the page shows the final counts."""
+    import paho.mqtt.client as paho
+
+    from edge_fl.protocol.codec import encode_status
+    from edge_fl.protocol.messages import Status
+    from edge_fl.protocol.topics import Topics
+
+    devices = int(os.environ.get("EDGE_FL_DASH_DEVICES", "10000"))
+    broker = EmbeddedBroker(kind="mosquitto").start()
+    token = tmp_path / "token"
+    token.write_text("operator-token-for-the-bench-0123456789")
+    topics = Topics("dash-storm")
+    dash, base = start_dashboard(["--broker", broker.url, "--job", topics.job], token)
+    host, port = broker.url.split("://", 1)[1].rsplit(":", 1)
+    client = paho.Client(paho.CallbackAPIVersion.VERSION2)
+    client.connect(host, int(port))
+    client.loop_start()
+    try:
+        browser.get(f"{base}/?token={token.read_text()}")
+        wait(browser, lambda d: d.execute_script("return document.body.dataset.connected")
+             == "true")  # fmt: skip
+        chrome = browser.service.process.pid
+        results = []
+        for online in (True, False):
+            payloads = [
+                (topics.status(f"d{i:05d}"), encode_status(Status(f"d{i:05d}", online, 30)))
+                for i in range(devices)
+            ]
+            want = "online" if online else "offline"
+            before = page(browser)
+            relay0 = relay(base, token)
+            cpu0 = (cpu_s(dash.pid), sum(cpu_s(p) for p in tree(chrome)))
+            t0 = time.monotonic()
+            infos = [client.publish(t, p, qos=1, retain=True) for t, p in payloads]
+            for info in infos:
+                info.wait_for_publish(60)
+            sent = time.monotonic()
+            wait(browser, lambda d: page(d)["counts"].get(want) == devices, 600)  # noqa: B023
+            shown = time.monotonic()
+            after = page(browser)
+            cpu1 = (cpu_s(dash.pid), sum(cpu_s(p) for p in tree(chrome)))
+            span = shown - t0
+            results.append({
+                "devices": devices,
+                "storm": want,
+                "publish_s": round(sent - t0, 2),
+                "page_final_after_last_publish_s": round(shown - sent, 2),
+                "relay_statuses_per_s": round((relay(base, token) - relay0) / span, 0),
+                "page_updates_per_s": round((after["rendered"] - before["rendered"]) / span, 2),
+                "page_ms_per_update": round(
+                    (after["renderMs"] - before["renderMs"])
+                    / max(after["rendered"] - before["rendered"], 1),
+                    2,
+                ),
+                "cpu_percent": {
+                    "dashboard": round(100 * (cpu1[0] - cpu0[0]) / span, 1),
+                    "chromium": round(100 * (cpu1[1] - cpu0[1]) / span, 1),
+                },
+                "load_average": os.getloadavg()[0],
+            })  # fmt: skip
+            print(json.dumps(results[-1]))
+        assert all(r["page_updates_per_s"] <= 5 for r in results)  # coalesced, not per message
+    finally:
+        client.loop_stop()
+        client.disconnect()
+        dash.kill()
+        dash.wait()
+        broker.stop()
