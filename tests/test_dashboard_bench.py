@@ -58,12 +58,20 @@ def page(driver: Any) -> dict[str, Any]:
     )
 
 
-def job_commands(url: str, job: str, devices: int, out: Path) -> tuple[list[str], list[str]]:
-    per_round = max(10, devices // 10)
-    common = ["--broker", url, "--job", job, "--devices", str(devices), "--dataset", "synthetic",
-              "--model", "logreg", "--rounds", os.environ.get("EDGE_FL_DASH_ROUNDS", "12"),
+#: the screenshot's job: digits (MLP) learns within a few rounds; devices run out of budget
+DIGITS = ["--dataset", "digits", "--model", "mlp", "--epsilon", "200", "--budget", "100"]
+#: the load job: small logreg updates (10,000 devices' data drawn lazily)
+SYNTHETIC = ["--dataset", "synthetic", "--model", "logreg", "--epsilon", "40", "--budget", "20"]
+
+
+def job_commands(
+    url: str, job: str, devices: int, out: Path, data: list[str]
+) -> tuple[list[str], list[str]]:
+    per_round = max(10, devices // (5 if data is DIGITS else 10))
+    common = ["--broker", url, "--job", job, "--devices", str(devices), *data,
+              "--rounds", os.environ.get("EDGE_FL_DASH_ROUNDS", "12"),
               "--clients-per-round", str(per_round), "--deadline", "60",
-              "--mechanism", "gaussian", "--epsilon", "40", "--budget", "20"]  # fmt: skip
+              "--mechanism", "gaussian"]  # fmt: skip
     aggregator = [EDGE_FL, "aggregator", *common, "--out", str(out)]
     return aggregator, common
 
@@ -87,7 +95,8 @@ def run(
         wait(driver, lambda d: d.execute_script("return document.body.dataset.connected")
              == "true")  # fmt: skip
         relay0 = relay(base, token)
-        aggregator, common = job_commands(broker.url, job, devices, out)
+        data = DIGITS if simulate else SYNTHETIC
+        aggregator, common = job_commands(broker.url, job, devices, out, data)
         if simulate:
             aggregator = [EDGE_FL, "simulate", *common, "--out", str(out), "--no-progress"]
         agg = subprocess.Popen(aggregator, stderr=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
