@@ -234,3 +234,63 @@ def test_epsilon_axis_goes_log_over_two_orders_of_magnitude(
     finally:
         dash.kill()
         dash.wait()
+
+
+def test_poisson_job_shows_no_participation_without_the_token(
+    make_broker, browser, tmp_path: Path
+) -> None:
+    """A live Poisson-selection job, the page opened without the operator token (``--public``):
+    accuracy and epsilon, but no count, byte or device that tells who took part; with the token
+    the device table is there and "training" stays secret."""
+    from edge_fl.server.aggregator import PARTICIPATION_FIELDS
+
+    broker = make_broker()
+    job = "dash-poisson"
+    token = tmp_path / "token"
+    token.write_text("operator-token-for-the-test-0123456789")
+    out = tmp_path / "run"
+    dash, base = start_dashboard(["--broker", broker.url, "--job", job, "--public"], token)
+    job_proc = None
+    try:
+        browser.get(base + "/")
+        wait(browser, lambda d: d.find_element("tag name", "body").get_attribute("data-connected")
+             == "true")  # fmt: skip
+        job_proc = subprocess.Popen(
+            [EDGE_FL, "simulate", "--broker", broker.url, "--job", job, "--devices", str(DEVICES),
+             "--rounds", "2", "--deadline", "3", "--mechanism", "gaussian-central",
+             "--epsilon", "8", "--poisson-selection", "--out", str(out), "--no-progress"],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        _, stderr = job_proc.communicate(timeout=TIMEOUT)
+        assert job_proc.returncode == 0, stderr
+        records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+        assert records[-1]["received"] >= 0  # the aggregator's own file has them
+        wait(browser, lambda d: d.find_element("tag name", "body").get_attribute("data-records")
+             == str(len(records)))  # fmt: skip
+        view = browser.execute_script(
+            "return fetch('/api/view', {credentials: 'omit'}).then(r => r.json())"
+        )
+        assert view["redacted"] and not {"devices", "rejections", "ingest"} & set(view)
+        for row, record in zip(view["records"], records, strict=True):
+            leaked = {k for k in row if k in PARTICIPATION_FIELDS or k.startswith("wire_")}
+            assert not leaked, leaked
+            assert (row["accuracy"], row["epsilon"]) == (record["accuracy"], record["epsilon"])
+        for record in records:
+            row = page_round(browser, record["round"])
+            assert row["accuracy"][0] == record["accuracy"]
+            assert row["received"][0] is None and row["bytes_up"][0] is None
+            assert row["wire_up_max"][0] is None
+        hidden = browser.execute_script(
+            "return [...document.querySelectorAll('.operator')].every(s => s.hidden)"
+        )
+        assert hidden
+        # the operator: the device table, with the selection secret
+        browser.get(f"{base}/?token={token.read_text()}")
+        wait(browser, lambda d: page_counts(d).get("known") == DEVICES)
+        cell = browser.find_element("css selector", '#devices td[data-count="training"]')
+        assert cell.text == "secret"
+    finally:
+        for proc in (job_proc, dash):
+            if proc is not None and proc.poll() is None:
+                proc.kill()
+                proc.wait()
