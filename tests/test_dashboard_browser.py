@@ -9,6 +9,7 @@ import shutil
 import subprocess
 import sys
 import threading
+from collections import Counter
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -16,7 +17,8 @@ from typing import Any
 import paho.mqtt.client as paho
 import pytest
 
-from edge_fl.protocol.codec import decode_status
+from edge_fl.protocol.codec import decode_status, encode_status
+from edge_fl.protocol.messages import Status
 from edge_fl.protocol.topics import Topics
 
 EDGE_FL = str(Path(sys.executable).with_name("edge-fl"))
@@ -93,6 +95,27 @@ def page_counts(driver: Any) -> dict[str, Any]:
     return {name: json.loads(value) for name, value in cells if value is not None}
 
 
+def rejection_row(driver: Any, reason: str) -> dict[str, Any] | None:
+    return driver.execute_script(
+        "const tr = document.querySelector(`#rejections tr[data-reason='${arguments[0]}']`);"
+        "return tr && {count: JSON.parse(tr.querySelector('td[data-field=count]').dataset.value),"
+        " detail: tr.lastElementChild.textContent}",
+        reason,
+    )
+
+
+def publish(url: str, topic: str, payload: bytes, retain: bool = False) -> None:
+    host, port = url.split("://", 1)[1].rsplit(":", 1)
+    client = paho.Client(paho.CallbackAPIVersion.VERSION2)
+    client.connect(host, int(port))
+    client.loop_start()
+    try:
+        client.publish(topic, payload, qos=1, retain=retain).wait_for_publish(30)
+    finally:
+        client.loop_stop()
+        client.disconnect()
+
+
 def retained_statuses(url: str, job: str, expected: int) -> dict[str, tuple[bool, str | None]]:
     """Every device's retained status as the broker holds it now (a fresh subscription)."""
     host, port = url.split("://", 1)[1].rsplit(":", 1)
@@ -166,6 +189,14 @@ def test_live_job_then_run_dir(make_broker, browser, tmp_path: Path) -> None:
              "--epsilon", "16", "--budget", "9", "--out", str(out), "--no-progress"],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         )  # fmt: skip
+        # an update the aggregator must refuse (not msgpack): counted in its round's record,
+        # its detail on the intruder's negative ack
+        # (the aggregator answers only devices that announced themselves: this one says it has
+        # stopped, so it is never selected)
+        wait(browser, lambda d: page_round(d, 1) or False)
+        intruder = Status("intruder", True, 10, {"stopped": "unsupported_mechanism"})
+        publish(broker.url, Topics(job).status("intruder"), encode_status(intruder), retain=True)
+        publish(broker.url, Topics(job).update("intruder"), b"\xc1 not msgpack")
         # after round N, the page's row N is metrics.jsonl's line N
         wait(browser, lambda d: page_round(d, 2) or False)
         records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
@@ -176,9 +207,16 @@ def test_live_job_then_run_dir(make_broker, browser, tmp_path: Path) -> None:
         for record in records:
             check_round(browser, record)
         assert browser.find_element("id", "accuracy").text == f"{records[-1]['accuracy']:.4f}"
+        refused: Counter[str] = Counter()
+        for record in records:
+            refused.update(record["rejected_by_reason"])
+        assert sum(refused.values()) == 1, refused  # the intruder's (not selected, or malformed)
+        ((reason, count),) = refused.items()
+        row = wait(browser, lambda d: rejection_row(d, reason))
+        assert row["count"] == count and "intruder" in row["detail"], row
         # the device table counts are the retained statuses' (once the last ones have arrived)
-        want = expected_counts(retained_statuses(broker.url, job, DEVICES))
-        assert want["known"] == DEVICES
+        want = expected_counts(retained_statuses(broker.url, job, DEVICES + 1))
+        assert want["known"] == DEVICES + 1
         wait(browser, lambda d: {k: page_counts(d).get(k) for k in want} == want, 30)
     finally:
         for proc in (job_proc, dash):
