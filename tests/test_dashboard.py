@@ -227,3 +227,34 @@ def test_http_token_cookie_static_files_and_stream(tmp_path: Path, public: bool)
         assert event["records_from"] == 0 and [r["round"] for r in event["records"]] == [1, 2, 3]
 
     asyncio.run(scenario())
+
+
+@pytest.mark.broker
+@pytest.mark.parametrize("mechanism", ["gaussian", pytest.param("dpsgd", marks=pytest.mark.slow)])
+def test_device_epsilon_replays_the_ledger(tmp_path: Path, mechanism: str) -> None:
+    """Per-device epsilon from a run's checkpoint: its maximum is, round by round, the job's
+    epsilon the aggregator recorded (the worst device's), and the quantiles are ordered."""
+    import subprocess
+    import sys
+
+    from edge_fl.dashboard.epsilon import DeviceEpsilon
+
+    out = tmp_path / "run"
+    edge_fl = str(Path(sys.executable).with_name("edge-fl"))
+    model = ["--model", "logreg"] if mechanism == "dpsgd" else []
+    made = subprocess.run(
+        [edge_fl, "simulate", "--devices", "20", "--rounds", "4", "--clients-per-round", "8",
+         "--mechanism", mechanism, "--epsilon", "8", *model, "--out", str(out), "--no-progress"],
+        capture_output=True, text=True, timeout=240,
+    )  # fmt: skip
+    assert made.returncode == 0, made.stderr
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    config = json.loads((out / "run.json").read_text())["config"]
+    checkpoint = json.loads((out / "checkpoint.json").read_text())
+    by_round = DeviceEpsilon(config).per_round(records, checkpoint)
+    assert sorted(by_round) == [r["round"] for r in records]
+    for record in records:
+        q = by_round[record["round"]]
+        assert q["epsilon_device_max"] == pytest.approx(record["epsilon"], rel=1e-9)
+        assert q["epsilon_device_p50"] <= q["epsilon_device_p95"] <= q["epsilon_device_max"]
+    assert by_round[records[0]["round"]]["epsilon_device_p50"] == 0.0  # 8 of 20 uploaded

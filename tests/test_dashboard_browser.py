@@ -95,6 +95,13 @@ def page_counts(driver: Any) -> dict[str, Any]:
     return {name: json.loads(value) for name, value in cells if value is not None}
 
 
+def epsilon_legend(driver: Any) -> list[str]:
+    return driver.execute_script(
+        "return [...document.querySelectorAll('#chart-eps .u-legend .u-label')]"
+        ".map(e => e.textContent)"
+    )
+
+
 def rejection_row(driver: Any, reason: str) -> dict[str, Any] | None:
     return driver.execute_script(
         "const tr = document.querySelector(`#rejections tr[data-reason='${arguments[0]}']`);"
@@ -232,6 +239,11 @@ def test_live_job_then_run_dir(make_broker, browser, tmp_path: Path) -> None:
              == str(len(records)))  # fmt: skip
         for record in records:
             check_round(browser, record)
+        # epsilon per device, replayed from the checkpoint: its max is the job's, round by round
+        wait(browser, lambda d: "device max" in epsilon_legend(d))
+        rows = browser.execute_script("return fetch('/api/view').then(r => r.json())")["records"]
+        for row, record in zip(rows, records, strict=True):
+            assert row["epsilon_device_max"] == pytest.approx(record["epsilon"], rel=1e-9)
         checkpoint = json.loads((out / "checkpoint.json").read_text())
         fleet = {dev: (bool(on), why) for dev, (on, _n, why) in checkpoint["devices"].items()}
         want = expected_counts(fleet)
@@ -264,11 +276,7 @@ def test_epsilon_axis_goes_log_over_two_orders_of_magnitude(
              == "5")  # fmt: skip
         note = browser.find_element("id", "eps-scale").text
         assert ("log scale" in note) is log, note
-        legend = browser.execute_script(
-            "return [...document.querySelectorAll('#chart-eps .u-legend .u-label')]"
-            ".map(e => e.textContent)"
-        )
-        assert legend == ["job (worst device)", "budget"]  # every series named
+        assert epsilon_legend(browser) == ["job (worst device)", "budget"]  # every series named
     finally:
         dash.kill()
         dash.wait()
@@ -348,7 +356,9 @@ def test_poisson_job_shows_no_participation_without_the_token(
             "return fetch('/api/view', {credentials: 'omit'}).then(r => r.json())"
         )
         assert view["redacted"] and "devices" not in view
-        assert not {k for row in view["records"] for k in row} & set(PARTICIPATION_FIELDS)
+        shown = {k for row in view["records"] for k in row}
+        assert not shown & set(PARTICIPATION_FIELDS)
+        assert not {k for k in shown if k.startswith(("wire_", "epsilon_device_"))}
     finally:
         dash.kill()
         dash.wait()

@@ -165,6 +165,9 @@ class RunDirSource:
         self.on_change: Callable[[], None] = lambda: None
         self._offset = 0
         self._stamps: dict[str, float] = {}
+        self._checkpoint: dict[str, Any] | None = None
+        self._epsilon: Any = None  # edge_fl.dashboard.epsilon.DeviceEpsilon, built on first use
+        self._epsilon_due = False
         state.source = "run"
         state.job = self.dir.name
 
@@ -180,7 +183,33 @@ class RunDirSource:
         while True:
             if self.poll():
                 self.on_change()
+            if self._epsilon_due and self._checkpoint is not None:
+                self._epsilon_due = False
+                records = [dict(r) for r in self.state.records]
+                by_round = await asyncio.to_thread(self._device_epsilon, records, self._checkpoint)
+                if by_round:
+                    self.state.set_device_epsilon(by_round)
+                    self.on_change()
             await asyncio.sleep(self.POLL_S)
+
+    def _device_epsilon(
+        self, records: list[dict[str, Any]], checkpoint: dict[str, Any]
+    ) -> dict[int, dict[str, float]]:
+        """Per-device epsilon quantiles per round (in a thread: building the job and composing
+        can take a while); a run whose job cannot be rebuilt here gets a note instead."""
+        from edge_fl.dashboard.epsilon import DeviceEpsilon
+
+        try:
+            if self._epsilon is None:
+                self._epsilon = DeviceEpsilon(self.state.config)
+            if not self._epsilon.accounts:
+                return {}
+            return self._epsilon.per_round(records, checkpoint)
+        except Exception as exc:  # a run's job that cannot be rebuilt here: say so, go on
+            first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            self.state.notes["epsilon_device"] = f"per-device epsilon unavailable: {first}"
+            self._checkpoint = None
+            return {}
 
     def _changed(self, name: str) -> dict[str, Any] | None:
         """The JSON object in ``name`` when the file is new or changed since the last poll."""
@@ -203,8 +232,11 @@ class RunDirSource:
         if (run := self._changed("run.json")) is not None and isinstance(run.get("config"), dict):
             state.set_config(run["config"])
             changed = True
-        changed |= self._tail()
+        if self._tail():
+            changed = self._epsilon_due = True
         if (ckpt := self._changed("checkpoint.json")) is not None:
+            self._checkpoint = ckpt
+            self._epsilon_due = True
             devices = ckpt.get("devices") or {}
             state.devices.clear()
             for dev, (online, n, stopped) in devices.items():

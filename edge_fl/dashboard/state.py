@@ -50,8 +50,12 @@ ROUND_FIELDS = (
     "epsilon_device_max",
     "workers",
     "workers_missing",
+    "device_updates",
     "wall_time_s",
 )
+
+#: computed per device (edge_fl.dashboard.epsilon): with Poisson selection they count releases
+DEVICE_EPSILON_PREFIX = "epsilon_device_"
 
 #: rejection details kept per reason (the newest)
 SAMPLES_PER_REASON = 5
@@ -65,11 +69,8 @@ def public_fields(record: dict[str, Any], poisson: bool) -> dict[str, Any]:
     if not poisson:
         return {k: v for k, v in record.items() if k not in hidden}
     hidden = (*PARTICIPATION_FIELDS, *PRIVATE_FIELDS)
-    return {
-        k: v
-        for k, v in record.items()
-        if k not in hidden and not k.startswith(PARTICIPATION_PREFIXES)
-    }
+    prefixes = (*PARTICIPATION_PREFIXES, DEVICE_EPSILON_PREFIX)
+    return {k: v for k, v in record.items() if k not in hidden and not k.startswith(prefixes)}
 
 
 @dataclass
@@ -110,6 +111,7 @@ class DashboardState:
     samples: dict[str, deque[str]] = field(default_factory=dict)
     summary: dict[str, Any] = field(default_factory=dict)
     devices_as_of: str = "retained statuses"
+    notes: dict[str, str] = field(default_factory=dict)  # what the page cannot show, and why
     connected: bool | None = None  # live: whether the relay holds a broker session
     seq: int = 0
     messages: int = 0  # every message folded in (statuses included): the relay's load
@@ -139,6 +141,14 @@ class DashboardState:
                 self.rejections[str(reason)] += count
         for reason, detail in (record.get("rejection_samples") or {}).items():
             self._sample(str(reason), f"round {record.get('round')}: {detail}")
+        self.touch()
+
+    def set_device_epsilon(self, by_round: dict[int, dict[str, float]]) -> None:
+        """Per-device epsilon quantiles of each round (a run directory's checkpoint)."""
+        for row in self.records:
+            extra = by_round.get(row.get("round"))  # type: ignore[arg-type]
+            if extra:
+                row.update(extra)
         self.touch()
 
     def set_status(self, device: str, online: bool, stopped: str | None, n_samples: int) -> None:
@@ -268,6 +278,7 @@ class DashboardState:
             "current": dict(self.current),
             "records": rows,
             "summary": {k: self.summary[k] for k in ("epsilon", "accountant") if k in self.summary},
+            "notes": dict(self.notes),
         }
         if redact:
             return out

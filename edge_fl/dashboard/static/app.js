@@ -139,7 +139,9 @@ function drawCharts() {
     : "(not in these records: a simulated fleet (edge-fl simulate) counts every device's wire bytes)";
   const perDevice = records.some((r) => typeof r.epsilon_device_max === "number");
   $("eps-note").textContent = perDevice || !records.length ? ""
-    : "(per-device distribution: not in these records; the job's value is the worst device's)";
+    : (view.notes || {}).epsilon_device ? `(${view.notes.epsilon_device})`
+    : view.redacted && view.job.poisson ? "(per device: operator only with Poisson selection)"
+    : view.job.source === "run" ? "" : "(per device: `edge-fl dashboard RUN_DIR` on the aggregator's host; the job's value is the worst device's)";
 }
 
 // ---------------------------------------------------------------- tables and cards
