@@ -172,6 +172,9 @@ def test_screenshot_live_fleet(browser, tmp_path: Path) -> None:  # noqa: F811
     try:
         browser.get(f"{base}/?token={token.read_text()}")
         wait(browser, lambda d: page(d)["records"] > 0)
+        wait(browser, lambda d: d.execute_script(  # per-device epsilon, replayed from the run
+            "return [...document.querySelectorAll('#chart-eps .u-legend .u-label')]"
+            ".some(e => e.textContent === 'device max')"))  # fmt: skip
         browser.save_screenshot(str(DOCS_IMG / "dashboard-run.png"))
     finally:
         dash.kill()

@@ -239,11 +239,16 @@ def test_live_job_then_run_dir(make_broker, browser, tmp_path: Path) -> None:
              == str(len(records)))  # fmt: skip
         for record in records:
             check_round(browser, record)
+
         # epsilon per device, replayed from the checkpoint: its max is the job's, round by round
-        wait(browser, lambda d: "device max" in epsilon_legend(d))
-        rows = browser.execute_script("return fetch('/api/view').then(r => r.json())")["records"]
-        for row, record in zip(rows, records, strict=True):
-            assert row["epsilon_device_max"] == pytest.approx(record["epsilon"], rel=1e-9)
+        # (on the page: every row, the older ones included, once the replay is done)
+        def device_max(d: Any) -> list[Any]:
+            return [page_round(d, r["round"])["epsilon_device_max"][0] for r in records]
+
+        wait(browser, lambda d: None not in device_max(d))
+        for shown, record in zip(device_max(browser), records, strict=True):
+            assert shown == pytest.approx(record["epsilon"], rel=1e-9)
+        assert "device max" in epsilon_legend(browser)
         checkpoint = json.loads((out / "checkpoint.json").read_text())
         fleet = {dev: (bool(on), why) for dev, (on, _n, why) in checkpoint["devices"].items()}
         want = expected_counts(fleet)

@@ -181,7 +181,7 @@ class DashboardServer:
             b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nCache-Control: no-store\r\n"
             b"X-Accel-Buffering: no\r\nConnection: keep-alive\r\n\r\nretry: 2000\n\n"
         )
-        sent_seq, have = -1, 0  # the state's seq and the records the page holds
+        sent_seq, have, epoch = -1, 0, 0  # the state's seq, the records the page holds, their epoch
         gap = 1.0 / self.max_rate
         last = 0.0
         while True:
@@ -199,6 +199,8 @@ class DashboardServer:
             sent_seq = self.state.seq
             view = self.state.view(operator)
             rows: list[Any] = view["records"]
+            if view["rows_epoch"] != epoch:  # rows the page holds have changed: all again
+                have, epoch = 0, view["rows_epoch"]
             start = max(0, min(have, len(rows)) - 1)  # the last one again: a round may be redone
             view["records"], view["records_from"] = rows[start:], start
             have = len(rows)

@@ -257,6 +257,7 @@ class RunDirSource:
             size = path.stat().st_size
             if size < self._offset:  # rewritten (a resume reconciled it): read it again
                 self._offset = 0
+                self.state.rows_epoch += 1
                 self.state.records.clear()
                 self.state.rejections.clear()
                 self.state.samples.clear()

@@ -113,6 +113,7 @@ class DashboardState:
     devices_as_of: str = "retained statuses"
     notes: dict[str, str] = field(default_factory=dict)  # what the page cannot show, and why
     connected: bool | None = None  # live: whether the relay holds a broker session
+    rows_epoch: int = 0  # grows when rows a page already holds change: it must take them all again
     seq: int = 0
     messages: int = 0  # every message folded in (statuses included): the relay's load
 
@@ -149,6 +150,7 @@ class DashboardState:
             extra = by_round.get(row.get("round"))  # type: ignore[arg-type]
             if extra:
                 row.update(extra)
+        self.rows_epoch += 1
         self.touch()
 
     def set_status(self, device: str, online: bool, stopped: str | None, n_samples: int) -> None:
@@ -274,6 +276,7 @@ class DashboardState:
             "operator": operator,
             "redacted": redact,
             "connected": self.connected,
+            "rows_epoch": self.rows_epoch,
             "job": self._job(),
             "current": dict(self.current),
             "records": rows,

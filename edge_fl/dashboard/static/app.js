@@ -30,6 +30,7 @@ const ROUND_COLUMNS = [
   ["wire_up_p95", "up p95/dev", fmt.int],
   ["wire_up_max", "up max/dev", fmt.int],
   ["wire_down_p95", "down p95/dev", fmt.int],
+  ["epsilon_device_max", "eps max/dev", fmt.eps],
 ];
 
 function el(tag, attrs, text) {
