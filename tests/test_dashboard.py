@@ -258,3 +258,19 @@ def test_device_epsilon_replays_the_ledger(tmp_path: Path, mechanism: str) -> No
         assert q["epsilon_device_max"] == pytest.approx(record["epsilon"], rel=1e-9)
         assert q["epsilon_device_p50"] <= q["epsilon_device_p95"] <= q["epsilon_device_max"]
     assert by_round[records[0]["round"]]["epsilon_device_p50"] == 0.0  # 8 of 20 uploaded
+
+
+def test_a_rewritten_metrics_file_is_read_again(tmp_path: Path) -> None:
+    """A resumed run reconciles metrics.jsonl by replacing it (a new file, maybe as long): the
+    dashboard reads the new one from its start, not from where it stopped in the old one."""
+    write_run(tmp_path / "run", poisson=False)
+    board = Dashboard.run_dir(tmp_path / "run", token=TOKEN)
+    source = board.source
+    assert [r["round"] for r in board.state.records] == [1, 2, 3]
+    path = tmp_path / "run" / "metrics.jsonl"
+    kept = [json.dumps({**RECORD, "round": r, "version": r, "accuracy": 0.5}) for r in (1, 2)]
+    replacement = tmp_path / "run" / "metrics.jsonl.tmp"
+    replacement.write_text("\n".join(kept) + "\n" + " " * 200 + "\n")  # longer than before
+    replacement.replace(path)
+    assert source.poll()
+    assert [(r["round"], r["accuracy"]) for r in board.state.records] == [(1, 0.5), (2, 0.5)]

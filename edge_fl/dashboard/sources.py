@@ -166,6 +166,7 @@ class RunDirSource:
         self._offset = 0
         self._stamps: dict[str, float] = {}
         self._checkpoint: dict[str, Any] | None = None
+        self._inode = -1  # metrics.jsonl's: a new file is read from its start
         self._epsilon: Any = None  # edge_fl.dashboard.epsilon.DeviceEpsilon, built on first use
         self._epsilon_due = False
         state.source = "run"
@@ -253,22 +254,27 @@ class RunDirSource:
 
     def _tail(self) -> bool:
         path = self.dir / "metrics.jsonl"
+        reset = False
         try:
-            size = path.stat().st_size
-            if size < self._offset:  # rewritten (a resume reconciled it): read it again
+            stat = path.stat()
+            size = stat.st_size
+            if size < self._offset or stat.st_ino != self._inode:  # rewritten (a resume
+                # reconciled it, atomically replacing the file): read it again from the start
+                self._inode = stat.st_ino
                 self._offset = 0
                 self.state.rows_epoch += 1
                 self.state.records.clear()
                 self.state.rejections.clear()
                 self.state.samples.clear()
+                reset = self.state.seq > 0
             if size == self._offset:
-                return False
+                return reset
             with path.open("rb") as f:
                 f.seek(self._offset)
                 data = f.read(size - self._offset)
         except OSError:
             return False
-        changed = False
+        changed = reset
         for line in data.splitlines(keepends=True):
             if not line.endswith(b"\n"):
                 break  # a record still being written: read it whole next time
