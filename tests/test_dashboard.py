@@ -270,7 +270,8 @@ def test_a_rewritten_metrics_file_is_read_again(tmp_path: Path) -> None:
     path = tmp_path / "run" / "metrics.jsonl"
     kept = [json.dumps({**RECORD, "round": r, "version": r, "accuracy": 0.5}) for r in (1, 2)]
     replacement = tmp_path / "run" / "metrics.jsonl.tmp"
-    replacement.write_text("\n".join(kept) + "\n" + " " * 200 + "\n")  # longer than before
+    replacement.write_text("\n".join(kept) + "\n" + " " * 4000 + "\n")  # longer than before
+    assert replacement.stat().st_size > path.stat().st_size
     replacement.replace(path)
     assert source.poll()
     assert [(r["round"], r["accuracy"]) for r in board.state.records] == [(1, 0.5), (2, 0.5)]
