@@ -275,3 +275,48 @@ def test_a_rewritten_metrics_file_is_read_again(tmp_path: Path) -> None:
     replacement.replace(path)
     assert source.poll()
     assert [(r["round"], r["accuracy"]) for r in board.state.records] == [(1, 0.5), (2, 0.5)]
+
+
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        ([], "give either RUN_DIR or --broker URL --job ID"),
+        (["--broker", "mqtt://127.0.0.1:1"], "--broker needs --job ID"),
+        (["--broker", "ftp://h:1", "--job", "j"], "scheme 'ftp' is not supported"),
+        (["--broker", "mqtt://h:1", "--job", "a/b"], "is not a valid topic segment"),
+        (["NO_SUCH_DIR"], "no metrics.jsonl here"),
+        (["RUN", "--max-rate", "0"], "--max-rate 0: must be in (0, 60]"),
+        (["RUN", "--token-file", "SHORT"], "the token must be 16+ characters"),
+    ],
+)
+def test_bad_input_is_one_line(tmp_path: Path, args: list[str], says: str) -> None:
+    from click.testing import CliRunner
+
+    from edge_fl.cli.dashboard_cmd import dashboard
+
+    write_run(tmp_path / "RUN", poisson=False)
+    (tmp_path / "SHORT").write_text("short")
+    args = [str(tmp_path / a) if a in ("RUN", "SHORT", "NO_SUCH_DIR") else a for a in args]
+    result = CliRunner().invoke(dashboard, args)
+    assert result.exit_code == 2, result.output
+    lines = result.output.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("edge-fl: error: ") and says in lines[0], lines
+
+
+def test_a_port_in_use_is_one_line(tmp_path: Path) -> None:
+    import socket
+
+    from click.testing import CliRunner
+
+    from edge_fl.cli.dashboard_cmd import dashboard
+
+    write_run(tmp_path / "run", poisson=False)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = CliRunner().invoke(dashboard, [str(tmp_path / "run"), "--port", str(port)])
+    assert result.exit_code == 2
+    assert result.output.strip() == (
+        f"edge-fl: error: port {port} on 127.0.0.1 is already in use (--port 0 picks a free one)"
+    )
