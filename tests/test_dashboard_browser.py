@@ -214,6 +214,12 @@ def test_live_job_then_run_dir(make_broker, browser, tmp_path: Path) -> None:
         for record in records:
             check_round(browser, record)
         assert browser.find_element("id", "accuracy").text == f"{records[-1]['accuracy']:.4f}"
+        errors = [
+            e
+            for e in browser.get_log("browser")
+            if e["level"] == "SEVERE" and "401 (Unauthorized)" not in e["message"]  # ours, above
+        ]
+        assert not errors, errors  # no script error, no file that failed to load
         refused: Counter[str] = Counter()
         for record in records:
             refused.update(record["rejected_by_reason"])

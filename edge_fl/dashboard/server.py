@@ -114,6 +114,9 @@ class DashboardServer:
             await self._send(writer, 405, b"GET only\n")
             return
         path = url.path
+        if path == "/favicon.ico":  # browsers ask for it: no icon, no error in the console
+            await self._send(writer, 204, b"")
+            return
         if path.startswith("/static/"):
             body = _static(path[len("/static/") :])
             if body is None:
@@ -159,9 +162,13 @@ class DashboardServer:
         cache: bool = False,
         extra: dict[str, str] | None = None,
     ) -> None:
-        reason = {200: "OK", 303: "See Other", 400: "Bad Request", 401: "Unauthorized"}.get(
-            status, "Not Found" if status == 404 else "Error"
-        )
+        reason = {
+            200: "OK",
+            204: "No Content",
+            303: "See Other",
+            400: "Bad Request",
+            401: "Unauthorized",
+        }.get(status, "Not Found" if status == 404 else "Error")
         head = [
             f"HTTP/1.1 {status} {reason}",
             f"Content-Type: {kind}",
