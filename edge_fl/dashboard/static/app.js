@@ -139,7 +139,8 @@ function drawCharts() {
     : view.job.poisson ? "(not published with Poisson selection: it would count who took part)"
     : "(not in these records: a simulated fleet (edge-fl simulate) counts every device's wire bytes)";
   const perDevice = records.some((r) => typeof r.epsilon_device_max === "number");
-  $("eps-note").textContent = perDevice || !records.length ? ""
+  $("eps-note").textContent = view.job.mechanism === "none" ? "(no privacy mechanism: nothing is spent)"
+    : perDevice || !records.length ? ""
     : (view.notes || {}).epsilon_device ? `(${view.notes.epsilon_device})`
     : view.redacted && view.job.poisson ? "(per device: operator only with Poisson selection)"
     : view.job.source === "run" ? "" : "(per device: `edge-fl dashboard RUN_DIR` on the aggregator's host; the job's value is the worst device's)";
