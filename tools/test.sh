@@ -16,6 +16,13 @@ if ! command -v mosquitto >/dev/null 2>&1 && [ ! -x /usr/sbin/mosquitto ]; then
     $SUDO apt-get update -qq
     DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq mosquitto mosquitto-clients openssl >/dev/null
 fi
+# The dashboard's browser test (tests/test_dashboard_browser.py) drives Debian's headless Chromium
+# through its chromedriver (the test skips, naming the missing binary, only where they are absent).
+if ! command -v chromium >/dev/null 2>&1 || ! command -v chromedriver >/dev/null 2>&1; then
+    echo "== installing chromium chromium-driver (apt-get)"
+    $SUDO apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq chromium chromium-driver >/dev/null
+fi
 # The broker matrix (tests/test_broker_matrix.py) also runs on NATS and RabbitMQ: the tests start
 # private nodes on free ports (never the packages' own services) and skip, naming the missing
 # binary, when one is absent; so a failed install here is a warning, not an error.

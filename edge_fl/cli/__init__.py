@@ -392,6 +392,11 @@ _LAZY = {
         "Bytes of one update (dense f32 / f16, SignDS, every uplink codec per mechanism) and of "
         "the global model, by the real encoders.",
     ),
+    "dashboard": (
+        "edge_fl.cli.dashboard_cmd",
+        "dashboard",
+        "Serve a live page of a job (--broker, --job) or of a run directory (RUN_DIR).",
+    ),
     "report": (
         "edge_fl.cli.report_cmds",
         "report",
