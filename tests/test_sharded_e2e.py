@@ -281,7 +281,7 @@ def test_the_coordinator_killed_three_times_with_workers_resumes_with_the_same_l
     mosquitto, tmp_path
 ):
     """tools/chaos_kill9.py --workers 2: the aggregator (and with it the workers it started) is
-    killed with SIGKILL 3 times and resumed; the final ledger equals the uninterrupted run's,
+    killed with SIGKILL 3 times inside open rounds and resumed; the final ledger equals the uninterrupted run's,
     every published update is in it and every job finishes."""
     import sys
 
@@ -290,7 +290,7 @@ def test_the_coordinator_killed_three_times_with_workers_resumes_with_the_same_l
         import chaos_kill9
     finally:
         sys.path.pop(0)
-    args = ["--rounds", "6", "--kills", "3", "--min-gap", "1.0", "--max-gap", "4.0"]
+    args = ["--rounds", "6", "--kills", "3", "--min-gap", "0.05", "--max-gap", "1.0"]
     args += ["--workers", "2", "--broker", mosquitto.url, "--work", str(tmp_path)]
     args += ["--json", str(tmp_path / "r.json")]
     rc = chaos_kill9.main(args)
@@ -298,6 +298,7 @@ def test_the_coordinator_killed_three_times_with_workers_resumes_with_the_same_l
     assert rc == 0, results["compare"]["checks"]
     assert results["compare"]["missing"] == [] and results["compare"]["doubled"] == []
     assert len(results["run"]["kills"]) == 3
+    assert results["run"]["landed"] == {"inside an open round": 3}, results["run"]["kills"]
 
 
 @pytest.mark.parametrize(
