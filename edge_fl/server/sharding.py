@@ -149,7 +149,10 @@ def verify(payload: bytes, obj: dict[str, Any], key: bytes, job: str, who: str) 
     if not isinstance(mac, bytes) or len(mac) != _MAC_BYTES or not payload.endswith(tail):
         raise ShardingError("not sealed with a key of this run (malformed 'm')")
     if not hmac.compare_digest(mac, _mac(key, job, payload[: -len(tail)])):
-        raise ShardingError("not sealed with a key of this run (the MAC does not verify)")
+        raise ShardingError(
+            "not sealed with a key of this run (the MAC does not verify: a forgery, or what an "
+            "earlier aggregator process and its workers left)"
+        )
 
 
 class Clock:
