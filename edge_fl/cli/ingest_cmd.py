@@ -144,7 +144,8 @@ def worker_url(url: str, worker: str) -> str:
     user, _, password = userinfo.partition(":")
     name = f"{unquote(user)}-{worker}"
     secret = worker_password(unquote(password), worker)
-    return urlunsplit(parts._replace(netloc=f"{quote(name, safe='')}:{secret}@{hosts}"))
+    netloc = f"{quote(name, safe='')}:{secret}@{hosts}"
+    return urlunsplit((parts.scheme, netloc, parts.path, parts.query, parts.fragment))
 
 
 class LocalWorkers:
