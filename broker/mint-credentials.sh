@@ -18,6 +18,17 @@
 # NAME is the device id: the ACL (acl.template) lets a device write only <prefix>/<job>/up/NAME
 # and <prefix>/<job>/status/NAME, so it must be [A-Za-z0-9_-] (no MQTT wildcards, no '/').
 # Existing users are refused unless --force (re-keys them). Then: systemctl reload mosquitto.
+#
+#   broker/mint-credentials.sh [-f PASSWD] [--force] --ingest-workers N AGGREGATOR_TSV
+#
+# adds the aggregator's ingest workers (`edge-fl aggregator --workers N`): users NAME-w0 ..
+# NAME-w(N-1) for the aggregator NAME of AGGREGATOR_TSV (its line as minted above), each with a
+# password derived from the aggregator's (HMAC-SHA256 of "edge-fl ingest worker wI", 18 bytes,
+# URL-safe base64), so the aggregator can start its workers as their own users (a broker with
+# use_username_as_clientid allows one connection per user; the ACL gives each worker only its
+# own ingest topics) and a worker's password reveals nothing of the aggregator's. Prints one line
+# per worker (for workers run elsewhere: `edge-fl ingest --broker URL`). Re-key the workers
+# (--force) whenever the aggregator is re-keyed.
 # Note: each password is briefly visible to local users in mosquitto_passwd's command line.
 set -euo pipefail
 
@@ -31,6 +42,7 @@ force=0
 count=""
 prefix=d
 start=0
+workers=""
 names=()
 while [[ $# -gt 0 ]]; do
     case "$1" in
@@ -41,11 +53,29 @@ while [[ $# -gt 0 ]]; do
         -n|--count) count="${2:?-n needs a number}"; shift 2 ;;
         -p|--prefix) prefix="${2:?-p needs a prefix}"; shift 2 ;;
         --start) start="${2:?--start needs a number}"; shift 2 ;;
+        --ingest-workers) workers="${2:?--ingest-workers needs a number}"; shift 2 ;;
         -h|--help) usage 0 ;;
         -*) echo "mint-credentials.sh: unknown option $1" >&2; usage ;;
         *) names+=("$1"); shift ;;
     esac
 done
+declare -A derived=()
+if [[ -n "$workers" ]]; then
+    [[ "$workers" =~ ^[0-9]+$ && "$workers" -gt 0 ]] || die "--ingest-workers N must be a positive integer, got '$workers'"
+    [[ ${#names[@]} -eq 1 && -f "${names[0]}" ]] || die "--ingest-workers N takes the aggregator's line file (aggregator.tsv)"
+    command -v openssl >/dev/null || die "openssl not found"
+    IFS=$'\t' read -r agg url < "${names[0]}" || true
+    [[ "$url" == *://*:*@* ]] || die "${names[0]}: expected NAME<TAB>mqtts://NAME:PASSWORD@HOST:PORT..."
+    scheme="${url%%://*}"; rest="${url#*://}"; userinfo="${rest%%@*}"; where="${rest#*@}"
+    agg_password="${userinfo#*:}"
+    names=()
+    for ((i = 0; i < workers; i++)); do
+        user="$agg-w$i"
+        names+=("$user")
+        derived[$user]="$(printf 'edge-fl ingest worker w%d' "$i" \
+            | openssl dgst -sha256 -hmac "$agg_password" -binary | head -c 18 | base64 | tr '+/' '-_')"
+    done
+fi
 if [[ -n "$count" ]]; then
     [[ "$count" =~ ^[0-9]+$ && "$count" -gt 0 ]] || die "-n COUNT must be a positive integer, got '$count'"
     [[ "$start" =~ ^[0-9]+$ ]] || die "--start must be a non-negative integer, got '$start'"
@@ -73,6 +103,12 @@ if [[ $force -eq 0 ]]; then
 fi
 
 for name in "${names[@]}"; do
+    if [[ -n "$workers" ]]; then
+        password="${derived[$name]}"
+        mosquitto_passwd -b "$passwd_file" "$name" "$password"
+        printf '%s\t%s://%s:%s@%s\n' "$name" "$scheme" "$name" "$password" "$where"
+        continue
+    fi
     # 18 random bytes -> 24 URL-safe characters: no percent-encoding needed in the URL.
     password="$(head -c 18 /dev/urandom | base64 | tr '+/' '-_')"
     mosquitto_passwd -b "$passwd_file" "$name" "$password"

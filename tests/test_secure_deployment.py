@@ -15,7 +15,13 @@ substitutions (a test cannot own /etc, port 8883 or systemd):
 
 Then: every round of the job closes with an update from each of the 6 devices (2 single devices,
 2 fleet shards with per-device credentials), and the broker's ACL refuses a device that publishes
-with another device's credentials.
+with another device's credentials or under another job id (issue 24: the ACL is per job, so a
+device cannot retain under invented job ids).
+
+The second test runs the same deployment with sharded ingest as broker/README.md writes it
+(workers minted with `mint-credentials.sh --ingest-workers 2`, `systemctl reload mosquitto`, the
+aggregator with `--workers 2`): every round closes with both workers' shares, and a worker's
+credentials cannot publish on another worker's topics (`systemctl reload` sends SIGHUP).
 """
 
 from __future__ import annotations
@@ -127,6 +133,9 @@ class Deployment:
         if command.startswith("systemctl restart mosquitto"):
             self.start_broker()
             return
+        if command.startswith("systemctl reload mosquitto"):
+            self.reload_broker()
+            return
         if command.startswith("install "):
             command = re.sub(r"\s-[og]\s+\S+", "", command)
         command = self.substitute(command)
@@ -149,7 +158,7 @@ class Deployment:
     def run_block(self, commands: list[str]) -> None:
         self.script: list[str] = []
         for command in commands:
-            if BACKGROUND.match(command) or command.startswith("systemctl restart"):
+            if BACKGROUND.match(command) or command.startswith("systemctl re"):
                 self.flush()  # what came before it in the block has run
             self.run(command)
         self.flush()
@@ -188,6 +197,18 @@ class Deployment:
             time.sleep(0.1)
         raise AssertionError(f"mosquitto did not listen on {self.tls_port}")
 
+    def reload_broker(self) -> None:
+        """SIGHUP (what `systemctl reload mosquitto` sends): passwd and acl are read again. Waits
+        for the broker's log line saying so."""
+        assert self.broker is not None
+        log = self.paths["/var/log/mosquitto"] / "mosquitto.log"
+        before = log.read_text().count("Reloading config")
+        self.broker.send_signal(signal.SIGHUP)
+        deadline = time.monotonic() + 10
+        while log.read_text().count("Reloading config") == before:
+            assert time.monotonic() < deadline, "mosquitto did not reload"
+            time.sleep(0.05)
+
     def log(self, name: str) -> str:
         return Path(self.background[name].log_path).read_text()  # type: ignore[attr-defined]
 
@@ -209,6 +230,92 @@ def _require_tools() -> None:
     for tool in ("mosquitto", "mosquitto_passwd", "openssl"):
         if shutil.which(tool) is None:
             pytest.skip(f"{tool} not installed")
+
+
+def _wait_for_aggregator(deploy: Deployment) -> dict[str, str]:
+    """The aggregator's exit, then every other process's; all exit 0 without a traceback."""
+    aggregator = next(n for n in deploy.background if n.startswith("edge-fl aggregator"))
+    try:
+        deploy.background[aggregator].wait(timeout=150)
+    except subprocess.TimeoutExpired:
+        pytest.fail("the aggregator did not finish:\n" + deploy.all_logs())
+    if deploy.background[aggregator].returncode != 0:
+        pytest.fail("the aggregator failed:\n" + deploy.all_logs())
+    for name, proc in deploy.background.items():
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"{name} did not stop after the job:\n{deploy.all_logs()}")
+    logs = {name: deploy.log(name) for name in deploy.background}
+    for name, proc in deploy.background.items():
+        assert proc.returncode == 0, f"{name}:\n{logs[name]}"
+        assert "Traceback" not in logs[name], logs[name]
+    return logs
+
+
+def sharded_block() -> list[str]:
+    """broker/README.md's sharded-ingest commands (a ```text block: run here, not by
+    tests/test_readme_commands.py)."""
+    text = readme_section(REPO / "broker/README.md", "## Sharded ingest", "## Beyond one broker")
+    block = re.search(r"<!-- run as written[^\n]*-->\n```text\n(.*?)^```", text, re.M | re.S)
+    assert block, "broker/README.md lost its sharded-ingest block"
+    return [line for line in block.group(1).splitlines() if line.strip()]
+
+
+@pytest.mark.broker
+def test_readme_sharded_secure_deployment_runs_as_written(tmp_path: Path) -> None:
+    """Issue 24 item 4: `--workers 2` on the shipped secure configuration: per-worker users
+    minted from the aggregator's line, the shipped ACL's worker blocks, a reload."""
+    _require_tools()
+    section = readme_section(REPO / "README.md", "## Real deployment", "### Raspberry Pi agents")
+    blocks = shell_blocks(section)
+    sharded = sharded_block()
+    assert any("--workers 2" in c and c.startswith("edge-fl aggregator") for c in sharded)
+    deploy = Deployment(tmp_path)
+    try:
+        deploy.run_block(blocks[0])
+        deploy.run_block(blocks[1])
+        deploy.run_block(sharded)  # mint the workers, reload, the sharded aggregator
+        deploy.run_block([c for c in blocks[2] if not c.startswith("edge-fl aggregator")])
+        kinds = sorted(name.split(" #")[0] for name in deploy.background)
+        assert kinds == ["edge-fl aggregator"] + ["edge-fl device"] * 2 + ["edge-fl fleet"] * 2
+        logs = _wait_for_aggregator(deploy)
+        records = [
+            json.loads(line)
+            for line in (deploy.work / "runs/prod/metrics.jsonl").read_text().splitlines()
+        ]
+        got = [(r["status"], r["received"], r["workers"], r["workers_missing"]) for r in records]
+        assert got == [("closed", 6, 2, [])] * 3, (records, deploy.all_logs())
+        assert all("ingest_refused" not in r for r in records), records
+        aggregator = next(v for k, v in logs.items() if k.startswith("edge-fl aggregator"))
+        assert "started 2 ingest workers" in aggregator, aggregator
+        _acl_keeps_each_worker_to_its_own_topics(deploy)
+    finally:
+        deploy.close()
+
+
+def _acl_keeps_each_worker_to_its_own_topics(deploy: Deployment) -> None:
+    """aggregator-w0 may answer on ingest/*/w0, not on w1's topics nor the control topic: the
+    broker drops such a publish and disconnects the worker."""
+    users = dict(
+        line.split("\t") for line in (deploy.work / "workers.tsv").read_text().splitlines()
+    )
+    w0 = parse_broker_url(users["aggregator-w0"].strip())
+    base = "edgefl/digits-prod/ingest"
+
+    async def publish(topic: str) -> bool:
+        """Whether the worker is still connected after publishing on ``topic``."""
+        async with aiomqtt.Client(**w0.aiomqtt_kwargs(), identifier="aggregator-w0") as worker:
+            await worker.publish(topic, b"x", qos=1)
+            for _ in range(200):
+                if not client_adapter.is_connected(worker):
+                    return False
+                await asyncio.sleep(0.01)
+            return True
+
+    assert asyncio.run(publish(f"{base}/progress/w0"))
+    for topic in (f"{base}/progress/w1", f"{base}/partial/w1", f"{base}/worker/w1", f"{base}/ctl"):
+        assert not asyncio.run(publish(topic)), topic
 
 
 @pytest.mark.broker
@@ -259,6 +366,7 @@ def test_readme_secure_deployment_runs_as_written(tmp_path: Path) -> None:
         assert summary.get("rounds_closed", 3) == 3
 
         _acl_refuses_a_borrowed_identity(deploy)
+        _acl_refuses_another_job(deploy)
     finally:
         deploy.close()
     print(f"secure deployment: {time.monotonic() - started:.1f}s")
@@ -275,7 +383,7 @@ def _acl_refuses_a_borrowed_identity(deploy: Deployment) -> None:
         (deploy.work / "aggregator.tsv").read_text().split("\t")[1].strip()
     )
     d0 = parse_broker_url(users["d00000"])
-    job = "acl-check"
+    job = "digits-prod"  # the ACL's job (its aggregator has finished)
 
     async def check() -> list[str]:
         got: list[str] = []
@@ -299,3 +407,27 @@ def _acl_refuses_a_borrowed_identity(deploy: Deployment) -> None:
         return got
 
     assert asyncio.run(check()) == [f"edgefl/{job}/up/d00000"]
+
+
+def _acl_refuses_another_job(deploy: Deployment) -> None:
+    """Issue 24 item 6: d00001, with its own credentials, cannot retain a status under a job id
+    of its invention (the red team's 400 x 1 MiB): the broker drops it and disconnects it; its
+    own job's status topic still works."""
+    users = dict(
+        line.split("\t") for line in (deploy.work / "devices.tsv").read_text().splitlines()
+    )
+    d1 = parse_broker_url(users["d00001"].strip())
+
+    async def retain(job: str) -> bool:
+        """Whether d00001 is still connected after retaining 1 MiB on its status in ``job``."""
+        async with aiomqtt.Client(**d1.aiomqtt_kwargs(), identifier="d00001") as dev:
+            await dev.publish(f"edgefl/{job}/status/d00001", b"x" * (1 << 20), 1, retain=True)
+            for _ in range(200):
+                if not client_adapter.is_connected(dev):
+                    return False
+                await asyncio.sleep(0.01)
+            await dev.publish(f"edgefl/{job}/status/d00001", b"", 1, retain=True)  # clear it
+            return True
+
+    assert not asyncio.run(retain("spam-0001")), "the broker let d00001 write under another job"
+    assert asyncio.run(retain("digits-prod"))

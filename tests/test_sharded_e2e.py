@@ -168,7 +168,7 @@ def test_spawned_workers_take_the_aggregators_config_as_given(mosquitto, tmp_pat
     assert [(r["status"], r["workers"], r["received"]) for r in records] == [("closed", 2, 8)] * 2
 
 
-def test_a_remote_worker_stopped_with_ctrl_c_is_offline_at_once(mosquitto, tmp_path):
+def test_a_remote_worker_stopped_with_ctrl_c_is_offline_at_once(mosquitto, tmp_path, monkeypatch):
     """`edge-fl ingest` on SIGINT says it is offline before it leaves (a clean disconnect sends
     no last will): the coordinator stops waiting for it instead of 20 s every round."""
     job = f"shs-{uuid.uuid4().hex[:6]}"
@@ -176,9 +176,10 @@ def test_a_remote_worker_stopped_with_ctrl_c_is_offline_at_once(mosquitto, tmp_p
     cfg.write_text("ingest: {spawn: false, workers: 2}\n")
     slow = ["--rounds", "6", "--time-scale", "0.2", "--config", str(cfg)]
     out = tmp_path / "out"
+    keys = worker_keys(tmp_path, monkeypatch, 2)
     workers = [
         subprocess.Popen(
-            [EDGE_FL, "ingest", *job_args(mosquitto.url, job, *slow), "--worker", str(i)],
+            [EDGE_FL, "ingest", *job_args(mosquitto.url, job, *slow), "--worker", str(i), *keys[i]],
             stderr=subprocess.PIPE,
             text=True,
         )
@@ -203,6 +204,23 @@ def test_a_remote_worker_stopped_with_ctrl_c_is_offline_at_once(mosquitto, tmp_p
     assert all(r["workers"] == 1 and r["workers_missing"] == [] for r in records[2:])
 
 
+def worker_keys(tmp_path: Path, monkeypatch, count: int) -> list[list[str]]:
+    """Keys for workers run by hand, as docs/scale.md says: the coordinator's secret (made by
+    the first `edge-fl ingest --mint-key`), named to the aggregator by EDGE_FL_INGEST_SECRET_FILE
+    (set here for every process the test starts), and each worker's `--key-file`."""
+    secret = tmp_path / "ingest.secret"
+    args = []
+    for i in range(count):
+        done = subprocess.run([EDGE_FL, "ingest", "--worker", str(i), "--mint-key", str(secret)],
+                              capture_output=True, text=True, check=True)  # fmt: skip
+        key = tmp_path / f"w{i}.key"
+        key.write_text(done.stdout)
+        args.append(["--key-file", str(key)])
+    assert oct(secret.stat().st_mode & 0o777) == "0o600"
+    monkeypatch.setenv("EDGE_FL_INGEST_SECRET_FILE", str(secret))
+    return args
+
+
 def site_bridge(root_port: int, job: str, site: int) -> list[str]:
     """broker/site-bridge.conf (the shipped template) for one site broker."""
     text = (Path(__file__).parents[1] / "broker" / "site-bridge.conf").read_text()
@@ -212,7 +230,7 @@ def site_bridge(root_port: int, job: str, site: int) -> list[str]:
 
 
 def test_site_aggregators_behind_bridged_brokers_give_one_aggregators_model(
-    make_broker, mosquitto, tmp_path
+    make_broker, mosquitto, tmp_path, monkeypatch
 ):
     """Hierarchical aggregation: two regional Mosquittos bridged to a root one, each with its
     half of the fleet and its site aggregator; the coordinator on the root merges one partial
@@ -224,8 +242,18 @@ def test_site_aggregators_behind_bridged_brokers_give_one_aggregators_model(
     cfg = tmp_path / "site.yaml"
     cfg.write_text("ingest: {partition: site, spawn: false, workers: 2}\n")
     out = tmp_path / "tree"
+    keys = worker_keys(tmp_path, monkeypatch, 2)
     ingest = [
-        [EDGE_FL, "ingest", *job_args(site.url, job), "--config", str(cfg), "--worker", str(i)]
+        [
+            EDGE_FL,
+            "ingest",
+            *job_args(site.url, job),
+            "--config",
+            str(cfg),
+            "--worker",
+            str(i),
+            *keys[i],
+        ]
         for i, site in enumerate(sites)
     ]
     fleets = [
@@ -253,7 +281,7 @@ def test_the_coordinator_killed_three_times_with_workers_resumes_with_the_same_l
     mosquitto, tmp_path
 ):
     """tools/chaos_kill9.py --workers 2: the aggregator (and with it the workers it started) is
-    killed with SIGKILL 3 times and resumed; the final ledger equals the uninterrupted run's,
+    killed with SIGKILL 3 times inside open rounds and resumed; the final ledger equals the uninterrupted run's,
     every published update is in it and every job finishes."""
     import sys
 
@@ -262,7 +290,7 @@ def test_the_coordinator_killed_three_times_with_workers_resumes_with_the_same_l
         import chaos_kill9
     finally:
         sys.path.pop(0)
-    args = ["--rounds", "6", "--kills", "3", "--min-gap", "1.0", "--max-gap", "4.0"]
+    args = ["--rounds", "6", "--kills", "3", "--min-gap", "0.05", "--max-gap", "1.0"]
     args += ["--workers", "2", "--broker", mosquitto.url, "--work", str(tmp_path)]
     args += ["--json", str(tmp_path / "r.json")]
     rc = chaos_kill9.main(args)
@@ -270,6 +298,7 @@ def test_the_coordinator_killed_three_times_with_workers_resumes_with_the_same_l
     assert rc == 0, results["compare"]["checks"]
     assert results["compare"]["missing"] == [] and results["compare"]["doubled"] == []
     assert len(results["run"]["kills"]) == 3
+    assert results["run"]["landed"] == {"inside an open round": 3}, results["run"]["kills"]
 
 
 @pytest.mark.parametrize(

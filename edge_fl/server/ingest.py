@@ -29,11 +29,9 @@ from edge_fl.transport import client_adapter
 from edge_fl.transport.url import BrokerSpec
 
 from .service import IngestTap
-from .sharding import IngestWorker, ShardingError, unpack
+from .sharding import IngestWorker, ShardingError
 
 log = logging.getLogger("edge_fl.ingest")
-
-ONLINE, OFFLINE = b"online", b"offline"
 
 
 def hash_share(device: str, index: int, count: int) -> bool:
@@ -73,6 +71,7 @@ class IngestService:
         self._paho: aiomqtt.Client | None = None  # the current client (acks, sends from callbacks)
         self._pending: list[tuple[int, int]] = []
         self._flush_handle: asyncio.Handle | None = None
+        self._live = worker.connection_liveness()  # (online, offline), sealed, per connection
         self.stats = {"updates": 0, "skipped_other_share": 0, "control_errors": 0}
 
     # ------------------------------------------------------------------ per message
@@ -104,7 +103,7 @@ class IngestService:
             self._joined = False
             return
         try:
-            msg = unpack(payload, ("open", "freeze", "commit", "end"))
+            msg = self.worker.verify_control(payload)  # the coordinator's, sealed, fresh
             kind = msg["k"]
         except ShardingError as exc:
             self.stats["control_errors"] += 1
@@ -124,7 +123,7 @@ class IngestService:
                      msg.get("r"))  # fmt: skip
         self._send_progress()  # what was accepted before a freeze goes out before its answer
         try:
-            answers = self.worker.on_control(payload)
+            answers = self.worker.apply_control(msg)
         except (ShardingError, ValueError) as exc:
             self.stats["control_errors"] += 1
             log.error("control message %s refused: %s", kind, exc)
@@ -156,7 +155,8 @@ class IngestService:
 
     def _client(self) -> aiomqtt.Client:
         name = self.worker.name
-        will = aiomqtt.Will(self.topics.ingest("worker", name), OFFLINE, qos=1, retain=True)
+        self._live = self.worker.connection_liveness()
+        will = aiomqtt.Will(self.topics.ingest("worker", name), self._live[1], qos=1, retain=True)
         client = aiomqtt.Client(
             **self.spec.aiomqtt_kwargs(),
             identifier=self.client_id,
@@ -203,7 +203,8 @@ class IngestService:
                 await client.subscribe(topics.shared_updates(self.group), qos=1)
             else:
                 await client.subscribe(topics.all_updates, qos=1)
-            await client.publish(topics.ingest("worker", self.worker.name), ONLINE, 1, retain=True)
+            await client.publish(topics.ingest("worker", self.worker.name), self._live[0], 1,
+                                 retain=True)  # fmt: skip
             drain = asyncio.ensure_future(self._drain(client))
             ended = asyncio.ensure_future(self.ended.wait())
             stopping = asyncio.ensure_future(self.stopping.wait())
@@ -216,7 +217,8 @@ class IngestService:
                 self._flush()
                 # stopped: offline at once (a clean disconnect sends no last will), so the
                 # coordinator counts this worker's share lost now instead of waiting for it
-                status = OFFLINE if self.stopping.is_set() and not self.ended.is_set() else b""
+                stopped = self.stopping.is_set() and not self.ended.is_set()
+                status = self._live[1] if stopped else b""
                 topic = topics.ingest("worker", self.worker.name)
                 await client.publish(topic, status, 1, retain=True)
             finally:

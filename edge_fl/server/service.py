@@ -235,26 +235,16 @@ class AggregatorService:
             self._from_worker(topic, bytes(payload))
 
     def _from_worker(self, topic: str, payload: bytes) -> None:
-        """Sharded ingest: a worker's progress, partial or liveness."""
-        from .sharding import ShardingError
-
+        """Sharded ingest: a worker's progress, partial or liveness; the worker is the one its
+        topic names (the coordinator checks the message is sealed with that worker's key)."""
         topics = self.topics
         core = self.core
         before = len(core.releases)
         try:
-            if topics.device_of(topic, "ingest/progress") is not None:
-                self.sharding.on_progress(payload)
-            elif topics.device_of(topic, "ingest/partial") is not None:
-                self.sharding.on_partial(payload)
-            elif (worker := topics.device_of(topic, "ingest/worker")) is not None:
-                if payload == b"online":
-                    self.sharding.worker_online(worker)
-                else:
-                    if worker in self.sharding.online:
-                        log.error("ingest worker %s went offline", worker)
-                    self.sharding.worker_offline(worker)
-        except ShardingError as exc:
-            log.error("message from an ingest worker on %s refused: %s", topic, exc)
+            for kind in ("progress", "partial", "worker"):
+                if (worker := topics.device_of(topic, f"ingest/{kind}")) is not None:
+                    self.sharding.on_message(kind, worker, payload)  # refusals: counted, logged
+                    break
         except Exception:  # a bug of ours must not stop the coordinator either
             log.exception("message from an ingest worker on %s: unexpected error; ignored", topic)
         if self.journal is not None:  # releases reported by workers, as for our own ingest
@@ -765,11 +755,9 @@ class AggregatorService:
                 self._finish()  # summary and model on disk before devices hear the job ended
                 await self._publish_done(client)  # (a stop published it first)
                 if self.sharding is not None:  # the workers' job is over too
-                    from .sharding import pack
-
                     # retained (it replaces the last open): a worker that reconnects or
                     # starts after this learns the end too; a new run clears it first
-                    end = pack("end", r=0)
+                    end = self.sharding.end_message()
                     await client.publish(self.topics.ingest_control, end, qos=1, retain=True)
                 if self.job_document is not None:  # the job ended: no device should join it
                     await client.publish(self.topics.job_document, b"", qos=1, retain=True)

@@ -31,6 +31,19 @@ wherever it lands. One round, over ``<prefix>/<job>/ingest/...`` (msgpack maps, 
    (it may have sent one: the ledger over-counts rather than under-counts) and its accepted
    devices leave the round's count.
 
+Trust (issue 24): every ingest message is sealed (HMAC-SHA256, a trailing ``m`` key) with a key
+the coordinator issued: worker ``w``'s key is ``HMAC(secret, "edge-fl ingest key v1" || w)`` for
+the coordinator's secret (fresh per aggregator process, handed to the workers it spawns in 0600
+files; or ``EDGE_FL_INGEST_SECRET_FILE`` for workers run elsewhere, each given only its own key).
+A worker's message is checked with the key of the worker its *topic* names and must name the same
+worker; control messages carry one MAC per worker, so no worker can speak for another or for the
+coordinator. Freshness: control messages carry a rising ``q``, liveness a rising ``s``, progress
+and partials the instance of the worker's latest liveness. Release entries must name a round the
+coordinator issued and a device it selected there; a partial must hold what the coordinator
+admitted and stay within the bounds its updates passed (per-update norm bound or plausibility,
+times their weight). A refused message changes nothing; it is counted (``ingest_refused`` in the
+round's record) and logged once.
+
 Limits: synchronous rounds with a selection (no Poisson self-selection, no async modes); a
 worker acknowledges an update once folded, so a worker killed mid-round loses its share of that
 round (the single aggregator's journal does not cover workers), and so does a restarted
@@ -39,14 +52,21 @@ coordinator (:attr:`Coordinator.lost_before_resume`); docs/scale.md section 4.
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import logging
+import math
 import os
-from collections import deque
+import time
+from collections import Counter, deque
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import msgpack
+import numpy as np
 
+from edge_fl.mechanisms.exact_sum import ExactSum
 from edge_fl.protocol import Reject, Update, decode_global
 
 from .aggregator import DEFERRED, AggregatorCore
@@ -60,6 +80,91 @@ MAX_MESSAGE = 1 << 28
 
 class ShardingError(ValueError):
     """A control, progress or partial message that is not what the protocol says."""
+
+
+#: environment variable naming a file with the coordinator's secret (64 hex characters), for
+#: workers run elsewhere (``edge-fl ingest --key-file``); without it the secret is per process
+SECRET_ENV = "EDGE_FL_INGEST_SECRET_FILE"
+_KEY_LABEL = b"edge-fl ingest key v1\x00"
+_SEAL_LABEL = b"edge-fl ingest seal v1\x00"
+_MAC_BYTES = 32
+_process_secret: list[bytes] = []  # this process's secret once drawn (or read)
+
+
+def run_secret() -> bytes:
+    """The coordinator's secret: read from :data:`SECRET_ENV`'s file if set, else 32 random
+    bytes drawn once per process (the aggregator and the workers it spawns share it; a
+    restarted aggregator draws a new one, so nothing of an earlier run verifies)."""
+    if not _process_secret:
+        path = os.environ.get(SECRET_ENV)
+        _process_secret.append(load_key(path) if path else os.urandom(32))
+    return _process_secret[0]
+
+
+def worker_key(secret: bytes, worker: str) -> bytes:
+    """Worker ``worker``'s key: it seals that worker's messages and checks control messages."""
+    return hmac.new(secret, _KEY_LABEL + worker.encode(), hashlib.sha256).digest()
+
+
+def load_key(path: str | os.PathLike[str]) -> bytes:
+    """A 32-byte key from a file of 64 hex characters (ShardingError otherwise)."""
+    try:
+        text = Path(path).read_text().strip()
+        key = bytes.fromhex(text)
+    except (OSError, ValueError) as exc:
+        raise ShardingError(f"ingest key file {str(path)!r}: {exc}") from None
+    if len(key) != 32:
+        raise ShardingError(f"ingest key file {str(path)!r}: need 64 hex characters")
+    return key
+
+
+def _mac(key: bytes, job: str, body: bytes) -> bytes:
+    return hmac.new(key, _SEAL_LABEL + job.encode() + b"\x00" + body, hashlib.sha256).digest()
+
+
+def seal(keys: bytes | dict[str, bytes], job: str, kind: str, **fields: Any) -> bytes:
+    """A message whose last key ``m`` authenticates everything before it: one MAC (a worker's
+    message, ``keys`` its key), or a map worker -> MAC (control, ``keys`` every worker's)."""
+    obj = {"v": VERSION, "k": kind, **fields}
+    packer = msgpack.Packer(use_bin_type=True)
+    body = packer.pack_map_header(len(obj) + 1) + b"".join(
+        packer.pack(k) + packer.pack(v) for k, v in obj.items()
+    )
+    if isinstance(keys, bytes):
+        mac: Any = _mac(keys, job, body)
+    else:
+        mac = {w: _mac(k, job, body) for w, k in keys.items()}
+    return body + packer.pack("m") + packer.pack(mac)
+
+
+def verify(payload: bytes, obj: dict[str, Any], key: bytes, job: str, who: str) -> None:
+    """Check the seal of an unpacked message with ``key`` (``who``: the MAC's entry in a
+    control message's map, or "" for a worker's single MAC). ShardingError if it fails."""
+    if not obj or list(obj)[-1] != "m":
+        raise ShardingError("not sealed with a key of this run (no 'm')")
+    mac = obj["m"]
+    tail = msgpack.packb("m") + msgpack.packb(mac, use_bin_type=True)
+    if who:
+        mac = mac.get(who) if isinstance(mac, dict) else None
+    if not isinstance(mac, bytes) or len(mac) != _MAC_BYTES or not payload.endswith(tail):
+        raise ShardingError("not sealed with a key of this run (malformed 'm')")
+    if not hmac.compare_digest(mac, _mac(key, job, payload[: -len(tail)])):
+        raise ShardingError(
+            "not sealed with a key of this run (the MAC does not verify: a forgery, or what an "
+            "earlier aggregator process and its workers left)"
+        )
+
+
+class Clock:
+    """Rising sequence numbers that survive a restart (nanoseconds since the epoch, never
+    repeated in a process): a replayed older message carries a smaller one."""
+
+    def __init__(self) -> None:
+        self._last = 0
+
+    def __call__(self, step: int = 1) -> int:
+        self._last = max(time.time_ns(), self._last + step)
+        return self._last
 
 
 def pack(kind: str, **fields: Any) -> bytes:
@@ -143,6 +248,109 @@ def robust_round(strategy: Any) -> tuple[float | None, bool]:
     return getattr(strategy, "bound", None), bool(getattr(strategy, "holding", False))
 
 
+#: relative slack of the partial-sum bounds (float32 rounding of a clipped delta, grid rounding)
+BOUND_SLACK = 1e-4
+
+
+def check_partial(core: AggregatorCore, data: Any, devices: list[str]) -> None:
+    """ValueError unless a worker's strategy partial holds ``len(devices)`` updates and stays
+    within what those updates could sum to: each passed the round's norm bound (robust bound,
+    central clip) or the decoder's plausibility bound ``max_abs`` per value, and weighs at most
+    its device's declared sample count. Honest partials always pass (their updates passed)."""
+    strategy = core.strategy
+    max_abs = getattr(core.limits, "max_abs", None)
+    caps = [core.devices[d].n_samples if d in core.devices else 0 for d in devices]
+    weight_cap = sum(caps) if caps and all(c > 0 for c in caps) else None
+    bound, _ = robust_round(strategy)
+    inner = getattr(strategy, "inner", strategy)
+    central = getattr(getattr(inner, "central", None), "clip_norm", None)
+    per_update = central if isinstance(central, int | float) else None
+    if isinstance(data, dict) and set(data) == {"i", "h", "n", "k"}:  # a norm-bounded round
+        norms, held = data["n"], data["h"] or []
+        if not isinstance(norms, list) or not isinstance(held, list):
+            raise ValueError("a robust partial's 'n' and 'h' must be lists")
+        if len(norms) + len(held) != len(devices):
+            raise ValueError(f"it holds {len(norms) + len(held)} updates for {len(devices)} "
+                             "devices admitted")  # fmt: skip
+        limit = math.inf if bound is None else bound * (1 + BOUND_SLACK)
+        for x in norms:
+            if not isinstance(x, float) or not 0 <= x <= limit:
+                raise ValueError(f"a folded norm {x!r} exceeds the round's bound {bound}")
+        for item in held:
+            _check_held(core, item, max(caps, default=0), max_abs)
+        if norms:
+            top = max(norms)
+            per_update = top if per_update is None else min(top, per_update)
+        _check_sums(data["i"], len(norms), per_update, max_abs, weight_cap, len(core.params))
+    else:
+        _check_sums(data, len(devices), per_update, max_abs, weight_cap, len(core.params))
+
+
+def _check_held(core: AggregatorCore, item: Any, cap: int, max_abs: float | None) -> None:
+    """A held update (no norm reference yet): plausible values, its stated norm, its weight."""
+    from .robust import l2_norm
+
+    ok = isinstance(item, list) and len(item) == 4 and isinstance(item[0], bytes)
+    if not ok or len(item[0]) != 4 * len(core.params) or type(item[1]) is not int:
+        raise ValueError("a held update is [delta bytes, samples, weight, norm]")
+    delta = np.frombuffer(item[0], dtype="<f4")
+    if not np.isfinite(delta).all() or (max_abs is not None and np.abs(delta).max() > max_abs):
+        raise ValueError("a held delta is not finite or beyond the plausibility bound")
+    if item[3] != l2_norm(delta) or not 0 < item[2] <= 1.0 or (cap > 0 and not 0 < item[1] <= cap):
+        raise ValueError("a held update's norm, weight or samples are not its own")
+
+
+def _check_sums(
+    data: Any, count: int, per_update: float | None, max_abs: float | None,
+    weight_cap: int | None, n_params: int,
+) -> None:  # fmt: skip
+    """The inner partial: its count, weight and sums against ``count`` updates bounded by
+    ``per_update`` in L2 (if known) and ``max_abs`` per value."""
+    if not isinstance(data, dict):
+        raise ValueError("a partial is a map")
+    slack = 1 + BOUND_SLACK
+    if set(data) == {"r"} and isinstance(data["r"], bytes):  # every row (trimmed mean)
+        if len(data["r"]) % (4 * n_params):
+            raise ValueError("a trimmed-mean partial's rows are not whole")
+        rows = np.frombuffer(data["r"], dtype="<f4").reshape(-1, n_params).astype(np.float64)
+        if rows.shape[0] != count:
+            raise ValueError(f"it holds {rows.shape[0]} rows for {count} updates")
+        if not np.isfinite(rows).all():
+            raise ValueError("a row is not finite")
+        if max_abs is not None and rows.size and np.abs(rows).max() > max_abs:
+            raise ValueError("a row is beyond the plausibility bound")
+        norms = np.sqrt((rows * rows).sum(axis=1)) if rows.size else np.zeros(0)
+        if per_update is not None and norms.size and norms.max() > per_update * slack:
+            raise ValueError("a row exceeds the round's norm bound")
+        return
+    keys = set(data)
+    if keys not in ({"s", "w", "c"}, {"s", "w", "b"}):
+        return  # a strategy this check does not know: its own merge validates it
+    if not isinstance(data["s"], bytes) or type(data["w"]) is not int or data["w"] < 0:
+        raise ValueError("a partial sum is {s: bytes, w: int >= 0, ...}")
+    votes = "b" in keys
+    held = len(data["b"]) if votes and isinstance(data["b"], bytes) else data.get("c")
+    if held != count:
+        raise ValueError(f"it holds {held!r} updates for {count} admitted")
+    weight = data["w"]
+    if weight_cap is not None and weight > weight_cap:
+        raise ValueError(f"its weight {weight} exceeds the {weight_cap} samples its devices "
+                         "declared")  # fmt: skip
+    total = ExactSum.from_bytes(data["s"], n_params).value()
+    if not np.isfinite(total).all():
+        raise ValueError("its sum is not finite")
+    scale = weight if weight > 0 else count  # central Gaussian sums unweighted (w = 0)
+    peak = float(np.abs(total).max()) if total.size else 0.0
+    per_value = 1.0 if votes else max_abs  # a vote adds +-n at h indices
+    if per_value is not None and peak > scale * per_value * slack + 1e-9:
+        raise ValueError(f"a summed value {peak:.4g} exceeds {scale} x the per-update bound")
+    if not votes and per_update is not None:
+        norm = float(np.linalg.norm(total))
+        if norm > scale * per_update * slack + 1e-9:
+            raise ValueError(f"its sum's norm {norm:.4g} exceeds {scale} x the round's bound "
+                             f"{per_update:.4g}")  # fmt: skip
+
+
 @dataclass
 class FixedReference:
     """A worker's stand-in for the coordinator's norm reference: the round's bound as sent."""
@@ -207,9 +415,16 @@ class IngestWorker:
     """One worker's share of the ingest: the single aggregator's core on the updates it is dealt,
     with its rounds mirrored from the coordinator's ``open`` messages."""
 
-    def __init__(self, name: str, core: AggregatorCore) -> None:
+    def __init__(self, name: str, core: AggregatorCore, key: bytes | None = None) -> None:
+        """``key``: this worker's key (:func:`worker_key`); default: derived from this process's
+        :func:`run_secret` (a coordinator in the same process, e.g. a test)."""
         self.name = name
         self.core = core
+        self.key = key if key is not None else worker_key(run_secret(), name)
+        self.job = core.settings.job
+        self._clock = Clock()
+        self._last_q = 0  # the newest control message's sequence: an older one is a replay
+        self._reset_pending = False  # an empty control message came (a new run, or a forgery)
         # the coordinator keeps the ledger (a worker lists releases) and judges updates naming
         # rounds from before this worker started
         core.configure_as_worker()
@@ -250,16 +465,53 @@ class IngestWorker:
         if rnd is None:
             rnd = self.frozen if final and self.frozen is not None else core.round_number
         self._seq += 1
-        out = pack("progress", w=self.name, r=rnd, a=self._accepted, f=self._refused, z=final,
-                   rel=releases, d=self._deferred, i=self._instance, s=self._seq)  # fmt: skip
+        out = self._seal("progress", w=self.name, r=rnd, a=self._accepted, f=self._refused,
+                         z=final, rel=releases, d=self._deferred, i=self._instance,
+                         s=self._seq)  # fmt: skip
         self._reported = len(core.releases)
         self._accepted, self._refused, self._deferred = [], [], []
         return out
 
+    def _seal(self, kind: str, **fields: Any) -> bytes:
+        return seal(self.key, self.job, kind, **fields)
+
+    def connection_liveness(self) -> tuple[bytes, bytes]:
+        """(online, offline) for one connection: its retained liveness and its last will. The
+        offline one is newer than the online one, and both older than the next connection's, so
+        the coordinator takes them in order and refuses a replay of an earlier connection's."""
+        at = self._clock(2)
+        self._clock(2)
+        return (
+            self._seal("live", w=self.name, on=True, i=self._instance, s=at),
+            self._seal("live", w=self.name, on=False, i=self._instance, s=at + 1),
+        )
+
+    def verify_control(self, payload: bytes) -> dict[str, Any]:
+        """A coordinator message, checked: kind, seal (this worker's MAC) and freshness (a
+        re-sent copy of the open round's ``open`` passes; any other older message is a
+        replay). ShardingError if it is not the coordinator's."""
+        msg = unpack(payload, ("open", "freeze", "commit", "end"))
+        verify(payload, msg, self.key, self.job, self.name)
+        q = msg.get("q")
+        if type(q) is not int:
+            raise ShardingError("a control message carries its sequence 'q'")
+        if q < self._last_q and not (msg["k"] == "open" and self._same_open(msg)):
+            raise ShardingError(f"control message {msg['k']!r} older than the last one: a replay")
+        self._last_q = max(self._last_q, q)
+        return msg
+
+    def _same_open(self, msg: dict[str, Any]) -> bool:
+        return (msg.get("g"), msg.get("b"), msg.get("h"), msg.get("e")) == self._opened
+
     def on_control(self, payload: bytes) -> list[tuple[str, bytes]]:
-        """Apply a coordinator message; returns (kind, payload) messages to publish."""
-        msg = unpack(payload, ("open", "freeze", "commit"))
+        """Check and apply a coordinator message; returns (kind, payload) messages to publish."""
+        return self.apply_control(self.verify_control(payload))
+
+    def apply_control(self, msg: dict[str, Any]) -> list[tuple[str, bytes]]:
+        """Apply a message :meth:`verify_control` passed (``end`` is the service's to act on)."""
         rnd = _int(msg, "r")
+        if msg["k"] == "end":
+            return []
         if msg["k"] == "open":
             self._open(msg, rnd)
             return []
@@ -268,8 +520,17 @@ class IngestWorker:
         return self._commit(rnd, msg)
 
     def reset(self) -> None:
-        """The coordinator cleared its retained ``open``: a new run of the job starts (or the
-        job ended). Rounds of the earlier run mean nothing now (their numbers come again)."""
+        """The retained control message was cleared: a new run of the job starts, or anyone
+        who can publish there cleared it (the payload is empty: nothing to authenticate). So
+        nothing is forgotten now: the next verified ``open`` forgets the earlier run's rounds
+        if it comes from another coordinator process (a new epoch), else the clear was not the
+        coordinator's and the round goes on."""
+        self._reset_pending = True
+
+    def _forget(self) -> None:
+        """A new run of the job: rounds of the earlier run mean nothing now (their numbers come
+        again)."""
+        self._reset_pending = False
         self.core.forget()
         self.frozen, self._opened, self._last_partial, self._reopened = None, None, None, False
         self._reported = 0
@@ -280,6 +541,11 @@ class IngestWorker:
         identity = (msg.get("g"), msg.get("b"), msg.get("h"), msg.get("e"))
         if identity == self._opened:
             return  # a re-sent open (a coordinator reconnect), mirrored, frozen or committed
+        if self._reset_pending:
+            epoch = self._opened[3] if self._opened is not None else None
+            if self._opened is not None and msg.get("e") != epoch:
+                self._forget()  # a new coordinator process after a clear: a new run
+            self._reset_pending = False
         refold, lost = self._mirrored_updates(rnd)  # the same round, opened again
         blob = msg.get("g")
         g = decode_global(blob if isinstance(blob, bytes) else b"")
@@ -392,7 +658,7 @@ class IngestWorker:
         fields: dict[str, Any] = {"s": strategy, "a": devices, "t": tally}
         if lost is not None:
             fields["lost"] = lost  # the coordinator treats the share as lost (and charges)
-        return pack("partial", w=self.name, r=rnd, **fields)
+        return self._seal("partial", w=self.name, r=rnd, i=self._instance, **fields)
 
 
 # ------------------------------------------------------------------------------- coordinator
@@ -421,12 +687,25 @@ class ShardedRound:
 class Coordinator:
     """The coordinator's half: admits what workers report, asks for and merges their partials."""
 
-    def __init__(self, core: AggregatorCore, workers: list[str], dealt: bool = True) -> None:
+    def __init__(
+        self, core: AggregatorCore, workers: list[str], dealt: bool = True,
+        secret: bytes | None = None,
+    ) -> None:  # fmt: skip
         """``dealt``: the broker deals updates among the subscribed workers (shared
         subscription), so a worker that is offline has no share; else (hash partition) every
-        worker owns its devices and an offline one loses their updates."""
+        worker owns its devices and an offline one loses their updates. ``secret``: whence the
+        workers' keys (default: :func:`run_secret`)."""
         self.core = core
         self.workers = frozenset(workers)
+        secret = secret if secret is not None else run_secret()
+        self.keys = {w: worker_key(secret, w) for w in sorted(self.workers)}
+        self.job = core.settings.job
+        self._clock = Clock()
+        #: refused ingest messages by kind (never applied); ``ingest_refused`` in the records
+        self.refused: Counter[str] = Counter()
+        self._refused_reported = 0  # the total when the last record was made
+        self._live_seq: dict[str, int] = {}  # worker -> newest liveness sequence taken
+        self._instance: dict[str, bytes] = {}  # worker -> the process its liveness announced
         self.dealt = dealt
         self.online: set[str] = set()
         self.round: ShardedRound | None = None
@@ -461,29 +740,105 @@ class Coordinator:
         self.round = ShardedRound(core.current.number, workers)
         if not self.dealt:  # an offline worker's devices go unseen: its share is lost already
             self.round.lost = workers - self.online
-        return pack("open", r=core.current.number, g=global_payload, b=bound, h=hold,
-                    e=self.epoch)  # fmt: skip
+        return self._control("open", r=core.current.number, g=global_payload, b=bound, h=hold,
+                             e=self.epoch)  # fmt: skip
+
+    def _control(self, kind: str, **fields: Any) -> bytes:
+        """A control message sealed for every worker (one MAC each), with a rising ``q``."""
+        return seal(self.keys, self.job, kind, **fields, q=self._clock())
 
     def freeze_message(self) -> bytes:
         assert self.round is not None
         self.round.collecting = True
-        return pack("freeze", r=self.round.number)
+        return self._control("freeze", r=self.round.number)
 
     def commit_message(self) -> bytes:
         assert self.round is not None
         left_out = {w: [d for d, _ in items] for w, items in self.round.left_out.items()}
-        return pack("commit", r=self.round.number, x=left_out)
+        return self._control("commit", r=self.round.number, x=left_out)
 
-    def on_progress(self, payload: bytes) -> None:
+    def end_message(self) -> bytes:
+        """The job ended: the workers leave (retained: one that starts later learns it too)."""
+        return self._control("end", r=0)
+
+    # ---------------------------------------------------------------- from the workers
+
+    def on_message(self, kind: str, worker: str, payload: bytes) -> None:
+        """A message on ``ingest/<kind>/<worker>``: the worker is the topic's. Never raises: a
+        message refused changes nothing, is counted and logged (one line)."""
+        try:
+            if kind == "progress":
+                self.on_progress(payload, worker)
+            elif kind == "partial":
+                self.on_partial(payload, worker)
+            elif kind == "worker":
+                self.on_liveness(worker, payload)
+            else:
+                raise ShardingError(f"no ingest message kind {kind!r}")
+        except ShardingError as exc:
+            self.refuse(kind, worker, str(exc))
+
+    def refuse(self, kind: str, worker: str, why: str) -> None:
+        self.refused[kind] += 1
+        log.error("ingest %s on the topic of worker %r refused: %s", kind, worker, why[:300])
+
+    def _refusals(self) -> dict[str, int]:
+        """``ingest_refused``: ingest messages refused since the last record (only if any, so
+        an undisturbed run's records are what they were)."""
+        total = sum(self.refused.values())
+        count, self._refused_reported = total - self._refused_reported, total
+        return {"ingest_refused": count} if count else {}
+
+    def _sealed(self, payload: bytes, kinds: tuple[str, ...], topic_worker: str | None
+                ) -> tuple[dict[str, Any], str]:  # fmt: skip
+        """A worker's message, its fields checked, then its seal with the key of the worker
+        its topic names (or, without a topic, its ``w``), which it must name itself."""
+        msg = unpack(payload, kinds)
+        worker = _name(msg, "w")
+        if topic_worker is not None and worker != topic_worker:
+            raise ShardingError(f"it names worker {worker!r} on the topic of {topic_worker!r}")
+        key = self.keys.get(worker)
+        if key is None:
+            raise ShardingError(f"{worker!r} is not a worker of this job")
+        return msg, worker
+
+    def _check_seal(self, payload: bytes, msg: dict[str, Any], worker: str) -> None:
+        verify(payload, msg, self.keys[worker], self.job, "")
+        instance = self._instance.get(worker)
+        if instance is not None and msg.get("i") != instance:
+            raise ShardingError("from another process than the worker's latest liveness")
+
+    def on_liveness(self, worker: str, payload: bytes) -> None:
+        """``ingest/worker/<w>``: sealed ``live`` messages, taken in the order of their ``s``
+        (an older one is a replay). Empty: cleared at the job's end, nothing to do."""
+        if not payload:
+            return
+        msg, worker = self._sealed(payload, ("live",), worker)
+        verify(payload, msg, self.keys[worker], self.job, "")
+        seq, on, instance = msg.get("s"), msg.get("on"), msg.get("i")
+        if type(seq) is not int or not isinstance(on, bool) or not isinstance(instance, bytes):
+            raise ShardingError("a liveness message is {w, on: bool, i: bytes, s: int}")
+        if seq <= self._live_seq.get(worker, -1):
+            raise ShardingError("liveness older than the last one taken: a replay")
+        self._live_seq[worker] = seq
+        if on:
+            self._instance[worker] = instance
+            self.worker_online(worker)
+        else:
+            if worker in self.online:
+                log.error("ingest worker %s went offline", worker)
+            self.worker_offline(worker)
+
+    def on_progress(self, payload: bytes, topic_worker: str | None = None) -> None:
         """A worker's burst: its releases go to the ledger at once (any round, also when its
         share is later lost), the updates it could not judge are judged here, and the devices
-        it accepted are admitted to the open round in the order the coordinator learns of them."""
-        msg = unpack(payload, ("progress",))
-        worker, rnd = _name(msg, "w"), _int(msg, "r")
+        it accepted are admitted to the open round in the order the coordinator learns of them.
+        ShardingError (nothing applied) unless sealed by the worker its topic names."""
+        msg, worker = self._sealed(payload, ("progress",), topic_worker)
+        rnd = _int(msg, "r")
         accepted, refused = _names(msg, "a"), _names(msg, "f")
         releases, deferred = _releases(msg), _deferred(msg)
-        if worker not in self.workers:
-            raise ShardingError(f"progress from {worker!r}, not a worker of this job")
+        self._check_seal(payload, msg, worker)
         instance, seq = msg.get("i"), msg.get("s")
         if isinstance(instance, bytes) and type(seq) is int:
             seen = self._progress_seen.get(worker)
@@ -491,9 +846,16 @@ class Coordinator:
                 return  # a re-delivered copy (QoS 1 is at least once)
             self._progress_seen[worker] = (instance, seq)
         core = self.core
+        bad = []
         for device, r, n in releases:
-            if not core.is_released(device, r):
-                core.record_release(device, r, n)
+            facts = core.round_facts(r)
+            if facts is None or device not in facts[1] or n < 1:
+                bad.append([device, r, n])  # not a release the coordinator asked for
+            elif not core.is_released(device, r):
+                core.record_release(device, r, core.samples_cap(device, n))
+        if bad:
+            self.refuse("release", worker, f"{len(bad)} entries name no (round, selected "
+                        f"device) the coordinator issued, e.g. {bad[0]}")  # fmt: skip
         for device, r, base, n, nonce in deferred:
             core.judge_deferred(device, r, base, n, nonce)
         sr = self.round
@@ -512,13 +874,15 @@ class Coordinator:
             else:
                 sr.owner[device] = worker
                 current.accept(device)
-        core.refused.update(refused)
+        if current is not None:  # only the round's own devices can have answered it
+            core.refused.update(d for d in refused if d in current.selected)
         if msg.get("z") is True:
             sr.frozen.add(worker)
 
-    def on_partial(self, payload: bytes) -> None:
-        msg = unpack(payload, ("partial",))
-        worker, rnd = _name(msg, "w"), _int(msg, "r")
+    def on_partial(self, payload: bytes, topic_worker: str | None = None) -> None:
+        msg, worker = self._sealed(payload, ("partial",), topic_worker)
+        rnd = _int(msg, "r")
+        self._check_seal(payload, msg, worker)
         sr = self.round
         if sr is None or rnd != sr.number or worker not in sr.workers:
             log.warning("partial of worker %r for round %r ignored (not awaited)", worker, rnd)
@@ -541,7 +905,7 @@ class Coordinator:
                       "held are lost; charging its selection", sr.number)  # fmt: skip
             self._account_missing(sr, [])
             missing = [*missing, "before-restart"]
-        info = {"workers": len(sr.workers), "workers_missing": missing}
+        info = {"workers": len(sr.workers), "workers_missing": missing, **self._refusals()}
         self.round = None
         return info
 
@@ -556,7 +920,7 @@ class Coordinator:
         log.error("round %d was reopened after a restart and closes before its workers took it "
                   "up: charging its selection", sr.number)  # fmt: skip
         self._account_missing(sr, [])
-        return {"workers": 0, "workers_missing": ["before-restart"]}
+        return {"workers": 0, "workers_missing": ["before-restart"], **self._refusals()}
 
     def _merge_one(self, sr: ShardedRound, msg: dict[str, Any]) -> None:
         """Its tally always counts; its sums only if they are what the coordinator admitted, else
@@ -575,8 +939,10 @@ class Coordinator:
                     f"{len(mine)} of its reports: the sums cannot be reconciled"
                 )
             if msg.get("s") is not None:  # None: the worker never saw the round open
+                check_partial(core, msg["s"], sorted(mine))
                 core.strategy.merge(msg["s"])
         except (ShardingError, ValueError, TypeError) as exc:
+            self.refused["partial"] += 1
             log.error("partial of worker %r for round %d refused: %s", worker, sr.number, exc)
             sr.partials.pop(worker, None)
             self._account_missing(sr, [worker])
