@@ -525,29 +525,33 @@ def test_device_publishes_only_to_its_own_topic(
 ) -> None:
     async def scenario() -> list[tuple[str, bytes]]:
         async with login(secure_broker, secure_files, "aggregator") as agg:
-            await agg.subscribe("edgefl/j1/up/#", qos=1)
-            await agg.subscribe("edgefl/j1/status/#", qos=1)
+            await agg.subscribe("edgefl/digits-prod/up/#", qos=1)
+            await agg.subscribe("edgefl/digits-prod/status/#", qos=1)
             with contextlib.suppress(aiomqtt.MqttError):  # Mosquitto 2.0 drops it and disconnects
                 async with login(secure_broker, secure_files, "dev-a") as dev_a:
-                    await dev_a.publish("edgefl/j1/up/dev-b", b"forged", qos=1)
-                    await dev_a.publish("edgefl/j1/global", b"forged-model", qos=1, retain=True)
-            will = aiomqtt.Will("edgefl/j1/status/dev-a", b"offline", qos=1, retain=True)
+                    await dev_a.publish("edgefl/digits-prod/up/dev-b", b"forged", qos=1)
+                    await dev_a.publish(
+                        "edgefl/digits-prod/global", b"forged-model", qos=1, retain=True
+                    )
+            will = aiomqtt.Will("edgefl/digits-prod/status/dev-a", b"offline", qos=1, retain=True)
             async with login(secure_broker, secure_files, "dev-a", will=will) as dev_a:
-                await dev_a.publish("edgefl/j1/status/dev-a", b"online", qos=1, retain=True)
-                await dev_a.publish("edgefl/j1/up/dev-a", b"own", qos=1)
+                await dev_a.publish(
+                    "edgefl/digits-prod/status/dev-a", b"online", qos=1, retain=True
+                )
+                await dev_a.publish("edgefl/digits-prod/up/dev-a", b"own", qos=1)
             # The broker handles one connection's packets in order: had the forged update been
             # accepted, it would have arrived before these.
             got = await take(agg, 2)
         async with login(secure_broker, secure_files, "dev-b") as dev_b:
-            await dev_b.subscribe("edgefl/j1/global", qos=1)
+            await dev_b.subscribe("edgefl/digits-prod/global", qos=1)
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(0.3):
                     got += await take(dev_b, 1)  # a retained forged model would show up here
         return [(str(m.topic), bytes(m.payload)) for m in got]  # type: ignore[arg-type]
 
     assert run(scenario()) == [
-        ("edgefl/j1/status/dev-a", b"online"),
-        ("edgefl/j1/up/dev-a", b"own"),
+        ("edgefl/digits-prod/status/dev-a", b"online"),
+        ("edgefl/digits-prod/up/dev-a", b"own"),
     ]
 
 
@@ -560,27 +564,31 @@ def test_device_cannot_read_other_devices_updates(
             login(secure_broker, secure_files, "aggregator") as agg,
             login(secure_broker, secure_files, "dev-b") as spy,
         ):
-            await agg.subscribe("$share/ingest/edgefl/j2/up/#", qos=1)  # shared subscription
+            await agg.subscribe(
+                "$share/ingest/edgefl/digits-prod/up/#", qos=1
+            )  # shared subscription
             for pattern in (
-                "edgefl/j2/up/#",
-                "edgefl/j2/status/#",
+                "edgefl/digits-prod/up/#",
+                "edgefl/digits-prod/status/#",
                 "edgefl/#",
-                "edgefl/j2/metrics",
+                "edgefl/digits-prod/metrics",
             ):
                 await spy.subscribe(pattern, qos=1)
             async with login(secure_broker, secure_files, "dev-a") as dev_a:
-                await dev_a.publish("edgefl/j2/status/dev-a", b"online", qos=1, retain=True)
-                await dev_a.publish("edgefl/j2/up/dev-a", b"private-update", qos=1)
+                await dev_a.publish(
+                    "edgefl/digits-prod/status/dev-a", b"online", qos=1, retain=True
+                )
+                await dev_a.publish("edgefl/digits-prod/up/dev-a", b"private-update", qos=1)
             agg_got = await take(agg, 1)
-            await agg.publish("edgefl/j2/metrics", b"round-1", qos=1)
-            await agg.publish("edgefl/j2/global", b"model-v2", qos=1, retain=True)
+            await agg.publish("edgefl/digits-prod/metrics", b"round-1", qos=1)
+            await agg.publish("edgefl/digits-prod/global", b"model-v2", qos=1, retain=True)
             # Routed after dev-a's messages, so the spy's queue holds dev-a's first if allowed.
             spy_got = await take(spy, 2)
         return [str(m.topic) for m in agg_got], [str(m.topic) for m in spy_got]
 
     agg_topics, spy_topics = run(scenario())
-    assert agg_topics == ["edgefl/j2/up/dev-a"]
-    assert sorted(spy_topics) == ["edgefl/j2/global", "edgefl/j2/metrics"]
+    assert agg_topics == ["edgefl/digits-prod/up/dev-a"]
+    assert sorted(spy_topics) == ["edgefl/digits-prod/global", "edgefl/digits-prod/metrics"]
 
 
 @pytest.mark.broker
@@ -664,9 +672,9 @@ def test_shipped_secure_config_runs(secure_files: dict[str, Any], tmp_path: Path
             )
             local = parse_broker_url(f"mqtt://aggregator:{pw['aggregator']}@127.0.0.1:{plain_port}")
             async with aiomqtt.Client(**local.aiomqtt_kwargs(), identifier="aggregator") as agg:
-                await agg.subscribe("edgefl/j3/up/#", qos=1)
+                await agg.subscribe("edgefl/digits-prod/up/#", qos=1)
                 async with aiomqtt.Client(**tls.aiomqtt_kwargs(), identifier="dev-a") as dev:
-                    await dev.publish("edgefl/j3/up/dev-a", b"hello", qos=1)
+                    await dev.publish("edgefl/digits-prod/up/dev-a", b"hello", qos=1)
                 return bytes((await take(agg, 1))[0].payload)  # type: ignore[arg-type]
 
         assert run(scenario()) == b"hello"

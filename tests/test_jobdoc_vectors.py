@@ -403,12 +403,16 @@ def test_documented_acl_is_the_shipped_one():
     block = re.search(r"<!-- acl -->\n```text\n(.*?)```", text, re.S)
     assert block, "docs/protocol.md lost its ACL block"
     shipped = _acl_lines((BROKER / "aclfile.example").read_text())
-    documented = _acl_lines(block.group(1).replace("<job>", "+").replace("<prefix>", "edgefl"))
+    job = "digits-prod"  # the job the shipped file is rendered for (the README's)
+    documented = _acl_lines(block.group(1).replace("<job>", job).replace("<prefix>", "edgefl"))
     assert documented == shipped
     template = (BROKER / "acl.template").read_text()
-    rendered = template.replace("@PREFIX@", "edgefl").replace("@JOB@", "+")
+    rendered = template.replace("@PREFIX@", "edgefl").replace("@JOB@", job)
     assert _acl_lines(rendered.replace("@AGGREGATOR@", "aggregator")) == shipped
-    assert "pattern read edgefl/+/job" in shipped and "topic readwrite edgefl/+/job" in shipped
+    assert (
+        f"pattern read edgefl/{job}/job" in shipped
+        and f"topic readwrite edgefl/{job}/job" in shipped
+    )
 
 
 if __name__ == "__main__":

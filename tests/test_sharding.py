@@ -13,7 +13,7 @@ from edge_fl.config import load_config
 from edge_fl.job import build_job
 from edge_fl.protocol import Reject, Status, decode_global, encode_global, encode_status
 from edge_fl.server.journal import reopen_round, round_spec
-from edge_fl.server.sharding import Coordinator, IngestWorker, ShardingError, pack
+from edge_fl.server.sharding import Coordinator, IngestWorker, ShardingError, pack, seal
 
 MECHANISMS = {
     "none (robust auto norm bound)": {},
@@ -209,9 +209,11 @@ def test_hostile_worker_messages_are_refused_precisely():
     with pytest.raises(ShardingError, match="'a' must be a list of strings"):
         coordinator.on_progress(pack("progress", w="w0", r=1, a=[1, 2]))
     # a partial whose sum is the wrong size is refused at merge, counted as a lost share
-    coordinator.on_partial(
-        pack("partial", w="w0", r=1, s={"s": b"x", "w": 0, "c": 0}, rel=[], t={})
-    )
+    partial = {"s": b"x", "w": 0, "c": 0}
+    with pytest.raises(ShardingError, match="not sealed"):  # anyone's: refused at once
+        coordinator.on_partial(pack("partial", w="w0", r=1, s=partial, t={}))
+    own = seal(coordinator.keys["w0"], coordinator.job, "partial", w="w0", r=1, s=partial, t={})
+    coordinator.on_partial(own)  # w0's own (sealed with its key): refused at merge
     info = coordinator.merge()
     assert info["workers_missing"] == ["w0"] and coord.strategy.count == 0
 
@@ -470,7 +472,8 @@ def test_malformed_worker_messages_are_sharding_errors_and_leave_the_round_intac
     with pytest.raises(ShardingError, match="deferred update is"):
         coordinator.on_progress(pack("progress", w="w0", r=1, d=[["d00001", 1, 0, 3]]))
     # a device that was never selected is left out (the worker takes it back), not counted
-    ghost = pack("progress", w="w0", r=1, a=["ghost0", "ghost1"], f=[], z=False)
+    ghost = seal(coordinator.keys["w0"], coordinator.job, "progress", w="w0", r=1,
+                 a=["ghost0", "ghost1"], f=[], z=False)  # fmt: skip
     coordinator.on_progress(ghost)
     assert coord.current.count == 0
     assert [d for d, _ in coordinator.round.left_out["w0"]] == ["ghost0", "ghost1"]
@@ -481,7 +484,9 @@ def test_malformed_worker_messages_are_sharding_errors_and_leave_the_round_intac
     for w in workers.values():
         for _, out in w.on_control(coordinator.freeze_message()):
             coordinator.on_progress(out)
-    coordinator.on_partial(pack("partial", w="w1", r=1, s=None, a=[], t={"rej": [1]}))
+    bad_tally = seal(coordinator.keys["w1"], coordinator.job, "partial", w="w1", r=1, s=None,
+                     a=[], t={"rej": [1]})  # fmt: skip
+    coordinator.on_partial(bad_tally)
     coordinator.on_partial(workers["w0"].on_control(coordinator.commit_message())[0][1])
     info = coordinator.merge()
     assert info["workers_missing"] == ["w1"] and coordinator.round is None
