@@ -274,11 +274,19 @@ class Tracker:
         self.records.append(plain)
         self._queue.put(plain)
 
+    def flush(self) -> None:
+        """Return once every record queued so far is written (or its store dropped)."""
+        if self._thread.is_alive():
+            self._queue.join()
+
     def _drain(self) -> None:
         while (item := self._queue.get()) is not _STOP:
-            step = item.get(self.step_key, item.get("round"))
-            values = numeric_fields(item)
-            self._each("metrics", int(step or 0), values, time.time())
+            try:
+                step = item.get(self.step_key, item.get("round"))
+                self._each("metrics", int(step or 0), numeric_fields(item), time.time())
+            finally:
+                self._queue.task_done()
+        self._queue.task_done()
 
     def _each(self, method: str, *args: Any) -> None:
         for backend in list(self.backends):

@@ -117,7 +117,11 @@ def aggregator(
             refuse_earlier_run(out)
         except RunDirError as exc:
             _fail(str(exc))
-    tracker = open_tracking(cfg, track, tensorboard_dir, out)
+    try:
+        tracker = open_tracking(cfg, track, tensorboard_dir, out)
+    except SystemExit:
+        signals.restore()
+        raise
     local = None
     if cfg.ingest.workers and cfg.ingest.spawn:
         from .ingest_cmd import LocalWorkers
