@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import socket
 import subprocess
 import sys
 import uuid
@@ -42,8 +43,12 @@ def _records(out: Path) -> list[dict]:
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
-def _only_run(uri: str, experiment: str):
+def _only_run(uri: str, experiment: str, monkeypatch: pytest.MonkeyPatch):
+    """The one run of ``experiment``, read by MLflow's own client (the reader, too, must opt in
+    to MLflow 3's directory store)."""
     from mlflow.tracking import MlflowClient
+
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
 
     client = MlflowClient(tracking_uri=uri)
     exp = client.get_experiment_by_name(experiment)
@@ -78,7 +83,7 @@ def test_simulate_tracks_every_round_in_mlflow_and_tensorboard(tmp_path, monkeyp
     assert [r["round"] for r in records] == [1, 2, 3]
 
     uri = store.resolve().as_uri()
-    client, run_id = _only_run(uri, job)
+    client, run_id = _only_run(uri, job, monkeypatch)
     monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
     run = mlflow.get_run(run_id)
     assert run.info.status == "FINISHED"
@@ -126,7 +131,7 @@ def test_simulate_tracks_every_round_in_mlflow_and_tensorboard(tmp_path, monkeyp
 
 
 def test_records_reach_the_store_while_the_run_goes_on_and_async_steps_are_versions(
-    tmp_path,
+    tmp_path, monkeypatch
 ) -> None:
     """Live: when round N's record is committed, MLflow and TensorBoard hold rounds 1..N and the
     MLflow run is still running. In fedbuff the step is the model version."""
@@ -147,7 +152,7 @@ def test_records_reach_the_store_while_the_run_goes_on_and_async_steps_are_versi
     tracker = open_tracker(cfg, TrackingTargets(str(store), tb), out_dir=tmp_path / "run")
     assert tracker is not None
     uri = store.resolve().as_uri()
-    client, run_id = _only_run(uri, job)
+    client, run_id = _only_run(uri, job, monkeypatch)
     seen: list[dict] = []
 
     def check(record: dict) -> None:
@@ -166,14 +171,14 @@ def test_records_reach_the_store_while_the_run_goes_on_and_async_steps_are_versi
     assert client.get_run(run_id).info.status == "FINISHED"
 
 
-def test_a_failed_run_is_marked_failed(tmp_path) -> None:
+def test_a_failed_run_is_marked_failed(tmp_path, monkeypatch) -> None:
     store = tmp_path / "mlruns"
     cfg = load_config(None, {"job": "fails", "data.devices": 4})
     tracker = open_tracker(cfg, TrackingTargets(str(store), None))
     assert tracker is not None
     with pytest.raises(RuntimeError, match="boom"), tracked(tracker):
         raise RuntimeError("boom")
-    client, run_id = _only_run(store.resolve().as_uri(), "fails")
+    client, run_id = _only_run(store.resolve().as_uri(), "fails", monkeypatch)
     assert client.get_run(run_id).info.status == "FAILED"
 
 
@@ -200,12 +205,24 @@ def test_a_missing_extra_is_one_line_before_the_job_starts(
         assert not out.exists() and not (tmp_path / "TB").exists()
 
 
+def _closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def test_bad_track_values_and_stores_are_one_line(tmp_path) -> None:
     (tmp_path / "afile").write_text("")
+    server = f"http://127.0.0.1:{_closed_port()}"
     cases = [
         (["--track", "wandb"], "--track 'wandb': expected mlflow or mlflow:URI"),
         (["--track", "mlflow:"], "--track 'mlflow:': give a URI after 'mlflow:'"),
         (["--track", f"mlflow:{tmp_path / 'afile'}"], "Not a directory"),
+        # nobody listening: one line within seconds, not after MLflow's minutes of retries
+        (
+            ["--track", f"mlflow:{server}"],
+            f"--track mlflow:{server}: the tracking server did not answer (Connection refused)",
+        ),
     ]
     for flags, fragment in cases:
         result = CliRunner().invoke(main, ["simulate", *flags, "--out", str(tmp_path / "r")])
@@ -230,3 +247,54 @@ def test_help_imports_neither_mlflow_nor_tensorboard() -> None:
     assert done.returncode == 0, done.stderr
     assert "--track mlflow[:URI]" in done.stdout and "--tensorboard" in done.stdout
     assert done.stdout.strip().splitlines()[-1] == "HEAVY []"
+
+
+def test_aggregator_tracks_its_rounds_without_the_broker_password(
+    mosquitto, tmp_path, monkeypatch
+) -> None:
+    """`edge-fl aggregator --track --tensorboard` with devices in another process; the broker
+    URL's password reaches neither the params nor the logged run.json."""
+    from processes import EDGE_FL
+
+    store, tb, out = tmp_path / "mlruns", tmp_path / "tb", tmp_path / "run"
+    job = f"agg-{uuid.uuid4().hex[:6]}"
+    host_port = mosquitto.url.split("://", 1)[1]
+    secret = f"pw{uuid.uuid4().hex[:8]}"
+    common = [
+        "--broker", f"mqtt://alice:{secret}@{host_port}", "--job", job, "--devices", "4",
+        "--rounds", "3", "--clients-per-round", "4", "--deadline", "20", "--model", "logreg",
+    ]  # fmt: skip
+    tracking = ["--track", f"mlflow:{store}", "--tensorboard", str(tb)]
+    agg = subprocess.Popen(
+        [EDGE_FL, "aggregator", *common, "--out", str(out), *tracking],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    fleet = subprocess.Popen([EDGE_FL, "fleet", *common], stderr=subprocess.PIPE, text=True)
+    try:
+        _, stderr = agg.communicate(timeout=180)
+        fleet.communicate(timeout=30)
+    finally:
+        for p in (agg, fleet):
+            if p.poll() is None:
+                p.kill()
+    assert agg.returncode == 0, stderr
+    records = _records(out)
+    assert [r["round"] for r in records] == [1, 2, 3]
+    client, run_id = _only_run(store.resolve().as_uri(), job, monkeypatch)
+    run = client.get_run(run_id)
+    assert run.info.status == "FINISHED"
+    assert run.data.params["broker.url"] == f"mqtt://alice:***@{host_port}"
+    assert all(secret not in v for v in run.data.params.values())
+    logged = Path(client.download_artifacts(run_id, "run.json", str(tmp_path / "dl")))
+    assert secret not in logged.read_text()
+    assert (
+        json.loads(logged.read_text())["config_digest"]
+        == json.loads((out / "run.json").read_text())["config_digest"]
+    )
+    for key in ("accuracy", "received", "bytes_up"):
+        history = sorted((m.step, m.value) for m in client.get_metric_history(run_id, key))
+        assert history == [(r["round"], float(r[key])) for r in records], key
+    assert {a.path for a in client.list_artifacts(run_id)} >= {"model.onnx", "summary.json"}
+    assert [s for s, _ in _scalars(tb)["accuracy"]] == [1, 2, 3]
