@@ -414,10 +414,13 @@ def open_tracker(
     *,
     out_dir: str | Path | None = None,
     run_name: str | None = None,
+    resumed: bool = False,
 ) -> Tracker | None:
     """A :class:`Tracker` for a run of ``config`` (a validated JobConfig), or None when
     ``targets`` asks for no tracking. The extra and the stores are checked here, before the job
-    starts: TrackingError names what is missing or what the store said."""
+    starts: TrackingError names what is missing or what the store said. ``resumed``: the run
+    continues one in ``out_dir``; it is a new MLflow run (tagged) that receives the earlier
+    rounds first, so it too holds every round."""
     if not targets.enabled:
         return None
     if targets.mlflow_uri is not None:
@@ -436,6 +439,8 @@ def open_tracker(
         tags["edge_fl.target_epsilon"] = str(privacy.epsilon)
     if out_dir is not None:
         tags["edge_fl.out"] = str(Path(out_dir).resolve())
+    if resumed:
+        tags["edge_fl.resumed"] = "true"
     name = run_name or (
         Path(out_dir).name if out_dir else f"{config.job}-{time.strftime('%Y%m%d-%H%M%S')}"
     )

@@ -294,7 +294,9 @@ def tracking_options(f):
     )(f)
 
 
-def open_tracking(cfg: JobConfig, track: str | None, tensorboard_dir: str | None, out: Any) -> Any:
+def open_tracking(
+    cfg: JobConfig, track: str | None, tensorboard_dir: str | None, out: Any, resumed: bool = False
+) -> Any:
     """The run's tracker (None when not asked for), opened before the job starts: a missing
     extra or a store that refuses ends the command with one line."""
     if track is None and tensorboard_dir is None:
@@ -308,7 +310,7 @@ def open_tracking(cfg: JobConfig, track: str | None, tensorboard_dir: str | None
             None if track is None else parse_track(track),
             None if tensorboard_dir is None else Path(tensorboard_dir),
         )
-        return open_tracker(cfg, targets, out_dir=out)
+        return open_tracker(cfg, targets, out_dir=out, resumed=resumed)
     except TrackingError as exc:
         _fail(str(exc))
 

@@ -118,7 +118,7 @@ def aggregator(
         except RunDirError as exc:
             _fail(str(exc))
     try:
-        tracker = open_tracking(cfg, track, tensorboard_dir, out)
+        tracker = open_tracking(cfg, track, tensorboard_dir, out, resumed=resume)
     except SystemExit:
         signals.restore()
         raise
