@@ -298,3 +298,47 @@ def test_aggregator_tracks_its_rounds_without_the_broker_password(
         assert history == [(r["round"], float(r[key])) for r in records], key
     assert {a.path for a in client.list_artifacts(run_id)} >= {"model.onnx", "summary.json"}
     assert [s for s, _ in _scalars(tb)["accuracy"]] == [1, 2, 3]
+
+
+def _aggregator_and_fleet(common: list[str], aggregator_flags: list[str]) -> None:
+    from processes import EDGE_FL
+
+    agg = subprocess.Popen(
+        [EDGE_FL, "aggregator", *common, *aggregator_flags],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    fleet = subprocess.Popen([EDGE_FL, "fleet", *common], stderr=subprocess.PIPE, text=True)
+    try:
+        _, stderr = agg.communicate(timeout=180)
+        fleet.communicate(timeout=30)
+    finally:
+        for p in (agg, fleet):
+            if p.poll() is None:
+                p.kill()
+    assert agg.returncode == 0, stderr
+
+
+@pytest.mark.slow
+def test_a_resumed_aggregator_run_holds_every_round(mosquitto, tmp_path, monkeypatch) -> None:
+    """Rounds 1-2 untracked, then `--resume` to round 3 with --track: the new MLflow run gets the
+    two earlier rounds first, then the new one, and says it was resumed."""
+    store, out = tmp_path / "mlruns", tmp_path / "run"
+    job = f"res-{uuid.uuid4().hex[:6]}"
+    common = [
+        "--broker", mosquitto.url, "--job", job, "--devices", "4", "--clients-per-round", "4",
+        "--deadline", "20", "--model", "logreg",
+    ]  # fmt: skip
+    _aggregator_and_fleet([*common, "--rounds", "2"], ["--out", str(out)])
+    assert [r["round"] for r in _records(out)] == [1, 2]
+    _aggregator_and_fleet(
+        [*common, "--rounds", "3"], ["--out", str(out), "--resume", "--track", f"mlflow:{store}"]
+    )
+    records = _records(out)
+    assert [r["round"] for r in records] == [1, 2, 3]
+    client, run_id = _only_run(store.resolve().as_uri(), job, monkeypatch)
+    run = client.get_run(run_id)
+    assert run.data.tags["edge_fl.resumed"] == "true"
+    history = sorted((m.step, m.value) for m in client.get_metric_history(run_id, "accuracy"))
+    assert history == [(r["round"], r["accuracy"]) for r in records]
