@@ -340,9 +340,14 @@ class Tracker:
             return
         self._join()
         summary = summary or {}
-        with tempfile.TemporaryDirectory(prefix="edge-fl-tracking-") as tmp:
-            files, plots = _artifacts(Path(tmp), summary, self.records, out_dir)
-            self._each("artifacts", files, plots)
+        from edge_fl.metrics import OutputError
+
+        try:
+            with tempfile.TemporaryDirectory(prefix="edge-fl-tracking-") as tmp:
+                files, plots = _artifacts(Path(tmp), summary, self.records, out_dir)
+                self._each("artifacts", files, plots)
+        except (OSError, ValueError, OutputError) as exc:  # no room for the temporary copies
+            log.warning("tracking: the artifacts were not logged (%s)", exc)
         self._each("tags", _final_tags(summary, self.records))
         self._end("FINISHED")
 

@@ -283,6 +283,7 @@ def tracking_options(f):
     f = click.option(
         "--tensorboard",
         "tensorboard_dir",
+        metavar="DIR",
         type=click.Path(file_okay=False),
         help="write every round's scalars as TensorBoard events into DIR (tracking extra)",
     )(f)
