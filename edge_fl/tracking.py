@@ -236,7 +236,8 @@ class _MlflowRun:
 
 
 class _TensorBoardLog:
-    """Scalars in a TensorBoard event file (tensorboard's own writer; no TensorFlow, no torch)."""
+    """Scalars in a TensorBoard event file (tensorboard's own writer; no TensorFlow, no torch),
+    and the config and the final tags as text (the Text tab), so a log directory says what ran."""
 
     name = "tensorboard"
 
@@ -244,8 +245,13 @@ class _TensorBoardLog:
         # tensorboard ships no type information: its names are Any here
         proto = importlib.import_module("tensorboard.compat.proto.event_pb2")
         summary = importlib.import_module("tensorboard.compat.proto.summary_pb2")
+        self._tensor = importlib.import_module("tensorboard.compat.proto.tensor_pb2").TensorProto
+        self._dt_string = importlib.import_module("tensorboard.compat.proto.types_pb2").DT_STRING
         writer = importlib.import_module("tensorboard.summary.writer.event_file_writer")
         self._event, self._summary = proto.Event, summary.Summary
+        self._text_metadata = summary.SummaryMetadata(
+            plugin_data=summary.SummaryMetadata.PluginData(plugin_name="text")
+        )
         EventFileWriter = writer.EventFileWriter
         try:
             logdir.mkdir(parents=True, exist_ok=True)
@@ -253,8 +259,22 @@ class _TensorBoardLog:
         except OSError as exc:
             raise TrackingError(f"--tensorboard {logdir}: {exc.strerror or exc}") from None
 
+    def _text(self, tag: str, rows: dict[str, str]) -> None:
+        """A two-column markdown table as a text summary (what TensorBoard's text plugin reads)."""
+        table = "| key | value |\n|---|---|\n" + "".join(
+            f"| {k} | {v.replace('|', '/')} |\n" for k, v in rows.items()
+        )
+        value = self._summary.Value(
+            tag=tag,
+            metadata=self._text_metadata,
+            tensor=self._tensor(dtype=self._dt_string, string_val=[table.encode()]),
+        )
+        summary = self._summary(value=[value])
+        self.writer.add_event(self._event(wall_time=time.time(), step=0, summary=summary))
+        self.writer.flush()
+
     def params(self, params: dict[str, str]) -> None:
-        pass  # scalars only: the config is in the MLflow params and run.json
+        self._text("config", params)
 
     def metrics(self, step: int, values: dict[str, float], wall_time: float) -> None:
         summary = self._summary(
@@ -267,10 +287,10 @@ class _TensorBoardLog:
         self.writer.flush()  # live: TensorBoard shows the round now, not at the next flush
 
     def tags(self, tags: dict[str, str]) -> None:
-        pass
+        self._text("run", tags)  # the reported epsilon, accountant, ... at the end
 
     def artifacts(self, files: list[Path], plots: list[Path]) -> None:
-        pass
+        pass  # TensorBoard has no artifacts: they are in --out and in MLflow
 
     def end(self, status: str) -> None:
         self.writer.close()

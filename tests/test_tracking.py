@@ -66,6 +66,17 @@ def _scalars(logdir: Path) -> dict[str, list[tuple[int, float]]]:
     return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
 
 
+def _texts(logdir: Path) -> dict[str, str]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(logdir), size_guidance={"tensors": 0})
+    acc.Reload()
+    return {
+        tag: acc.Tensors(tag)[-1].tensor_proto.string_val[0].decode()
+        for tag in acc.Tags()["tensors"]
+    }
+
+
 def test_simulate_tracks_every_round_in_mlflow_and_tensorboard(tmp_path, monkeypatch) -> None:
     import mlflow
 
@@ -128,6 +139,10 @@ def test_simulate_tracks_every_round_in_mlflow_and_tensorboard(tmp_path, monkeyp
         assert [s for s, _ in got_tb] == [s for s, _ in want], tag
         for (_, a), (_, b) in zip(got_tb, want, strict=True):
             assert math.isclose(a, b, rel_tol=1e-6, abs_tol=1e-6), (tag, a, b)
+    # and the config and the final tags as text (TensorBoard's Text tab)
+    texts = _texts(tb)
+    assert "| privacy.mechanism | dpsgd |" in texts["config"]
+    assert f"| edge_fl.epsilon | {tags['edge_fl.epsilon']} |" in texts["run"]
 
 
 def test_records_reach_the_store_while_the_run_goes_on_and_async_steps_are_versions(
