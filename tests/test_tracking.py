@@ -14,9 +14,7 @@ import uuid
 from pathlib import Path
 
 import pytest
-from click.testing import CliRunner
 
-from edge_fl.cli import main
 from edge_fl.config import load_config
 from edge_fl.simulation import run_simulation
 from edge_fl.tracking import (
@@ -42,6 +40,22 @@ def _no_leaked_mlflow_env(monkeypatch: pytest.MonkeyPatch) -> None:
     """Opening a directory store sets MLFLOW_ALLOW_FILE_STORE: undone after each test."""
     for name in ("MLFLOW_ALLOW_FILE_STORE", "MLFLOW_TRACKING_URI", "MLFLOW_EXPERIMENT_NAME"):
         monkeypatch.delenv(name, raising=False)
+
+
+def _edge_fl(
+    args: list[str], *, cwd: Path | None = None, without: str | None = None, timeout: float = 120
+) -> subprocess.CompletedProcess:
+    """The command line in its own process (its logging set-up stays out of this one), with
+    ``without`` unimportable, as on an install that lacks it."""
+    block = f"sys.modules[{without!r}] = None\n" if without else ""
+    code = f"import sys\n{block}from edge_fl.cli import main\nmain(prog_name='edge-fl')\n"
+    return subprocess.run(
+        [sys.executable, "-c", code, *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=cwd,
+    )
 
 
 def _records(out: Path) -> list[dict]:
@@ -92,8 +106,8 @@ def test_simulate_tracks_every_round_in_mlflow_and_tensorboard(tmp_path, monkeyp
         "--model", "logreg", "--mechanism", "dpsgd", "--epsilon", "8", "--no-progress",
         "--out", str(out), "--track", f"mlflow:{store}", "--tensorboard", str(tb),
     ]  # fmt: skip
-    result = CliRunner().invoke(main, args, catch_exceptions=False)
-    assert result.exit_code == 0, result.output
+    done = _edge_fl(args, timeout=300)
+    assert done.returncode == 0, done.stderr
     records = _records(out)
     summary = json.loads((out / "summary.json").read_text())
     assert [r["round"] for r in records] == [1, 2, 3]
@@ -212,16 +226,12 @@ def test_a_failed_run_is_marked_failed(tmp_path, monkeypatch) -> None:
 def test_a_missing_extra_is_one_line_before_the_job_starts(
     tmp_path, monkeypatch, module, flags, message
 ) -> None:
-    monkeypatch.setitem(sys.modules, module, None)  # what an install without the extra has
-    monkeypatch.chdir(tmp_path)
     out = tmp_path / "run"
     for command in ("simulate", "aggregator"):
         extra = ["--broker", "mqtt://127.0.0.1:9"] if command == "aggregator" else []
-        result = CliRunner().invoke(main, [command, *extra, *flags, "--out", str(out)])
-        assert result.exit_code == 2, result.output
-        assert result.output == (
-            f"edge-fl: error: {message} needs the tracking extra: {EXTRA_HINT}\n"
-        )
+        done = _edge_fl([command, *extra, *flags, "--out", str(out)], cwd=tmp_path, without=module)
+        assert done.returncode == 2, done.stderr
+        assert done.stderr == f"edge-fl: error: {message} needs the tracking extra: {EXTRA_HINT}\n"
         assert not out.exists() and not (tmp_path / "TB").exists()
 
 
@@ -245,9 +255,10 @@ def test_bad_track_values_and_stores_are_one_line(tmp_path) -> None:
         ),
     ]
     for flags, fragment in cases:
-        result = CliRunner().invoke(main, ["simulate", *flags, "--out", str(tmp_path / "r")])
-        assert result.exit_code == 2, result.output
-        assert result.output.count("\n") == 1 and fragment in result.output, result.output
+        done = _edge_fl(["simulate", *flags, "--out", str(tmp_path / "r")])
+        assert done.returncode == 2, done.stderr
+        assert done.stderr.count("\n") == 1 and fragment in done.stderr, done.stderr
+        assert done.stderr.startswith("edge-fl: error: ")
         assert not (tmp_path / "r").exists()
 
 
