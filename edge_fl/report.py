@@ -468,7 +468,8 @@ def frontier_figure(runs: Sequence[RunData], labels: Sequence[str] | None = None
         title="Accuracy against bytes",
         ylim=(0.0, 1.0),
     )
-    ax.set_xscale("log")
+    if any(v > 0 for x, _ in cumulative for v in x):  # records without bytes have no log axis
+        ax.set_xscale("log")
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize="small")
     return fig
