@@ -305,10 +305,15 @@ class Tracker:
     ``record`` only queues; one thread does the writing. :meth:`finish` (or :meth:`fail`) drains
     the queue, logs the artifacts and the final tags and ends the run."""
 
-    def __init__(self, backends: list[Any], step_key: str) -> None:
+    def __init__(self, backends: list[Any], step_key: str, *, keep_records: bool = True) -> None:
+        """``keep_records``: hold every record for the artifacts (a run without an output
+        directory, whose metrics.jsonl is made from them); else only the last is held."""
         self.backends = backends
         self.step_key = step_key
+        self.keep_records = keep_records
         self.records: list[dict[str, Any]] = []
+        self.last: dict[str, Any] | None = None
+        self.count = 0
         self.ended = False
         self._queue: queue.Queue[Any] = queue.Queue()
         self._thread = threading.Thread(target=self._drain, name="edge-fl-tracking", daemon=True)
@@ -322,7 +327,9 @@ class Tracker:
         from edge_fl.metrics import dumps_record
 
         plain = json.loads(dumps_record(record))  # a copy, numpy scalars and NaN made plain
-        self.records.append(plain)
+        self.last, self.count = plain, self.count + 1
+        if self.keep_records:
+            self.records.append(plain)
         self._queue.put(plain)
 
     def flush(self) -> None:
@@ -364,11 +371,11 @@ class Tracker:
 
         try:
             with tempfile.TemporaryDirectory(prefix="edge-fl-tracking-") as tmp:
-                files, plots = _artifacts(Path(tmp), summary, self.records, out_dir)
+                files, plots = _artifacts(Path(tmp), summary, self, out_dir)
                 self._each("artifacts", files, plots)
         except (OSError, ValueError, OutputError) as exc:  # no room for the temporary copies
             log.warning("tracking: the artifacts were not logged (%s)", exc)
-        self._each("tags", _final_tags(summary, self.records))
+        self._each("tags", _final_tags(summary, self.last or {}))
         self._end("FINISHED")
 
     def fail(self, status: str = "FAILED") -> None:
@@ -382,9 +389,8 @@ class Tracker:
         self._each("end", status)
 
 
-def _final_tags(summary: dict[str, Any], records: list[dict[str, Any]]) -> dict[str, str]:
+def _final_tags(summary: dict[str, Any], last: dict[str, Any]) -> dict[str, str]:
     privacy = summary.get("privacy") or {}
-    last = records[-1] if records else {}
     tags = {
         "edge_fl.epsilon": privacy.get("epsilon", summary.get("epsilon", last.get("epsilon"))),
         "edge_fl.delta": privacy.get("delta", last.get("delta")),
@@ -399,7 +405,7 @@ def _final_tags(summary: dict[str, Any], records: list[dict[str, Any]]) -> dict[
 def _artifacts(
     tmp: Path,
     summary: dict[str, Any],
-    records: list[dict[str, Any]],
+    tracker: Tracker,
     out_dir: str | Path | None,
 ) -> tuple[list[Path], list[Path]]:
     """(files, plots) to log: the run directory's files (run.json without the broker password)
@@ -411,7 +417,8 @@ def _artifacts(
         run_dir = tmp / "run"
         run_dir.mkdir()
         write_json(run_dir / "summary.json", summary)
-        (run_dir / "metrics.jsonl").write_text("".join(dumps_record(r) + "\n" for r in records))
+        lines = (dumps_record(r) + "\n" for r in tracker.records)
+        (run_dir / "metrics.jsonl").write_text("".join(lines))
     files = [run_dir / name for name in RUN_ARTIFACTS if (run_dir / name).exists()]
     meta = run_dir / "run.json"
     if meta.exists():
@@ -423,7 +430,7 @@ def _artifacts(
             write_json(tmp / "run.json", data)
             files.append(tmp / "run.json")
     plots: list[Path] = []
-    if records:
+    if tracker.count:
         from edge_fl.report import make_report
 
         try:
@@ -485,7 +492,7 @@ def open_tracker(
             with contextlib.suppress(Exception):
                 backend.end("FAILED")
         raise
-    return Tracker(backends, "round" if mode == "sync" else "version")
+    return Tracker(backends, "round" if mode == "sync" else "version", keep_records=out_dir is None)
 
 
 @contextlib.contextmanager
