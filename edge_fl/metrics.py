@@ -8,6 +8,9 @@ clear sentence naming the file and the OS's reason; a failed append is cut back 
 line, so ``metrics.jsonl`` never ends in half a record. When a run is resumed the file is read back,
 a torn last line (a crash mid-write) is dropped, and :meth:`RunRecorder.reconcile` makes it agree
 with the checkpoint (whose last record is the commit point of a round).
+
+Record sinks (:class:`RecordSink`, e.g. the experiment trackers of ``edge_fl.tracking``) receive
+each record right after its line is durable, so what they show never runs ahead of the file.
 """
 
 from __future__ import annotations
@@ -18,8 +21,10 @@ import json
 import logging
 import math
 import os
+from collections.abc import Iterator
+from contextvars import ContextVar
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 log = logging.getLogger("edge_fl.metrics")
 
@@ -150,13 +155,47 @@ def lock_run_dir(out_dir: str | Path | None) -> Any:
     return handle
 
 
+class RecordSink(Protocol):
+    """Somewhere else a run's records go as they are committed (MLflow, TensorBoard, ...).
+
+    ``record`` is called on the aggregator's event loop: it must return at once (queue the work).
+    A sink that raises is dropped with a warning; the run goes on."""
+
+    def record(self, record: dict[str, Any]) -> None: ...
+
+
+_SINKS: ContextVar[tuple[RecordSink, ...]] = ContextVar("edge_fl_record_sinks", default=())
+
+
+@contextlib.contextmanager
+def record_sinks(*sinks: RecordSink) -> Iterator[None]:
+    """Every :class:`RunRecorder` made inside the block feeds ``sinks``: a command wraps a run
+    whose recorder is built deep inside it (``open_run``) without threading sinks through every
+    layer. Nested blocks add to the enclosing one's sinks."""
+    token = _SINKS.set(_SINKS.get() + sinks)
+    try:
+        yield
+    finally:
+        _SINKS.reset(token)
+
+
 class RunRecorder:
     """Writes the records of one run into ``out_dir`` (or only keeps them in memory)."""
 
-    def __init__(self, out_dir: str | Path | None, append: bool = False) -> None:
-        """``append``: continue a resumed run's records instead of starting a new file."""
+    def __init__(
+        self,
+        out_dir: str | Path | None,
+        append: bool = False,
+        sinks: tuple[RecordSink, ...] | None = None,
+    ) -> None:
+        """``append``: continue a resumed run's records instead of starting a new file.
+        ``sinks``: where each committed record also goes (default: those of the enclosing
+        :func:`record_sinks` block). A resumed run's earlier records reach them first, once the
+        records agree with the checkpoint (at the first new record, or at ``close``)."""
         self.out_dir = Path(out_dir) if out_dir else None
         self.records: list[dict[str, Any]] = []
+        self.sinks: list[RecordSink] = list(_SINKS.get() if sinks is None else sinks)
+        self._replayed = False  # earlier records (a resumed run's) not yet given to the sinks
         self._jsonl = None
         if self.out_dir is None:
             return
@@ -181,10 +220,27 @@ class RunRecorder:
             write_json(self.out_dir / "run.json", meta)
 
     def add(self, record: dict[str, Any]) -> None:
+        self._replay()
         self.records.append(record)
-        if self._jsonl is None:
-            return
-        fd = self._jsonl.fileno()
+        if self._jsonl is not None:
+            self._append_line(self._jsonl.fileno(), record)
+        self._notify(record)
+
+    def _replay(self) -> None:
+        if not self._replayed:
+            self._replayed = True
+            for earlier in self.records:
+                self._notify(earlier)
+
+    def _notify(self, record: dict[str, Any]) -> None:
+        for sink in list(self.sinks):
+            try:
+                sink.record(record)
+            except Exception as exc:  # a tracking store's failure never stops a job
+                log.warning("record sink %r failed (%s): it gets no more records", sink, exc)
+                self.sinks.remove(sink)
+
+    def _append_line(self, fd: int, record: dict[str, Any]) -> None:
         start = os.fstat(fd).st_size  # append mode: the line goes at the end
         data = memoryview((dumps_record(record) + "\n").encode())
         try:
@@ -249,6 +305,7 @@ class RunRecorder:
         }
 
     def close(self, extra: dict[str, Any] | None = None) -> dict[str, Any]:
+        self._replay()
         summary = self.summary(extra)
         privacy = summary.get("privacy")
         if privacy:  # the ledger's final word (it also holds releases after the last round)

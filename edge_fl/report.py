@@ -24,14 +24,21 @@ __all__ = [
     "ReportResult",
     "RunData",
     "RunFileError",
+    "accuracy_figure",
     "accuracy_vs_epsilon_points",
+    "bytes_figure",
     "csv_rows",
     "default_label",
+    "device_costs_figure",
+    "epsilon_figure",
+    "frontier_figure",
     "make_report",
     "plot_accuracy",
     "plot_accuracy_vs_epsilon",
     "plot_bytes",
+    "plot_device_costs",
     "plot_epsilon",
+    "plot_frontier",
     "read_metrics",
     "read_run",
     "run_labels",
@@ -178,6 +185,20 @@ class RunData:
         return "none"
 
     @property
+    def mode(self) -> str:
+        """``sync``, ``fedbuff`` or ``fedasync`` (run.json's config; sync when it does not say)."""
+        config = (self.meta or {}).get("config") or {}
+        rounds = config.get("rounds") if isinstance(config, dict) else None
+        mode = rounds.get("mode") if isinstance(rounds, dict) else None
+        return mode if isinstance(mode, str) and mode else "sync"
+
+    @property
+    def step_key(self) -> str:
+        """The x of a per-round figure: the round, or in async modes the model version (a
+        record there closes a window of updates; the version is what the devices trained on)."""
+        return "round" if self.mode == "sync" else "version"
+
+    @property
     def target_epsilon(self) -> float | None:
         """The job's configured epsilon (run.json), not what the accountant reported."""
         value = self._privacy_config().get("epsilon")
@@ -321,8 +342,25 @@ def _series(records: Sequence[dict[str, Any]], key: str, scale: float = 1.0) -> 
     return out
 
 
-def _rounds(records: Sequence[dict[str, Any]]) -> list[int]:
-    return [int(r["round"]) for r in records]
+def _steps(run: RunData) -> list[float]:
+    """The x of every record: its round, or its model version in an async run (NaN if absent)."""
+    return _series(run.records, run.step_key)
+
+
+def _step_label(runs: Iterable[RunData]) -> str:
+    """ "round", "version" (async runs), or both named when sync and async runs are overlaid."""
+    keys = {run.step_key for run in runs}
+    return keys.pop() if len(keys) == 1 else "round (sync) / version (async)"
+
+
+#: epsilon series whose largest and smallest positive values differ by more than this factor
+#: are drawn on a log scale (SignDS at ~1,000 would flatten a DP-SGD curve at ~5 to zero)
+LOG_SCALE_SPAN = 100.0
+
+
+def _needs_log_scale(values: Iterable[float]) -> bool:
+    positive = [v for v in values if math.isfinite(v) and v > 0]
+    return bool(positive) and max(positive) > LOG_SCALE_SPAN * min(positive)
 
 
 def _integer_rounds(ax: Any) -> None:
@@ -341,46 +379,58 @@ def _check_labels(runs: Sequence[RunData], labels: Sequence[str] | None) -> list
     return run_labels(runs, labels)
 
 
-def plot_accuracy(
-    runs: Sequence[RunData], path: str | Path, labels: Sequence[str] | None = None
-) -> Path:
-    """Test accuracy of the global model after each round, runs overlaid."""
+def accuracy_figure(runs: Sequence[RunData], labels: Sequence[str] | None = None) -> Any:
+    """Test accuracy of the global model after each round (or version), runs overlaid."""
     names = _check_labels(runs, labels)
     fig = _figure()
     ax = fig.add_subplot()
     for run, name in zip(runs, names, strict=True):
         ax.plot(
-            _rounds(run.records),
+            _steps(run),
             _series(run.records, "accuracy"),
             label=name,
             **_style(len(run.records)),
         )
-    ax.set(xlabel="round", ylabel="test accuracy", title="Accuracy per round", ylim=(0.0, 1.0))
+    step = _step_label(runs)
+    ax.set(xlabel=step, ylabel="test accuracy", title=f"Accuracy per {step}", ylim=(0.0, 1.0))
     _integer_rounds(ax)
     ax.grid(alpha=0.3)
     ax.legend(fontsize="small")
-    return _save(fig, path)
+    return fig
 
 
-def plot_bytes(
+def plot_accuracy(
     runs: Sequence[RunData], path: str | Path, labels: Sequence[str] | None = None
 ) -> Path:
-    """Uplink and downlink MQTT payload bytes per round (two panels), runs overlaid."""
+    """:func:`accuracy_figure` as a PNG."""
+    return _save(accuracy_figure(runs, labels), path)
+
+
+def bytes_figure(runs: Sequence[RunData], labels: Sequence[str] | None = None) -> Any:
+    """Uplink and downlink MQTT payload bytes per round (two panels, one legend), runs overlaid."""
     names = _check_labels(runs, labels)
     fig = _figure(rows=2, height=2.6)
     up, down = fig.subplots(2, 1, sharex=True)
     for run, name in zip(runs, names, strict=True):
-        x, style = _rounds(run.records), _style(len(run.records))
+        x, style = _steps(run), _style(len(run.records))
         up.plot(x, _series(run.records, "bytes_up", 1e6), label=name, **style)
         down.plot(x, _series(run.records, "bytes_down", 1e6), label=name, **style)
-    up.set(ylabel="MB up (10^6 bytes)", title="Bytes per round (MQTT payloads)")
-    down.set(xlabel="round", ylabel="MB down (10^6 bytes)")
+    step = _step_label(runs)
+    up.set(ylabel="MB up (10^6 bytes)", title=f"Bytes per {step} (MQTT payloads)")
+    down.set(xlabel=step, ylabel="MB down (10^6 bytes)")
     _integer_rounds(down)
     for ax in (up, down):
         ax.set_ylim(bottom=0)
         ax.grid(alpha=0.3)
     up.legend(fontsize="small")
-    return _save(fig, path)
+    return fig
+
+
+def plot_bytes(
+    runs: Sequence[RunData], path: str | Path, labels: Sequence[str] | None = None
+) -> Path:
+    """:func:`bytes_figure` as a PNG."""
+    return _save(bytes_figure(runs, labels), path)
 
 
 def _cumulative_bytes(records: Sequence[dict[str, Any]]) -> tuple[list[float], str]:
@@ -395,18 +445,16 @@ def _cumulative_bytes(records: Sequence[dict[str, Any]]) -> tuple[list[float], s
     return out, "wire" if wire else "payload"
 
 
-def plot_frontier(
-    runs: Sequence[RunData], path: str | Path, labels: Sequence[str] | None = None
-) -> Path:
+def frontier_figure(runs: Sequence[RunData], labels: Sequence[str] | None = None) -> Any:
     """Accuracy against cumulative bytes (up + down), runs overlaid: the communication frontier
-    on which codecs and mechanisms are compared (the run nearest the top left wins)."""
+    on which codecs and mechanisms are compared (the run nearest the top left wins). When wire
+    and payload runs are mixed, every label says which of the two its run counts."""
     names = _check_labels(runs, labels)
     fig = _figure()
     ax = fig.add_subplot()
-    kinds = set()
-    for run, name in zip(runs, names, strict=True):
-        x, kind = _cumulative_bytes(run.records)
-        kinds.add(kind)
+    cumulative = [_cumulative_bytes(run.records) for run in runs]
+    kinds = {kind for _, kind in cumulative}
+    for run, name, (x, kind) in zip(runs, names, cumulative, strict=True):
         ax.plot(
             [v / 1e6 for v in x],
             _series(run.records, "accuracy"),
@@ -420,18 +468,25 @@ def plot_frontier(
         title="Accuracy against bytes",
         ylim=(0.0, 1.0),
     )
-    ax.set_xscale("log")
+    if any(v > 0 for x, _ in cumulative for v in x):  # records without bytes have no log axis
+        ax.set_xscale("log")
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize="small")
-    return _save(fig, path)
+    return fig
 
 
-def plot_device_costs(
+def plot_frontier(
     runs: Sequence[RunData], path: str | Path, labels: Sequence[str] | None = None
-) -> Path | None:
+) -> Path:
+    """:func:`frontier_figure` as a PNG."""
+    return _save(frontier_figure(runs, labels), path)
+
+
+def device_costs_figure(runs: Sequence[RunData], labels: Sequence[str] | None = None) -> Any:
     """Per-device wire bytes up per round: median, 95th percentile and max over every device
     session of the round (a device not selected sends only statuses and keep-alives, so with
-    partial participation the median can sit near zero); None when no run recorded them."""
+    partial participation the median can sit near zero); None when no run recorded them. Every
+    line is in the legend (run and statistic), each run in its own colour."""
     names = _check_labels(runs, labels)
     wired = [
         (run, name)
@@ -443,26 +498,35 @@ def plot_device_costs(
     fig = _figure()
     ax = fig.add_subplot()
     for run, name in wired:
-        x = _rounds(run.records)
+        x = _steps(run)
         (line,) = ax.plot(x, _series(run.records, "wire_up_p50", 1e3), label=f"{name} p50")
-        ax.plot(x, _series(run.records, "wire_up_p95", 1e3), ls="--", color=line.get_color())
-        ax.plot(x, _series(run.records, "wire_up_max", 1e3), ls=":", color=line.get_color())
+        colour = line.get_color()
+        for key, ls, stat in (("wire_up_p95", "--", "p95"), ("wire_up_max", ":", "max")):
+            ax.plot(x, _series(run.records, key, 1e3), ls=ls, color=colour, label=f"{name} {stat}")
     ax.set(
-        xlabel="round",
+        xlabel=_step_label(run for run, _ in wired),
         ylabel="kB up per device (10^3 bytes)",
         title="Wire bytes up per device session: p50 (solid), p95 (dashed), max (dotted)",
     )
     ax.set_ylim(bottom=0)
     _integer_rounds(ax)
     ax.grid(alpha=0.3)
-    ax.legend(fontsize="small")
-    return _save(fig, path)
+    ax.legend(fontsize="small", ncols=len(wired))  # a column per run: its p50, p95, max
+    return fig
 
 
-def plot_epsilon(
+def plot_device_costs(
     runs: Sequence[RunData], path: str | Path, labels: Sequence[str] | None = None
 ) -> Path | None:
-    """Cumulative reported epsilon per round; None (no file) when no run has privacy accounting."""
+    """:func:`device_costs_figure` as a PNG; None (no file) when no run recorded the costs."""
+    fig = device_costs_figure(runs, labels)
+    return None if fig is None else _save(fig, path)
+
+
+def epsilon_figure(runs: Sequence[RunData], labels: Sequence[str] | None = None) -> Any:
+    """Cumulative reported epsilon per round; None when no run has privacy accounting. On a log
+    scale when the values span more than :data:`LOG_SCALE_SPAN` (mechanisms that differ by orders
+    of magnitude), so no curve is flattened to zero by another."""
     names = _check_labels(runs, labels)
     private = [
         (run, name)
@@ -474,28 +538,38 @@ def plot_epsilon(
     fig = _figure()
     ax = fig.add_subplot()
     deltas: set[float] = set()
+    values: list[float] = []
     for run, name in private:
         last = run.records[-1]
         accountant = last.get("accountant")
         deltas.update(r["delta"] for r in run.records if _is_number(r.get("delta")))
         label = f"{name} ({accountant})" if accountant else name
-        ax.plot(
-            _rounds(run.records),
-            _series(run.records, "epsilon"),
-            label=label,
-            **_style(len(run.records)),
-        )
+        series = _series(run.records, "epsilon")
+        values += series
+        ax.plot(_steps(run), series, label=label, **_style(len(run.records)))
     at = f" at delta={deltas.pop():g}" if len(deltas) == 1 else ""
+    log_scale = _needs_log_scale(values)
     ax.set(
-        xlabel="round",
-        ylabel="epsilon (worst device, all rounds)",
+        xlabel=_step_label(run for run, _ in private),
+        ylabel="epsilon (worst device, all rounds)" + (", log scale" if log_scale else ""),
         title=f"Cumulative privacy loss{at}",
     )
-    ax.set_ylim(bottom=0)
+    if log_scale:
+        ax.set_yscale("log")
+    else:
+        ax.set_ylim(bottom=0)
     _integer_rounds(ax)
-    ax.grid(alpha=0.3)
+    ax.grid(alpha=0.3, which="both" if log_scale else "major")
     ax.legend(fontsize="small")
-    return _save(fig, path)
+    return fig
+
+
+def plot_epsilon(
+    runs: Sequence[RunData], path: str | Path, labels: Sequence[str] | None = None
+) -> Path | None:
+    """:func:`epsilon_figure` as a PNG; None (no file) when no run has privacy accounting."""
+    fig = epsilon_figure(runs, labels)
+    return None if fig is None else _save(fig, path)
 
 
 @dataclass(frozen=True)

@@ -277,6 +277,45 @@ def _quiet_closed_loop(unraisable: Any, default: Any = sys.__unraisablehook__) -
     default(unraisable)
 
 
+def tracking_options(f):
+    """``--track`` and ``--tensorboard`` (simulate, aggregator): edge_fl.tracking, the tracking
+    extra, imported only when asked for."""
+    f = click.option(
+        "--tensorboard",
+        "tensorboard_dir",
+        metavar="DIR",
+        type=click.Path(file_okay=False),
+        help="write every round's scalars as TensorBoard events into DIR (tracking extra)",
+    )(f)
+    return click.option(
+        "--track",
+        metavar="mlflow[:URI]",
+        help="log the run to MLflow while it runs: config, every round, model, plots (tracking "
+        "extra; URI default: MLFLOW_TRACKING_URI, else ./mlruns)",
+    )(f)
+
+
+def open_tracking(
+    cfg: JobConfig, track: str | None, tensorboard_dir: str | None, out: Any, resumed: bool = False
+) -> Any:
+    """The run's tracker (None when not asked for), opened before the job starts: a missing
+    extra or a store that refuses ends the command with one line."""
+    if track is None and tensorboard_dir is None:
+        return None
+    from pathlib import Path
+
+    from edge_fl.tracking import TrackingError, TrackingTargets, open_tracker, parse_track
+
+    try:
+        targets = TrackingTargets(
+            None if track is None else parse_track(track),
+            None if tensorboard_dir is None else Path(tensorboard_dir),
+        )
+        return open_tracker(cfg, targets, out_dir=out, resumed=resumed)
+    except TrackingError as exc:
+        _fail(str(exc))
+
+
 @main.command()
 @_common_job_options
 @click.option("--out", type=click.Path(file_okay=False), help="write metrics.jsonl, summary.json")
@@ -284,17 +323,40 @@ def _quiet_closed_loop(unraisable: Any, default: Any = sys.__unraisablehook__) -
 @click.option("--no-progress", is_flag=True, help="no live progress bar")
 @click.option("--json", "as_json", is_flag=True, help="print the summary as JSON")
 @click.option("--overwrite", is_flag=True, help="start afresh over an earlier run in --out")
-def simulate(out, embedded_broker, no_progress, as_json, overwrite, verbose, config, **kw) -> None:
+@tracking_options
+def simulate(
+    out,
+    embedded_broker,
+    no_progress,
+    as_json,
+    overwrite,
+    track,
+    tensorboard_dir,
+    verbose,
+    config,
+    **kw,
+) -> None:
     """Run a whole federated job (broker, aggregator, fleet) on this machine."""
     _logging(verbose)
     cfg = _load(config, {**_overrides(kw), "broker.embedded": embedded_broker})
+    from edge_fl.simulation import refuse_earlier_run
     from edge_fl.simulation import simulate as run
+    from edge_fl.tracking import tracked
 
+    if out and not overwrite and (track is not None or tensorboard_dir is not None):
+        try:  # the run would refuse the directory: refuse before a tracked run is opened
+            refuse_earlier_run(out)
+        except ValueError as exc:
+            _fail(str(exc))
+    tracker = open_tracking(cfg, track, tensorboard_dir, out)
     try:
         progress = not no_progress and sys.stderr.isatty()
-        summary = run(cfg, out, progress=progress, overwrite=overwrite)
+        with tracked(tracker):
+            summary = run(cfg, out, progress=progress, overwrite=overwrite)
     except (ValueError, RuntimeError, OSError) as exc:
         _fail(str(exc))
+    if tracker is not None:
+        tracker.finish(summary, out)
     if as_json:
         click.echo(json.dumps(summary, indent=2, default=str))
         return

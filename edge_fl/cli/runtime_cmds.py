@@ -9,7 +9,16 @@ import sys
 import aiomqtt
 import click
 
-from edge_fl.cli import _common_job_options, _fail, _load, _logging, _overrides, require_server
+from edge_fl.cli import (
+    _common_job_options,
+    _fail,
+    _load,
+    _logging,
+    _overrides,
+    open_tracking,
+    require_server,
+    tracking_options,
+)
 
 log = logging.getLogger("edge_fl.aggregator")
 
@@ -75,7 +84,10 @@ def _parse_shard(shard: str, n_devices: int) -> range:
     default=None,
     help="start the workers here (default), or run `edge-fl ingest --worker I` yourself",
 )
-def aggregator(out, resume, overwrite, verbose, config, workers, spawn_workers, **kw) -> None:
+@tracking_options
+def aggregator(
+    out, resume, overwrite, verbose, config, workers, spawn_workers, track, tensorboard_dir, **kw
+) -> None:
     """Run the aggregator against a broker (devices run elsewhere).
 
     With --out, every round is checkpointed and everything accepted in between is journaled, so
@@ -96,7 +108,20 @@ def aggregator(out, resume, overwrite, verbose, config, workers, spawn_workers, 
     if resume and overwrite:
         _fail("--resume and --overwrite contradict each other: continue the run, or replace it")
     from edge_fl.metrics import OutputError
+    from edge_fl.tracking import tracked
 
+    if out and not resume and not overwrite and (track or tensorboard_dir):
+        from edge_fl.simulation import RunDirError, refuse_earlier_run
+
+        try:  # refused below anyway: before a tracked run is opened
+            refuse_earlier_run(out)
+        except RunDirError as exc:
+            _fail(str(exc))
+    try:
+        tracker = open_tracking(cfg, track, tensorboard_dir, out, resumed=resume)
+    except SystemExit:
+        signals.restore()
+        raise
     local = None
     if cfg.ingest.workers and cfg.ingest.spawn:
         from .ingest_cmd import LocalWorkers
@@ -105,7 +130,8 @@ def aggregator(out, resume, overwrite, verbose, config, workers, spawn_workers, 
         local.start()
     finished = False
     try:
-        _run_aggregator(cfg, out, resume, overwrite, signals)
+        with tracked(tracker):
+            summary = _run_aggregator(cfg, out, resume, overwrite, signals)
         finished = True
     except OutputError as exc:  # disk full, read-only or unwritable output: one line
         _fail(str(exc))
@@ -113,9 +139,11 @@ def aggregator(out, resume, overwrite, verbose, config, workers, spawn_workers, 
         signals.restore()
         if local is not None:  # after the job's end they leave by themselves; else at once
             local.stop(wait_s=10.0 if finished else 0.0)
+    if tracker is not None:
+        tracker.finish(summary, out)
 
 
-def _run_aggregator(cfg, out, resume, overwrite, signals) -> None:
+def _run_aggregator(cfg, out, resume, overwrite, signals) -> dict:
     from edge_fl.job import build_job
     from edge_fl.metrics import OutputError
     from edge_fl.protocol.jobdoc import encode_job_document
@@ -163,6 +191,7 @@ def _run_aggregator(cfg, out, resume, overwrite, signals) -> None:
             + ("" if service.done_published else " (devices were not told: no broker)")
         )
     click.echo(_final_line(run.summary or {}, out))
+    return run.summary or {}
 
 
 def _coordinator(cfg, core):
