@@ -207,3 +207,28 @@ def test_simulate_stops_within_2s_of_ctrl_c_with_every_release_charged(mosquitto
     # sent is on the broker (and charged) but not in that count
     assert summary["fleet_published"] <= len(sniffer.updates)
     assert "ended early: stopped by SIGINT" in stdout
+
+
+@pytest.mark.parametrize("mode", ["fedbuff", "fedasync"])
+def test_an_async_simulation_stops_within_2s_with_every_release_charged(mosquitto, tmp_path, mode):
+    """The same stop mid-run of FedBuff (K = 3) and FedAsync: updates held for a window and
+    those still on their way when the signal comes are charged too."""
+    job = f"async-{uuid.uuid4().hex[:6]}"
+    out = tmp_path / "sim"
+    sniffer = Sniffer(mosquitto.url, Topics(job), "mid_round")
+    sniffer.sig = signal.SIGINT
+    argv = [EDGE_FL, "simulate", *job_args(mosquitto.url, job), "--mode", mode,
+            "--buffer-size", "3", "--no-progress", "--out", str(out)]  # fmt: skip
+    sim = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
+    sniffer.target = sim
+    try:
+        fired_at = sniffer.wait_fired(180, sim)
+        _, stderr = sim.communicate(timeout=60)
+        took = time.monotonic() - fired_at
+    finally:
+        sniffer.close()
+        kill(sim)
+    print(f"simulate {mode}: exit {took:.2f} s after SIGINT")
+    assert sim.returncode == 0, stderr
+    assert took < STOP_BAR_S, f"{took:.2f} s"
+    check_charged(out, sniffer.updates, signal.SIGINT)
