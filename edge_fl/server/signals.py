@@ -9,7 +9,9 @@ simulate`` and :func:`edge_fl.simulation.run_simulation_async` share it.
 from __future__ import annotations
 
 import asyncio
+import atexit
 import contextlib
+import gc
 import signal
 from collections.abc import Callable
 from typing import Any
@@ -32,6 +34,7 @@ class StopSignals:
         self._loop: asyncio.AbstractEventLoop | None = None
 
     def install(self) -> StopSignals:
+        _prompt_exit()
         for sig in self.SIGNALS:
             with contextlib.suppress(ValueError, OSError):  # not the main thread
                 self._previous[sig] = signal.signal(sig, self._remember)
@@ -69,3 +72,21 @@ class StopSignals:
             with contextlib.suppress(ValueError, OSError, TypeError):
                 signal.signal(sig, handler)
         self._previous.clear()
+
+
+_exit_registered = False
+
+
+def _prompt_exit() -> None:
+    """Skip the garbage collector's passes over everything at interpreter exit.
+
+    Why: a stop must end the process within 2 s, and after the job has written everything the
+    interpreter's own teardown was the slowest step: with numpy, scipy, onnx, onnxruntime and
+    dp-accounting loaded it took 3.2-3.5 s on a 2-core machine kept busy (0.3-0.6 s with the
+    objects frozen first). Freezing at exit (``atexit`` runs before that teardown) changes
+    nothing while the process runs; objects are still released, only cycles are left to the OS.
+    """
+    global _exit_registered
+    if not _exit_registered:
+        _exit_registered = True
+        atexit.register(gc.freeze)
