@@ -54,4 +54,5 @@ def test_a_stop_during_the_global_publish_decides_the_round_at_once():
     assert service.stopped == "SIGTERM" and core.ended_early == "stopped by SIGTERM"
     assert [r["status"] for r in core.records] == ["skipped"]
     assert core.records[0]["stopped"] == "SIGTERM"
-    assert client.published == [topics.global_model, topics.metrics]
+    # the done marker goes out first (devices stop releasing), then the record
+    assert client.published == [topics.global_model, topics.global_model, topics.metrics]

@@ -95,7 +95,7 @@ def aggregator(
     holding an earlier run is refused unless --resume or --overwrite. SIGTERM
     and SIGINT stop cleanly: the open round is decided, summary.json, model.onnx and the
     checkpoint are written, devices are told the job ended, and the exit status is 0."""
-    from edge_fl.server.service import StopSignals
+    from edge_fl.server.signals import StopSignals
 
     require_server("aggregator")
     signals = StopSignals().install()  # from here on, SIGTERM/SIGINT mean "stop cleanly"

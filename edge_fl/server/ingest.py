@@ -26,9 +26,9 @@ import aiomqtt
 from edge_fl.device.runtime import retry_broker
 from edge_fl.protocol import Topics
 from edge_fl.transport import client_adapter
+from edge_fl.transport.tap import IngestTap
 from edge_fl.transport.url import BrokerSpec
 
-from .service import IngestTap
 from .sharding import IngestWorker, ShardingError
 
 log = logging.getLogger("edge_fl.ingest")
@@ -168,6 +168,7 @@ class IngestService:
             will=will,
         )
         self._paho = client
+        client_adapter.quiet_on_loss(client)  # a lost broker is one line, not asyncio tracebacks
         client_adapter.manual_acks(
             client,
             lambda m: self._on_publish(m.topic, bytes(m.payload), m.mid, m.qos, bool(m.retain)),
