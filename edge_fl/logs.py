@@ -27,12 +27,18 @@ class RepeatCollapser(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         if record.levelno != logging.WARNING:  # progress (info) and errors always show
             return True
+        # one decision per record: the same filter sits on every root handler, and the second
+        # handler must not count the record again (it then dropped every first occurrence)
+        decided = getattr(record, "edge_fl_first", None)
+        if decided is not None:
+            return bool(decided)
         key = (record.name, str(record.msg))
         self.seen[key] += 1
-        if self.seen[key] == 1:
+        first = self.seen[key] == 1
+        if first:
             self.first[key] = record.getMessage()
-            return True
-        return False
+        record.edge_fl_first = first
+        return first
 
     def summary(self) -> list[str]:
         return [
