@@ -20,6 +20,7 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    PrivateAttr,
     ValidationError,
     field_validator,
     model_validator,
@@ -81,11 +82,18 @@ class TrainingConfig(_Section):
     lr: float = Field(0.3, gt=0, le=100)
 
 
+#: devices per round when the config gives none (clamped to the fleet; see fleet_problem)
+DEFAULT_CLIENTS_PER_ROUND = 20
+
+
 class RoundsConfig(_Section):
     mode: Literal["sync", "fedbuff", "fedasync"] = "sync"
     rounds: PositiveInt = 20
     clients_per_round: float = Field(
-        20, gt=0, description="devices per round; a value in (0, 1) is a fraction of the fleet"
+        DEFAULT_CLIENTS_PER_ROUND,
+        gt=0,
+        description="devices per round; a value in (0, 1) is a fraction of the fleet; the "
+        "default 20 is clamped to data.devices, any other count above it is refused",
     )
     min_updates: int | None = Field(None, ge=1, description="default: half the target, at least 1")
     deadline_s: float = Field(30.0, gt=0)
@@ -304,11 +312,12 @@ class CompressionConfig(_Section):
         description="f32 | f16 | q8 | q4 | topk | rot1 (edge-fl comm-cost compares them); None = "
         "model.wire_dtype, rounded to nearest; checked against the registry when the job is built",
     )
-    downlink: Literal["f32", "f16", "q8"] | None = Field(
+    downlink: RegistryName | None = Field(
         None,
-        description="the global model as broadcast: f32, f16 or q8 (8-bit levels per block of "
-        "256, nearest rounding; the aggregator keeps its model in float32 and devices train "
-        "from what they received); None = model.wire_dtype",
+        description="the global model as broadcast: a registered codec that can carry it (f32, "
+        "f16 or q8: 8-bit levels per block of 256, nearest rounding; the aggregator keeps its "
+        "model in float32 and devices train from what they received); None = model.wire_dtype; "
+        "checked against the registry when the job is built",
     )
     topk_fraction: float = Field(0.01, gt=0, le=0.5, description="topk: fraction of coordinates")
     error_feedback: bool = Field(True, description="topk: carry what was not sent to next round")
@@ -457,29 +466,58 @@ class JobConfig(_Section):
 
     @model_validator(mode="after")
     def _fits_the_fleet(self) -> JobConfig:
-        k, n = self.rounds.clients_per_round, self.data.devices
-        explicit = "clients_per_round" in self.rounds.model_fields_set  # the default clamps
-        if explicit and k >= 1 and k > n:
-            raise ValueError(
-                f"rounds.clients_per_round = {k:g} exceeds data.devices = {n}: at most {n} "
-                "devices can take part in a round (or give a fraction in (0, 1))"
-            )
-        target, need = self.rounds.target(n), self.rounds.min_updates
-        if self.rounds.mode == "sync" and need is not None and need > target:
-            raise ValueError(
-                f"rounds.min_updates = {need} exceeds the {target} updates a round asks for "
-                f"(rounds.clients_per_round with data.devices = {n}): a round cannot wait for "
-                "more than it selects"
-            )
+        problem = fleet_problem(self.rounds, self.data.devices)
+        if problem is not None:
+            raise ValueError(problem)
         return self
 
+    #: what ``data.data_dir`` holds, as the job built from it read it (``with_data_identity``)
+    _data_identity: str | None = PrivateAttr(None)
+    _data_bound: bool = PrivateAttr(False)
+
+    def with_data_identity(self, identity: str | None) -> JobConfig:
+        """This config, its digest covering ``data.data_dir`` by ``identity``: a fingerprint of
+        what the directory gave the devices to train on (``edge_fl.job.build_job`` computes it),
+        or None where the directory changes nothing (the bundled and generated datasets)."""
+        out = self.model_copy()
+        out._data_identity, out._data_bound = identity, True
+        return out
+
     def digest(self) -> str:
-        """Short hash of the settings devices must agree on (model, data, training, privacy)."""
+        """Short hash of the settings devices must agree on (model, data, training, privacy).
+
+        ``data.data_dir`` counts by what it holds, never by its path: two machines with the same
+        files agree wherever they keep them, and the same path with other files disagrees. A
+        config no job was built from (no identity yet) still hashes the path as written."""
         shared = self.model_dump(include={"job", "model", "data", "training", "privacy"})
+        if self._data_bound:
+            shared["data"]["data_dir"] = self._data_identity
         if self.population.online is not None:  # the same data settings, drawn lazily: other data
             shared["population"] = self.population.model_dump()
         raw = json.dumps(shared, sort_keys=True, default=str).encode()
         return hashlib.sha256(raw).hexdigest()[:12]
+
+
+def fleet_problem(rounds: RoundsConfig, devices: int) -> str | None:
+    """Why ``rounds`` cannot run on ``devices`` devices, or None: the one rule, on values only.
+
+    A rule that asked whether a key was *set* would differ between the aggregator (its file) and
+    a device (the job document, which writes every default): the default count 20 is clamped to
+    the fleet wherever it comes from, any other count above the fleet is refused."""
+    k, n = rounds.clients_per_round, devices
+    if k >= 1 and k > n and k != DEFAULT_CLIENTS_PER_ROUND:
+        return (
+            f"rounds.clients_per_round = {k:g} exceeds data.devices = {n}: at most {n} "
+            "devices can take part in a round (or give a fraction in (0, 1))"
+        )
+    target, need = rounds.target(n), rounds.min_updates
+    if rounds.mode == "sync" and need is not None and need > target:
+        return (
+            f"rounds.min_updates = {need} exceeds the {target} updates a round asks for "
+            f"(rounds.clients_per_round with data.devices = {n}): a round cannot wait for "
+            "more than it selects"
+        )
+    return None
 
 
 def _describe(err: Mapping[str, Any]) -> str:
