@@ -457,17 +457,28 @@ def _data_identity(cfg: JobConfig, data: Any, *, given: bool) -> str | None:
     return data.fingerprint()
 
 
-def _unenforceable_budget(cfg: JobConfig, mechanism: Mechanism) -> str | None:
-    """A per-device budget is enforced by each device from its own releases' events; a mechanism
+def budget_refusal(mechanism: Mechanism) -> str | None:
+    """Why ``privacy.budget_epsilon`` is refused with ``mechanism``, or None (it is enforced).
+
+    A per-device budget is enforced by each device from its own releases' events; a mechanism
     whose cost is charged per applied round (central noise) leaves the device nothing to count,
-    so the budget would be reported but never kept."""
-    if cfg.privacy.budget_epsilon is None or not mechanism.round_events():
+    so the budget would be reported but never kept: such a job is refused before it starts
+    (``edge-fl privacy plan`` says so)."""
+    if not mechanism.accounts or not mechanism.round_events():
         return None
     return (
-        f"privacy.budget_epsilon = {cfg.privacy.budget_epsilon:g} cannot be enforced with "
-        f"privacy.mechanism = {mechanism.name!r} (its noise is added by the aggregator, so a "
-        "device cannot count what it spent): drop the budget and bound the job with "
-        "privacy.epsilon or rounds.rounds"
+        f"privacy.budget_epsilon cannot be enforced with privacy.mechanism = "
+        f"{mechanism.name!r} (its noise is added by the aggregator, so a device cannot count "
+        "what it spent): drop the budget and bound the job with privacy.epsilon or rounds.rounds"
+    )
+
+
+def _unenforceable_budget(cfg: JobConfig, mechanism: Mechanism) -> str | None:
+    why = budget_refusal(mechanism)
+    if cfg.privacy.budget_epsilon is None or why is None:
+        return None
+    return why.replace(
+        "privacy.budget_epsilon", f"privacy.budget_epsilon = {cfg.privacy.budget_epsilon:g}", 1
     )
 
 
