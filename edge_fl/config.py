@@ -40,10 +40,18 @@ PositiveInt = Annotated[int, Field(ge=1)]
 
 class BrokerConfig(_Section):
     url: str | None = Field(None, description="mqtt[s]://[user:pass@]host:port; None = embedded")
-    prefix: str = "edgefl"
-    embedded: Literal["auto", "mosquitto", "amqtt"] = "auto"
-    connect_concurrency: int = Field(64, ge=1, le=100)  # Mosquitto's listen backlog is 100
-    keepalive_s: int = Field(60, ge=5, le=3600)
+    prefix: str = Field("edgefl", description="topic prefix: <prefix>/<job>/global, up/<id>, ...")
+    embedded: Literal["auto", "mosquitto", "amqtt"] = Field(
+        "auto",
+        description="the broker simulate starts when url is None: a private Mosquitto on a free "
+        "loopback port, or the pure-Python amqtt; auto = Mosquitto when installed",
+    )
+    connect_concurrency: int = Field(  # Mosquitto's listen backlog is 100
+        64, ge=1, le=100, description="simulated devices connecting at once"
+    )
+    keepalive_s: int = Field(
+        60, ge=5, le=3600, description="MQTT keep-alive: how soon a vanished device's will fires"
+    )
 
 
 #: a registry name (models, datasets, mechanisms, codecs): checked against its registry when the
@@ -55,21 +63,33 @@ class DataConfig(_Section):
     dataset: RegistryName = Field(
         "digits", description="a registered dataset: digits | synthetic | femnist | mnist | yours"
     )
-    devices: PositiveInt = 50
+    devices: PositiveInt = Field(
+        50, description="N: the job's devices; ids d00000..d{N-1}, each its share of the data"
+    )
     partition: Literal["iid", "dirichlet", "natural"] | None = Field(
         None, description="default: iid for digits/mnist, natural (by writer/device) otherwise"
     )
     alpha: float = Field(0.5, gt=0, description="Dirichlet concentration")
-    data_dir: str | None = None
-    samples_per_device: PositiveInt = 50  # synthetic only: mean of the lognormal
+    data_dir: str | None = Field(
+        None,
+        description="where the files of femnist / mnist are (each process's own path; the "
+        "config digest covers what the files hold, not the path)",
+    )
+    samples_per_device: PositiveInt = Field(
+        50, description="synthetic only: the mean of each device's lognormal sample count"
+    )
 
 
 class ModelConfig(_Section):
     name: RegistryName = Field(
         "mlp", description="a registered model: logreg | mlp | lenet | cnn | yours"
     )
-    hidden: PositiveInt = 64
-    wire_dtype: Literal["f4", "f2"] = "f4"
+    hidden: PositiveInt = Field(64, description="mlp: units of its one hidden ReLU layer")
+    wire_dtype: Literal["f4", "f2"] = Field(
+        "f4",
+        description="float32 or float16 on the wire, for the global model and dense updates "
+        "when compression.downlink / uplink leave it open",
+    )
     evaluate_with: Literal["onnxruntime", "native"] = Field(
         "onnxruntime", description="how the aggregator evaluates the global model each round"
     )
@@ -77,9 +97,9 @@ class ModelConfig(_Section):
 
 class TrainingConfig(_Section):
     # defaults measured on digits/MLP, 50 devices: 20 rounds reach ~0.93 (BENCHMARKS.md)
-    epochs: PositiveInt = 5
-    batch_size: PositiveInt = 8
-    lr: float = Field(0.3, gt=0, le=100)
+    epochs: PositiveInt = Field(5, description="local passes over the device's data per update")
+    batch_size: PositiveInt = Field(8, description="local minibatch size")
+    lr: float = Field(0.3, gt=0, le=100, description="local learning rate")
 
 
 #: devices per round when the config gives none (clamped to the fleet; see fleet_problem)
@@ -87,8 +107,13 @@ DEFAULT_CLIENTS_PER_ROUND = 20
 
 
 class RoundsConfig(_Section):
-    mode: Literal["sync", "fedbuff", "fedasync"] = "sync"
-    rounds: PositiveInt = 20
+    mode: Literal["sync", "fedbuff", "fedasync"] = Field(
+        "sync",
+        description="sync rounds; fedbuff applies every buffer_size updates; fedasync each one",
+    )
+    rounds: PositiveInt = Field(
+        20, description="rounds (async: model versions) before the job ends"
+    )
     clients_per_round: float = Field(
         DEFAULT_CLIENTS_PER_ROUND,
         gt=0,
@@ -96,14 +121,25 @@ class RoundsConfig(_Section):
         "default 20 is clamped to data.devices, any other count above it is refused",
     )
     min_updates: int | None = Field(None, ge=1, description="default: half the target, at least 1")
-    deadline_s: float = Field(30.0, gt=0)
-    on_short_round: Literal["extend", "skip"] = "extend"
-    over_selection: float = Field(1.0, ge=1.0, le=3.0)
-    server_lr: float = Field(1.0, gt=0)
-    wait_for_devices_s: float = Field(60.0, gt=0)
+    deadline_s: float = Field(
+        30.0, gt=0, description="a round closes at this deadline (simulated s) or when complete"
+    )
+    on_short_round: Literal["extend", "skip"] = Field(
+        "extend",
+        description="a round with fewer than min_updates at its deadline: extend once, or skip",
+    )
+    over_selection: float = Field(
+        1.0, ge=1.0, le=3.0, description="select this many times the target, for stragglers"
+    )
+    server_lr: float = Field(1.0, gt=0, description="the server's step on the averaged update")
+    wait_for_devices_s: float = Field(
+        60.0, gt=0, description="how long the aggregator waits for devices to come online"
+    )
     # asynchronous modes
     buffer_size: PositiveInt = Field(10, description="FedBuff: apply every K updates")
-    staleness: Literal["constant", "polynomial", "hinge"] = "polynomial"
+    staleness: Literal["constant", "polynomial", "hinge"] = Field(
+        "polynomial", description="async: how an update's weight falls with its staleness"
+    )
     staleness_a: float = Field(0.5, ge=0, description="polynomial exponent / hinge slope")
     staleness_b: int = Field(4, ge=0, description="hinge: staleness counted in full up to b")
     max_staleness: int = Field(20, ge=0, description="async: drop updates staler than this")
@@ -183,13 +219,17 @@ class SignDSConfig(_Section):
 class MagRRConfigSection(_Section):
     """MagRR step-size estimation; the reference's constants are the defaults."""
 
-    r_est0: float = Field(1e-5, gt=0, lt=1)
-    growth: float = Field(5.0, gt=1)
-    shrink: float = Field(1.5, gt=1)
-    reached_threshold: int = Field(10, ge=0)
-    rr_eps: float = Field(5.0, gt=0)
-    step_ratio: float = Field(3.0, gt=0)
-    fallback_ratio: float = Field(0.05, ge=0, le=1)
+    r_est0: float = Field(1e-5, gt=0, lt=1, description="the first estimate of the step ratio")
+    growth: float = Field(5.0, gt=1, description="fast phase: the estimate grows by this factor")
+    shrink: float = Field(1.5, gt=1, description="shrink phase: the estimate shrinks by this")
+    reached_threshold: int = Field(
+        10, ge=0, description="majority 'yes' rounds before the fast phase ends"
+    )
+    rr_eps: float = Field(5.0, gt=0, description="epsilon of each device's randomized-response bit")
+    step_ratio: float = Field(3.0, gt=0, description="the SignDS step is this x N x the estimate")
+    fallback_ratio: float = Field(
+        0.05, ge=0, le=1, description="the step when the estimate falls back (MagRR's rule)"
+    )
 
 
 class PrivacyConfig(_Section):
@@ -218,8 +258,13 @@ class PrivacyConfig(_Section):
     sample_rate: float | None = Field(
         None, gt=0, le=1, description="dpsgd: Poisson rate q (default batch_size / |D|)"
     )
-    schedule: Literal["uniform", "geometric"] = "uniform"
-    schedule_decay: float = Field(0.9, gt=0, lt=1)
+    schedule: Literal["uniform", "geometric"] = Field(
+        "uniform",
+        description="laplace: split epsilon over the L uploads equally, or geometrically",
+    )
+    schedule_decay: float = Field(
+        0.9, gt=0, lt=1, description="laplace, geometric: each upload's share is this x the last"
+    )
     poisson_selection: bool = Field(
         False,
         description="gaussian-central: select devices by Poisson sampling and claim amplification",
@@ -414,7 +459,11 @@ class IngestConfig(_Section):
         "hash: every worker reads every update and keeps its devices' (any broker); site: each "
         "worker is a site aggregator taking every update of its own (bridged) site broker",
     )
-    group: str = Field("edgefl-ingest", pattern=r"^[A-Za-z0-9_.\-]{1,64}$")
+    group: str = Field(
+        "edgefl-ingest",
+        pattern=r"^[A-Za-z0-9_.\-]{1,64}$",
+        description="shared: the MQTT 5 shared-subscription group of the workers",
+    )
     spawn: bool = Field(
         True,
         description="the aggregator starts its workers as local processes; false: run "
@@ -423,8 +472,16 @@ class IngestConfig(_Section):
 
 
 class JobConfig(_Section):
-    job: str = Field("edgefl", pattern=r"^[A-Za-z0-9_.\-]{1,64}$")
-    seed: int = 0
+    job: str = Field(
+        "edgefl",
+        pattern=r"^[A-Za-z0-9_.\-]{1,64}$",
+        description="the job id: topics edgefl/<job>/..., the job document, run.json",
+    )
+    seed: int = Field(
+        0,
+        description="public randomness: data split, selection, initial model (noise only with "
+        "reproducible)",
+    )
     reproducible: bool = Field(
         False, description="seeded (non-cryptographic) noise: tests and reproducibility runs only"
     )
