@@ -76,6 +76,14 @@ ACCEPTED: list[dict[str, Any]] = [
     _small(**{"model.evaluate_with": "native", "training.epochs": 1, "training.lr": 0.1}),
     _small(**{"data.partition": "dirichlet", "data.alpha": 0.3}),
     _small(**{"data.dataset": "synthetic", "data.devices": 6, "model.name": "logreg"}),
+    _small(
+        **{
+            "data.dataset": "synthetic",
+            "data.devices": 1000,  # a modelled population, 10 of it online
+            "population.online": 10,
+            "rounds.clients_per_round": 5,
+        }
+    ),
 ]
 
 
