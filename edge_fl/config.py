@@ -537,8 +537,13 @@ class JobConfig(_Section):
         what the directory gave the devices to train on (``edge_fl.job.build_job`` computes it),
         or None where the directory changes nothing (the bundled and generated datasets)."""
         out = self.model_copy()
-        out._data_identity, out._data_bound = identity, True
+        out.bind_data_identity(identity)
         return out
+
+    def bind_data_identity(self, identity: str | None) -> None:
+        """Make this config's digest cover ``data.data_dir`` by ``identity`` (see
+        ``with_data_identity``, which leaves the original as it was)."""
+        self._data_identity, self._data_bound = identity, True
 
     def digest(self) -> str:
         """Short hash of the settings devices must agree on (model, data, training, privacy).
