@@ -20,6 +20,7 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    PrivateAttr,
     ValidationError,
     field_validator,
     model_validator,
@@ -39,10 +40,18 @@ PositiveInt = Annotated[int, Field(ge=1)]
 
 class BrokerConfig(_Section):
     url: str | None = Field(None, description="mqtt[s]://[user:pass@]host:port; None = embedded")
-    prefix: str = "edgefl"
-    embedded: Literal["auto", "mosquitto", "amqtt"] = "auto"
-    connect_concurrency: int = Field(64, ge=1, le=100)  # Mosquitto's listen backlog is 100
-    keepalive_s: int = Field(60, ge=5, le=3600)
+    prefix: str = Field("edgefl", description="topic prefix: <prefix>/<job>/global, up/<id>, ...")
+    embedded: Literal["auto", "mosquitto", "amqtt"] = Field(
+        "auto",
+        description="the broker simulate starts when url is None: a private Mosquitto on a free "
+        "loopback port, or the pure-Python amqtt; auto = Mosquitto when installed",
+    )
+    connect_concurrency: int = Field(  # Mosquitto's listen backlog is 100
+        64, ge=1, le=100, description="simulated devices connecting at once"
+    )
+    keepalive_s: int = Field(
+        60, ge=5, le=3600, description="MQTT keep-alive: how soon a vanished device's will fires"
+    )
 
 
 #: a registry name (models, datasets, mechanisms, codecs): checked against its registry when the
@@ -54,21 +63,33 @@ class DataConfig(_Section):
     dataset: RegistryName = Field(
         "digits", description="a registered dataset: digits | synthetic | femnist | mnist | yours"
     )
-    devices: PositiveInt = 50
+    devices: PositiveInt = Field(
+        50, description="N: the job's devices; ids d00000..d{N-1}, each its share of the data"
+    )
     partition: Literal["iid", "dirichlet", "natural"] | None = Field(
         None, description="default: iid for digits/mnist, natural (by writer/device) otherwise"
     )
     alpha: float = Field(0.5, gt=0, description="Dirichlet concentration")
-    data_dir: str | None = None
-    samples_per_device: PositiveInt = 50  # synthetic only: mean of the lognormal
+    data_dir: str | None = Field(
+        None,
+        description="where the files of femnist / mnist are (each process's own path; the "
+        "config digest covers what the files hold, not the path)",
+    )
+    samples_per_device: PositiveInt = Field(
+        50, description="synthetic only: the mean of each device's lognormal sample count"
+    )
 
 
 class ModelConfig(_Section):
     name: RegistryName = Field(
         "mlp", description="a registered model: logreg | mlp | lenet | cnn | yours"
     )
-    hidden: PositiveInt = 64
-    wire_dtype: Literal["f4", "f2"] = "f4"
+    hidden: PositiveInt = Field(64, description="mlp: units of its one hidden ReLU layer")
+    wire_dtype: Literal["f4", "f2"] = Field(
+        "f4",
+        description="float32 or float16 on the wire, for the global model and dense updates "
+        "when compression.downlink / uplink leave it open",
+    )
     evaluate_with: Literal["onnxruntime", "native"] = Field(
         "onnxruntime", description="how the aggregator evaluates the global model each round"
     )
@@ -76,26 +97,49 @@ class ModelConfig(_Section):
 
 class TrainingConfig(_Section):
     # defaults measured on digits/MLP, 50 devices: 20 rounds reach ~0.93 (BENCHMARKS.md)
-    epochs: PositiveInt = 5
-    batch_size: PositiveInt = 8
-    lr: float = Field(0.3, gt=0, le=100)
+    epochs: PositiveInt = Field(5, description="local passes over the device's data per update")
+    batch_size: PositiveInt = Field(8, description="local minibatch size")
+    lr: float = Field(0.3, gt=0, le=100, description="local learning rate")
+
+
+#: devices per round when the config gives none (clamped to the fleet; see fleet_problem)
+DEFAULT_CLIENTS_PER_ROUND = 20
 
 
 class RoundsConfig(_Section):
-    mode: Literal["sync", "fedbuff", "fedasync"] = "sync"
-    rounds: PositiveInt = 20
+    mode: Literal["sync", "fedbuff", "fedasync"] = Field(
+        "sync",
+        description="sync rounds; fedbuff applies every buffer_size updates; fedasync each one",
+    )
+    rounds: PositiveInt = Field(
+        20, description="rounds (async: model versions) before the job ends"
+    )
     clients_per_round: float = Field(
-        20, gt=0, description="devices per round; a value in (0, 1) is a fraction of the fleet"
+        DEFAULT_CLIENTS_PER_ROUND,
+        gt=0,
+        description="devices per round; a value in (0, 1) is a fraction of the fleet; the "
+        "default 20 is clamped to data.devices, any other count above it is refused",
     )
     min_updates: int | None = Field(None, ge=1, description="default: half the target, at least 1")
-    deadline_s: float = Field(30.0, gt=0)
-    on_short_round: Literal["extend", "skip"] = "extend"
-    over_selection: float = Field(1.0, ge=1.0, le=3.0)
-    server_lr: float = Field(1.0, gt=0)
-    wait_for_devices_s: float = Field(60.0, gt=0)
+    deadline_s: float = Field(
+        30.0, gt=0, description="a round closes at this deadline (simulated s) or when complete"
+    )
+    on_short_round: Literal["extend", "skip"] = Field(
+        "extend",
+        description="a round with fewer than min_updates at its deadline: extend once, or skip",
+    )
+    over_selection: float = Field(
+        1.0, ge=1.0, le=3.0, description="select this many times the target, for stragglers"
+    )
+    server_lr: float = Field(1.0, gt=0, description="the server's step on the averaged update")
+    wait_for_devices_s: float = Field(
+        60.0, gt=0, description="how long the aggregator waits for devices to come online"
+    )
     # asynchronous modes
     buffer_size: PositiveInt = Field(10, description="FedBuff: apply every K updates")
-    staleness: Literal["constant", "polynomial", "hinge"] = "polynomial"
+    staleness: Literal["constant", "polynomial", "hinge"] = Field(
+        "polynomial", description="async: how an update's weight falls with its staleness"
+    )
     staleness_a: float = Field(0.5, ge=0, description="polynomial exponent / hinge slope")
     staleness_b: int = Field(4, ge=0, description="hinge: staleness counted in full up to b")
     max_staleness: int = Field(20, ge=0, description="async: drop updates staler than this")
@@ -175,13 +219,17 @@ class SignDSConfig(_Section):
 class MagRRConfigSection(_Section):
     """MagRR step-size estimation; the reference's constants are the defaults."""
 
-    r_est0: float = Field(1e-5, gt=0, lt=1)
-    growth: float = Field(5.0, gt=1)
-    shrink: float = Field(1.5, gt=1)
-    reached_threshold: int = Field(10, ge=0)
-    rr_eps: float = Field(5.0, gt=0)
-    step_ratio: float = Field(3.0, gt=0)
-    fallback_ratio: float = Field(0.05, ge=0, le=1)
+    r_est0: float = Field(1e-5, gt=0, lt=1, description="the first estimate of the step ratio")
+    growth: float = Field(5.0, gt=1, description="fast phase: the estimate grows by this factor")
+    shrink: float = Field(1.5, gt=1, description="shrink phase: the estimate shrinks by this")
+    reached_threshold: int = Field(
+        10, ge=0, description="majority 'yes' rounds before the fast phase ends"
+    )
+    rr_eps: float = Field(5.0, gt=0, description="epsilon of each device's randomized-response bit")
+    step_ratio: float = Field(3.0, gt=0, description="the SignDS step is this x N x the estimate")
+    fallback_ratio: float = Field(
+        0.05, ge=0, le=1, description="the step when the estimate falls back (MagRR's rule)"
+    )
 
 
 class PrivacyConfig(_Section):
@@ -210,8 +258,13 @@ class PrivacyConfig(_Section):
     sample_rate: float | None = Field(
         None, gt=0, le=1, description="dpsgd: Poisson rate q (default batch_size / |D|)"
     )
-    schedule: Literal["uniform", "geometric"] = "uniform"
-    schedule_decay: float = Field(0.9, gt=0, lt=1)
+    schedule: Literal["uniform", "geometric"] = Field(
+        "uniform",
+        description="laplace: split epsilon over the L uploads equally, or geometrically",
+    )
+    schedule_decay: float = Field(
+        0.9, gt=0, lt=1, description="laplace, geometric: each upload's share is this x the last"
+    )
     poisson_selection: bool = Field(
         False,
         description="gaussian-central: select devices by Poisson sampling and claim amplification",
@@ -304,11 +357,12 @@ class CompressionConfig(_Section):
         description="f32 | f16 | q8 | q4 | topk | rot1 (edge-fl comm-cost compares them); None = "
         "model.wire_dtype, rounded to nearest; checked against the registry when the job is built",
     )
-    downlink: Literal["f32", "f16", "q8"] | None = Field(
+    downlink: RegistryName | None = Field(
         None,
-        description="the global model as broadcast: f32, f16 or q8 (8-bit levels per block of "
-        "256, nearest rounding; the aggregator keeps its model in float32 and devices train "
-        "from what they received); None = model.wire_dtype",
+        description="the global model as broadcast: a registered codec that can carry it (f32, "
+        "f16 or q8: 8-bit levels per block of 256, nearest rounding; the aggregator keeps its "
+        "model in float32 and devices train from what they received); None = model.wire_dtype; "
+        "checked against the registry when the job is built",
     )
     topk_fraction: float = Field(0.01, gt=0, le=0.5, description="topk: fraction of coordinates")
     error_feedback: bool = Field(True, description="topk: carry what was not sent to next round")
@@ -405,7 +459,11 @@ class IngestConfig(_Section):
         "hash: every worker reads every update and keeps its devices' (any broker); site: each "
         "worker is a site aggregator taking every update of its own (bridged) site broker",
     )
-    group: str = Field("edgefl-ingest", pattern=r"^[A-Za-z0-9_.\-]{1,64}$")
+    group: str = Field(
+        "edgefl-ingest",
+        pattern=r"^[A-Za-z0-9_.\-]{1,64}$",
+        description="shared: the MQTT 5 shared-subscription group of the workers",
+    )
     spawn: bool = Field(
         True,
         description="the aggregator starts its workers as local processes; false: run "
@@ -414,8 +472,16 @@ class IngestConfig(_Section):
 
 
 class JobConfig(_Section):
-    job: str = Field("edgefl", pattern=r"^[A-Za-z0-9_.\-]{1,64}$")
-    seed: int = 0
+    job: str = Field(
+        "edgefl",
+        pattern=r"^[A-Za-z0-9_.\-]{1,64}$",
+        description="the job id: topics edgefl/<job>/..., the job document, run.json",
+    )
+    seed: int = Field(
+        0,
+        description="public randomness: data split, selection, initial model (noise only with "
+        "reproducible)",
+    )
     reproducible: bool = Field(
         False, description="seeded (non-cryptographic) noise: tests and reproducibility runs only"
     )
@@ -457,29 +523,63 @@ class JobConfig(_Section):
 
     @model_validator(mode="after")
     def _fits_the_fleet(self) -> JobConfig:
-        k, n = self.rounds.clients_per_round, self.data.devices
-        explicit = "clients_per_round" in self.rounds.model_fields_set  # the default clamps
-        if explicit and k >= 1 and k > n:
-            raise ValueError(
-                f"rounds.clients_per_round = {k:g} exceeds data.devices = {n}: at most {n} "
-                "devices can take part in a round (or give a fraction in (0, 1))"
-            )
-        target, need = self.rounds.target(n), self.rounds.min_updates
-        if self.rounds.mode == "sync" and need is not None and need > target:
-            raise ValueError(
-                f"rounds.min_updates = {need} exceeds the {target} updates a round asks for "
-                f"(rounds.clients_per_round with data.devices = {n}): a round cannot wait for "
-                "more than it selects"
-            )
+        problem = fleet_problem(self.rounds, self.data.devices)
+        if problem is not None:
+            raise ValueError(problem)
         return self
 
+    #: what ``data.data_dir`` holds, as the job built from it read it (``with_data_identity``)
+    _data_identity: str | None = PrivateAttr(None)
+    _data_bound: bool = PrivateAttr(False)
+
+    def with_data_identity(self, identity: str | None) -> JobConfig:
+        """This config, its digest covering ``data.data_dir`` by ``identity``: a fingerprint of
+        what the directory gave the devices to train on (``edge_fl.job.build_job`` computes it),
+        or None where the directory changes nothing (the bundled and generated datasets)."""
+        out = self.model_copy()
+        out.bind_data_identity(identity)
+        return out
+
+    def bind_data_identity(self, identity: str | None) -> None:
+        """Make this config's digest cover ``data.data_dir`` by ``identity`` (see
+        ``with_data_identity``, which leaves the original as it was)."""
+        self._data_identity, self._data_bound = identity, True
+
     def digest(self) -> str:
-        """Short hash of the settings devices must agree on (model, data, training, privacy)."""
+        """Short hash of the settings devices must agree on (model, data, training, privacy).
+
+        ``data.data_dir`` counts by what it holds, never by its path: two machines with the same
+        files agree wherever they keep them, and the same path with other files disagrees. A
+        config no job was built from (no identity yet) still hashes the path as written."""
         shared = self.model_dump(include={"job", "model", "data", "training", "privacy"})
+        if self._data_bound:
+            shared["data"]["data_dir"] = self._data_identity
         if self.population.online is not None:  # the same data settings, drawn lazily: other data
             shared["population"] = self.population.model_dump()
         raw = json.dumps(shared, sort_keys=True, default=str).encode()
         return hashlib.sha256(raw).hexdigest()[:12]
+
+
+def fleet_problem(rounds: RoundsConfig, devices: int) -> str | None:
+    """Why ``rounds`` cannot run on ``devices`` devices, or None: the one rule, on values only.
+
+    A rule that asked whether a key was *set* would differ between the aggregator (its file) and
+    a device (the job document, which writes every default): the default count 20 is clamped to
+    the fleet wherever it comes from, any other count above the fleet is refused."""
+    k, n = rounds.clients_per_round, devices
+    if k >= 1 and k > n and k != DEFAULT_CLIENTS_PER_ROUND:
+        return (
+            f"rounds.clients_per_round = {k:g} exceeds data.devices = {n}: at most {n} "
+            "devices can take part in a round (or give a fraction in (0, 1))"
+        )
+    target, need = rounds.target(n), rounds.min_updates
+    if rounds.mode == "sync" and need is not None and need > target:
+        return (
+            f"rounds.min_updates = {need} exceeds the {target} updates a round asks for "
+            f"(rounds.clients_per_round with data.devices = {n}): a round cannot wait for "
+            "more than it selects"
+        )
+    return None
 
 
 def _describe(err: Mapping[str, Any]) -> str:

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from edge_fl.config import ConfigError, JobConfig, set_path, validate_config
-from edge_fl.data import known_datasets, load_federated
+from edge_fl.data import known_datasets, load_federated, reads_files
 from edge_fl.data.base import FederatedDataset
 from edge_fl.device.agent import DeviceAgent, DeviceBudget
 from edge_fl.fleet.clock import SimClock
@@ -33,6 +33,7 @@ from edge_fl.mechanisms import JobFacts, Mechanism, UnknownMechanismError, build
 from edge_fl.models import evaluate, known_models, make_model, onnx_exporter
 from edge_fl.models.base import Model
 from edge_fl.models.training import LocalTraining
+from edge_fl.privacy import calibration
 from edge_fl.privacy.rng import RngInfo, make_generator
 from edge_fl.protocol import Topics, UpdateLimits
 from edge_fl.server.aggregator import AggregatorCore, AggregatorSettings, PrivacyAccounting
@@ -58,11 +59,14 @@ class Job:
     model: Model
     warnings: list[str] = field(default_factory=list)
     device_factory: DeviceFactory | None = None
+    #: the calibration keys this job's mechanism looked up: its job document's ``cal`` rows
+    calibrations: set[Any] = field(default_factory=set)
 
     @cached_property
     def mechanism(self) -> Mechanism:
         """The privacy mechanism, built and calibrated once for the job (from the registry)."""
-        return build_mechanism(self.cfg.privacy, self.facts)
+        with calibration.scope(self.calibrations):
+            return build_mechanism(self.cfg.privacy, self.facts)
 
     @cached_property
     def robust(self) -> RobustSettings:
@@ -148,10 +152,12 @@ class Job:
     @property
     def global_dtype(self) -> str:
         """The global message's ``dt``: ``compression.downlink`` if set, else model.wire_dtype."""
+        from edge_fl.protocol.codecs import downlink_tag
+
         downlink = self.cfg.compression.downlink
         if downlink is None:
             return self.cfg.model.wire_dtype
-        return {"f32": "f4", "f16": "f2", "q8": "q8"}[downlink]
+        return downlink_tag(downlink)
 
     def aggregator_core(self) -> AggregatorCore:
         r = self.cfg.rounds
@@ -310,13 +316,14 @@ class Job:
         """What a device needs to join (``edge_fl.protocol.jobdoc``): the job's settings without
         the aggregator's own (broker, keys, simulated-fleet behaviour, local paths) and every
         noise multiplier it calibrated, so a device without dp-accounting uses the same ones."""
-        from edge_fl.privacy import calibration
         from edge_fl.protocol.jobdoc import JobDocument
 
-        self.mechanism.describe()  # calibrates every dataset size the job has (DP-SGD)
+        with calibration.scope(self.calibrations):
+            self.mechanism.describe()  # calibrates every dataset size the job has (DP-SGD)
         config = self.cfg.model_dump(mode="json", exclude=DEVICE_LOCAL_SECTIONS)
         config["data"]["data_dir"] = None  # where the data lives is each device's own business
-        return JobDocument(self.cfg.job, self.cfg.digest(), config, calibration.table())
+        cal = calibration.table(self.calibrations)  # this job's rows, not the process's
+        return JobDocument(self.cfg.job, self.cfg.digest(), config, cal)
 
     @cached_property
     def noise_rng(self) -> np.random.Generator:
@@ -358,6 +365,7 @@ def build_job(
     model: Model | None = None,
     device_factory: DeviceFactory | None = None,
     noise_must_fit: bool = True,
+    evaluates: bool = True,
 ) -> Job:
     """The job ``cfg`` describes, every part built and checked before anything runs.
 
@@ -366,7 +374,9 @@ def build_job(
     sets another count: an error). ``device_factory``: see :data:`DeviceFactory`. Every name the
     config gives (model, dataset, mechanism, codec) must be registered: ConfigError lists the
     known ones. ``noise_must_fit=False`` builds a job whose local noise the decoder would refuse
-    (to observe how refused releases are charged); every other check still holds."""
+    (to observe how refused releases are charged); every other check still holds.
+    ``evaluates=False``: a device's build, which never evaluates the global model, so the
+    aggregator's evaluation settings do not concern it (``edge-fl device``)."""
     if dataset is not None or model is not None:
         cfg = _adopt(cfg, dataset, model)
     check_registered(cfg, dataset=dataset is None, model=model is None)
@@ -402,6 +412,7 @@ def build_job(
         options = {"hidden": cfg.model.hidden} if cfg.model.name == "mlp" else {}
         model = make_model(cfg.model.name, data.n_features, data.n_classes, **options)
     _check_fit(model, data)
+    cfg = cfg.with_data_identity(_data_identity(cfg, data, given=dataset is not None))
     job = Job(cfg, data, model, device_factory=device_factory)
     try:
         mechanism = job.mechanism  # built now, so a bad privacy setting fails before anything runs
@@ -417,7 +428,7 @@ def build_job(
         job.robust  # noqa: B018 (resolved now: a setting the mechanism cannot take fails here)
     except ValueError as exc:
         raise ConfigError(f"invalid configuration:\n  robust: {exc}") from None
-    if job.onnx is None and cfg.model.evaluate_with == "onnxruntime":
+    if evaluates and job.onnx is None and cfg.model.evaluate_with == "onnxruntime":
         if "evaluate_with" in cfg.model.model_fields_set:
             raise ConfigError(
                 f"invalid configuration:\n  model.evaluate_with = 'onnxruntime': model "
@@ -434,17 +445,40 @@ def build_job(
     return job
 
 
-def _unenforceable_budget(cfg: JobConfig, mechanism: Mechanism) -> str | None:
-    """A per-device budget is enforced by each device from its own releases' events; a mechanism
+def _data_identity(cfg: JobConfig, data: Any, *, given: bool) -> str | None:
+    """What ``data.data_dir`` means for the config digest: the fingerprint of what the job read
+    from it, or None where it changes nothing (a bundled or generated dataset, a dataset object,
+    a lazily drawn population)."""
+    d = cfg.data
+    if given or d.data_dir is None or cfg.population.online is not None:
+        return None
+    if not reads_files(d.dataset):
+        return None
+    return data.fingerprint()
+
+
+def budget_refusal(mechanism: Mechanism) -> str | None:
+    """Why ``privacy.budget_epsilon`` is refused with ``mechanism``, or None (it is enforced).
+
+    A per-device budget is enforced by each device from its own releases' events; a mechanism
     whose cost is charged per applied round (central noise) leaves the device nothing to count,
-    so the budget would be reported but never kept."""
-    if cfg.privacy.budget_epsilon is None or not mechanism.round_events():
+    so the budget would be reported but never kept: such a job is refused before it starts
+    (``edge-fl privacy plan`` says so)."""
+    if not mechanism.accounts or not mechanism.round_events():
         return None
     return (
-        f"privacy.budget_epsilon = {cfg.privacy.budget_epsilon:g} cannot be enforced with "
-        f"privacy.mechanism = {mechanism.name!r} (its noise is added by the aggregator, so a "
-        "device cannot count what it spent): drop the budget and bound the job with "
-        "privacy.epsilon or rounds.rounds"
+        f"privacy.budget_epsilon cannot be enforced with privacy.mechanism = "
+        f"{mechanism.name!r} (its noise is added by the aggregator, so a device cannot count "
+        "what it spent): drop the budget and bound the job with privacy.epsilon or rounds.rounds"
+    )
+
+
+def _unenforceable_budget(cfg: JobConfig, mechanism: Mechanism) -> str | None:
+    why = budget_refusal(mechanism)
+    if cfg.privacy.budget_epsilon is None or why is None:
+        return None
+    return why.replace(
+        "privacy.budget_epsilon", f"privacy.budget_epsilon = {cfg.privacy.budget_epsilon:g}", 1
     )
 
 
@@ -494,11 +528,12 @@ def check_registered(cfg: JobConfig, *, dataset: bool = True, model: bool = True
     Names are checked here, when the job is built, rather than by the config's schema, so that a
     model, dataset, mechanism or codec registered from Python is a valid name."""
     from edge_fl.mechanisms import check_combination, mechanism_names
-    from edge_fl.protocol.codecs import codec_names
+    from edge_fl.protocol.codecs import codec_names, downlink_names
 
     checks = [
         ("privacy.mechanism", cfg.privacy.mechanism, mechanism_names(), "privacy mechanism"),
         ("compression.uplink", cfg.compression.uplink, codec_names(), "codec"),
+        ("compression.downlink", cfg.compression.downlink, downlink_names(), "downlink codec"),
     ]
     if model:
         checks.append(("model.name", cfg.model.name, tuple(known_models()), "model"))

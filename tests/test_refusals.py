@@ -239,3 +239,49 @@ def test_a_job_meant_to_show_refused_releases_charged_can_still_be_built():
     }
     with pytest.raises(ConfigError, match="cannot be enforced"):
         build_job(edge_fl.load_config(None, central), noise_must_fit=False)
+
+
+def test_privacy_plan_says_a_central_budget_is_refused_and_a_local_one_enforced():
+    """issue 19: `privacy plan` says which: enforced (local mechanisms) or refused (central)."""
+    import json
+
+    central = run(
+        "privacy", "plan", "--set", "privacy.mechanism=gaussian-central", "--set",
+        "privacy.epsilon=8", "--json",
+    )  # fmt: skip
+    assert central.returncode == 0, central.stderr
+    budget = json.loads(central.stdout)["budget"]
+    assert budget["per_device_budget"] == "refused"
+    assert "cannot be enforced with privacy.mechanism = 'gaussian-central'" in budget["why"]
+    local = run(
+        "privacy", "plan", "--set", "privacy.mechanism=laplace", "--set", "privacy.epsilon=8",
+        "--set", "privacy.budget_epsilon=2", "--json",
+    )  # fmt: skip
+    assert json.loads(local.stdout)["budget"] == {
+        "budget_epsilon": 2.0,
+        "per_device_budget": "enforced",
+        "why": json.loads(local.stdout)["budget"]["why"],
+    }
+    asked = run(
+        "privacy", "plan", "--set", "privacy.mechanism=gaussian-central", "--set",
+        "privacy.epsilon=8", "--set", "privacy.budget_epsilon=2",
+    )  # fmt: skip
+    one_line_error(asked)
+    assert "budget_epsilon = 2 cannot be enforced" in asked.stderr
+    assert "--budget" in run("privacy", "plan", "--help").stdout
+
+
+def test_the_downlink_codec_is_a_registered_name_checked_when_the_job_is_built():
+    """compression.downlink takes the codecs that declare they carry the global model (the codec
+    registry), not a list written in the config."""
+    from edge_fl.config import ConfigError
+    from edge_fl.protocol.codecs import downlink_names
+
+    assert {"f32", "f16", "q8"} <= set(downlink_names())
+    for name in downlink_names():
+        assert _build(**{"compression.downlink": name}).global_dtype
+    with pytest.raises(
+        ConfigError, match=r"compression\.downlink = 'topk': unknown downlink codec"
+    ):
+        _build(**{"compression.downlink": "topk"})  # an uplink codec only
+    assert edge_fl.load_config(None, {"compression.downlink": "my-codec"})  # a name: for later

@@ -23,20 +23,32 @@ Phases (each timed; sizes measured with du):
    signed job document on the broker. Passes when all 3 rounds closed with both updates accepted
    and the aggregator acknowledged d00001's update 3 times.
 
-How aarch64 code runs: through binfmt_misc (the kernel starts qemu-aarch64-static for every arm64
-binary, so a plain chroot works) when an aarch64 entry is registered or can be (root, with
-binfmt_misc mountable: registering changes the host kernel's table until reboot); otherwise
-through ``proot -q qemu-aarch64-static`` (no privileges, slower: every system call is traced).
+How aarch64 code runs (``--mode``; every mode but ``--register-binfmt`` leaves the host as it was):
 
-Needs (Debian): qemu-user-static, debootstrap, and proot for ``--mode proot``; mosquitto. Exit
-status 0 only if every check passed (1: a check failed, 3: this machine cannot emulate the Pi);
-the summary (``--json``) says which failed.
+- ``userns`` (the default where the kernel allows it, Linux >= 6.7): every command in the root
+  runs in its own user and mount namespace (uids 0-65535 mapped to themselves), which mounts a
+  private binfmt_misc instance and registers qemu-aarch64-static there, then chroots. The entry
+  exists only inside that namespace and vanishes with it: the host's binfmt table is untouched.
+- ``chroot``: through the host's binfmt_misc, when an aarch64 entry is already registered there.
+  ``--register-binfmt`` registers one (this changes the host kernel's table until reboot: asked
+  for, never done by default).
+- ``proot``: ``proot -q qemu-aarch64-static`` (slower: every system call is traced). Debian
+  bookworm's proot 5.1.0 does not translate faccessat2, which bash and dash use for ``-x``
+  tests, so debootstrap's second stage and install.sh see the host's files: the tool checks
+  that FIRST (on the host, in a second) and stops with that reason.
+
+Every check that can refuse the run (root, tools, the mode's own probe) runs before anything is
+built. Needs (Debian): qemu-user-static, debootstrap, mosquitto (and proot for ``--mode proot``).
+Exit status 0 only if every check passed (1: a check failed, 3: this machine cannot emulate the
+Pi without changing the host; the reason is the summary's one problem); the summary (``--json``)
+says which failed.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import fcntl
 import json
 import os
 import re
@@ -124,37 +136,150 @@ def register_binfmt() -> str | None:
     return None
 
 
-def choose_mode(requested: str) -> str:
-    """chroot through binfmt_misc when possible, else proot."""
+def choose_mode(requested: str, register: bool) -> str:
+    """The way to run arm64 code, decided before anything is built; Unsupported says why none.
+
+    auto: chroot when the host already runs aarch64 binaries (nothing to change), else userns,
+    else proot; the host's binfmt table is changed only with ``register``."""
+    if requested in ("auto", "chroot"):
+        if binfmt_ready():
+            return "chroot"
+        if register:
+            why = register_binfmt()
+            if why is None and binfmt_ready():
+                return "chroot"
+            raise Unsupported(f"--register-binfmt: binfmt_misc cannot run aarch64 binaries ({why})")
+        if requested == "chroot":
+            raise Unsupported(
+                "--mode chroot: the host's binfmt_misc has no aarch64 entry; --register-binfmt "
+                "adds one (changing the host kernel's table until reboot), or use --mode userns"
+            )
+    problems = []
+    if requested in ("auto", "userns"):
+        why = userns_problem()
+        if why is None:
+            return "userns"
+        problems.append(f"userns: {why}")
+        if requested == "userns":
+            raise Unsupported(f"--mode userns: {why}")
+    why = proot_problem()
+    if why is None:
+        return "proot"
+    problems.append(f"proot: {why}")
     if requested == "proot":
-        return "proot"
-    if binfmt_ready():
-        return "chroot"
-    why = register_binfmt() if os.geteuid() == 0 else "not root"
-    if why is None and binfmt_ready():
-        return "chroot"
-    if requested == "chroot":
-        raise Unsupported(f"--mode chroot: binfmt_misc cannot run aarch64 binaries ({why})")
-    if os.geteuid() == 0 and shutil.which("proot"):
-        log(f"binfmt_misc unusable ({why}): using proot -q {QEMU}")
-        return "proot"
-    raise Unsupported(f"binfmt_misc unusable ({why}) and no proot: apt-get install proot")
+        raise Unsupported(f"--mode proot: {why}")
+    raise Unsupported(
+        "no way to run arm64 code that leaves this host unchanged ("
+        + "; ".join(problems)
+        + "); --register-binfmt registers qemu in the host's binfmt_misc until reboot"
+    )
 
 
-def proot_translates_access(root: Path) -> None:
-    """Fail unless this proot translates faccessat2, which bash's [[ -x ]] uses (glibc >= 2.33).
+def proot_problem() -> str | None:
+    """Why proot cannot run the root here, or None; checked on the host before any root exists.
 
-    proot 5.1.0 (Debian bookworm's) passes it through untranslated, so a test in the root looks at
-    the host's file instead: install.sh then misjudges what it installed. Fixed after 5.1.0
-    (proot-me/proot pull request 338)."""
-    probe = "/usr/lib/aarch64-linux-gnu/ld-linux-aarch64.so.1"  # exists only in the arm64 root
-    done = subprocess.run(in_root("proot", root, ["bash", "-c", f"[[ -x {probe} ]]"]))
-    if done.returncode != 0:
-        raise Unsupported(
-            "this proot does not translate faccessat2 (bash's [[ -x ]] sees the host's files; "
-            "fixed after proot 5.1.0, proot-me/proot#338): use binfmt_misc instead (run as root "
-            "where binfmt_misc can be mounted, --mode chroot) or a newer proot"
+    proot 5.1.0 (Debian bookworm's) passes faccessat2 through untranslated, so an ``-x`` test in
+    the root (bash's [[ -x ]], dash's [ -x ], glibc >= 2.33) looks at the host's file instead:
+    debootstrap's second stage then cannot find its own functions and install.sh misjudges what
+    it installed. Probe: a file bound at a path the host does not have."""
+    if shutil.which("proot") is None:
+        return "proot is not installed (apt-get install proot)"
+    with tempfile.TemporaryDirectory(prefix="emulate-pi-probe-") as tmp:
+        exe = Path(tmp, "probe")
+        exe.write_text("#!/bin/sh\n")
+        exe.chmod(0o755)
+        inside = f"/edge-fl-probe-{uuid.uuid4().hex}"
+        test = f"[[ -x {inside}/probe ]]"
+        done = subprocess.run(
+            ["proot", "-b", f"{tmp}:{inside}", "bash", "-c", test], capture_output=True
         )
+    if done.returncode != 0:
+        return (
+            "this proot does not translate faccessat2 (an -x test in the root sees the host's "
+            "files; fixed after proot 5.1.0, proot-me/proot#338)"
+        )
+    return None
+
+
+#: the binfmt_misc rule of the userns mode: flag F opens qemu now, so the root needs no copy
+def _rule(qemu: str) -> str:
+    return f":qemu-aarch64:M::{AARCH64_MAGIC}:{AARCH64_MASK}:{qemu}:OCF"
+
+
+USERNS_SCRIPT = r"""echo ready >&3; exec 3>&-; read _ <&4; exec 4<&-
+set -e
+mount -t binfmt_misc binfmt_misc /proc/sys/fs/binfmt_misc
+printf '%s' "$EDGE_FL_BINFMT_RULE" > /proc/sys/fs/binfmt_misc/register
+unset EDGE_FL_BINFMT_RULE
+r="$1"; shift
+if [ -n "$r" ]; then
+  for d in proc dev sys; do mkdir -p "$r/$d"; mount --rbind "/$d" "$r/$d"; done
+  while [ "$1" != "--" ]; do mkdir -p "$r$2"; mount --bind "$1" "$r$2"; shift 2; done
+  shift
+  exec chroot "$r" "$@"
+fi
+shift
+exec "$@"
+"""
+
+
+def userns_run(root: str, binds: Sequence[tuple[str, str]], argv: Sequence[str]) -> int:
+    """Run ``argv`` chrooted in ``root`` inside a new user + mount namespace whose own
+    binfmt_misc instance runs aarch64 binaries through qemu; its exit status.
+
+    The namespace maps uids and gids 0-65535 to themselves (written from here, as root in the
+    host's namespace: what newuidmap would do), so dpkg and install.sh own files as on a Pi. The
+    binfmt entry, the mounts and the namespace end with the process: the host is unchanged."""
+    qemu = shutil.which(QEMU)
+    if qemu is None:
+        print(f"emulate_pi: {QEMU} not found", file=sys.stderr)
+        return 127
+    ready_r, ready_w = os.pipe()
+    go_r, go_w = os.pipe()
+    # the child's ends as its fds 3 (it says "ready" once unshared) and 4 (it waits for "go")
+    high = [fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, 10) for fd in (ready_w, go_r)]
+
+    def ends() -> None:
+        os.dup2(high[0], 3)
+        os.dup2(high[1], 4)
+
+    bind_args = [a for pair in binds for a in pair]
+    cmd = ["unshare", "--user", "--mount", "--propagation", "private", "sh", "-c",
+           USERNS_SCRIPT, "sh", root, *bind_args, "--", *argv]  # fmt: skip
+    env = {**os.environ, "EDGE_FL_BINFMT_RULE": _rule(qemu)}
+    child = subprocess.Popen(cmd, env=env, preexec_fn=ends, pass_fds=(3, 4))
+    for fd in (ready_w, go_r, *high):
+        os.close(fd)
+    # SIGTERM/SIGINT reach the child through the process group; wait for its status
+    signal.signal(signal.SIGTERM, lambda *_: None)
+    signal.signal(signal.SIGINT, lambda *_: None)
+    with os.fdopen(ready_r, "rb") as ready:
+        started = ready.readline() == b"ready\n"  # the child now lives in its namespace
+    if started:
+        for name in ("uid_map", "gid_map"):
+            Path(f"/proc/{child.pid}/{name}").write_text("0 0 65536\n")
+    os.write(go_w, b"go\n")
+    os.close(go_w)
+    return child.wait()
+
+
+def userns_problem() -> str | None:
+    """Why the userns mode cannot run here, or None: a private binfmt_misc instance in a user
+    namespace needs Linux >= 6.7, user namespaces enabled and unshare (util-linux)."""
+    if shutil.which("unshare") is None:
+        return "unshare (util-linux) is not installed"
+    done = subprocess.run(
+        [sys.executable, __file__, "--userns-exec", "", "--", "true"],
+        capture_output=True,
+        text=True,
+    )
+    if done.returncode != 0:
+        tail = (done.stderr.strip().splitlines() or ["no output"])[-1]
+        return (
+            "no private binfmt_misc in a user namespace here (needs Linux >= 6.7 with user "
+            f"namespaces; this is {os.uname().release}): {tail}"
+        )
+    return None
 
 
 def in_root(
@@ -171,6 +296,9 @@ def in_root(
     env_args = [f"PATH={ROOT_PATH}", "HOME=/root", "LANG=C.UTF-8", f"PIP_CERT={CA_BUNDLE}"]
     env_args += [f"{k}={v}" for k, v in (env or {}).items()]
     inner = ["/usr/bin/env", "-i", *env_args, *argv]
+    if mode == "userns":
+        pairs = [a for host, inside in binds for a in (str(host), inside)]
+        return [sys.executable, __file__, "--userns-exec", str(root), *pairs, "--", *inner]
     if mode == "proot":
         cmd = ["proot", "-0", "-q", shutil.which(QEMU) or QEMU, "-r", str(root), "-w", "/"]
         for b in ("/proc", "/dev", "/sys"):
@@ -242,8 +370,11 @@ def build_root(cache: Path, mode: str, logs: Path, rebuild: bool) -> dict[str, A
     second_argv = ["/debootstrap/debootstrap", "--second-stage"]
     if mode == "chroot":  # debootstrap mounts /proc itself: only a private namespace around it
         cmd = ["unshare", "-m", "--propagation", "private", "chroot", str(work), *second_argv]
-    else:
-        cmd = in_root(mode, work, second_argv)
+    else:  # named, not found by an -x test (proot 5.1.0 answers those from the host's files)
+        env = {"DEBOOTSTRAP_DIR": "/debootstrap"}
+        if mode == "userns":  # no device nodes in a user namespace: /dev is the host's, bound
+            env["container"] = "lxc"  # debootstrap's name for such a root
+        cmd = in_root(mode, work, second_argv, env=env)
     second = run(cmd, logs / "debootstrap.log", timeout=3600)
     # Trust the host's local CAs too (a TLS-intercepting proxy between here and PyPI), as a Pi
     # on such a network would have to; then resolve names like the host.
@@ -593,7 +724,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--cache", type=Path, default=Path.home() / ".cache/edge-fl/pi-arm64",
                     help="where the arm64 root and pip downloads are kept between runs")  # fmt: skip
-    ap.add_argument("--mode", choices=["auto", "chroot", "proot"], default="auto")
+    ap.add_argument("--mode", choices=["auto", "userns", "chroot", "proot"], default="auto")
+    ap.add_argument("--register-binfmt", action="store_true",
+                    help="chroot mode: register qemu in the HOST's binfmt_misc (until reboot)")  # fmt: skip
     ap.add_argument("--rebuild", action="store_true", help="rebuild the cached root")
     ap.add_argument("--wheel", type=Path, help="install this wheel instead of building one")
     ap.add_argument("--source", type=Path, default=REPO, help="source tree to build the wheel of")
@@ -603,6 +736,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--json", type=Path, help="write the summary here too")
     ap.add_argument("--timeout", type=float, default=1800, help="seconds for the job phase")
     ap.add_argument("--keep-root", action="store_true", help="keep this run's root copy")
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["--userns-exec"]:  # internal: in_root's userns command line
+        root, rest = argv[1], argv[2:]
+        split = rest.index("--")
+        pairs = rest[:split]
+        return userns_run(root, list(zip(pairs[::2], pairs[1::2], strict=True)), rest[split + 1 :])
     args = ap.parse_args(argv)
 
     if os.geteuid() != 0:
@@ -619,15 +758,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     status = 1
     try:
         if lacking := missing_tools("proot" if args.mode == "proot" else "chroot"):
-            raise Failure(f"missing: {', '.join(lacking)} (apt-get install qemu-user-static "
-                          "debootstrap proot mosquitto)")  # fmt: skip
-        mode = choose_mode(args.mode)
+            raise Unsupported(f"missing: {', '.join(lacking)} (apt-get install "
+                              "qemu-user-static debootstrap mosquitto)")  # fmt: skip
+        t0 = time.perf_counter()
+        mode = choose_mode(args.mode, args.register_binfmt)  # every refusal before any build
         summary["mode"] = mode
+        summary["mode_check_s"] = round(time.perf_counter() - t0, 2)
+        log(f"running arm64 code by {mode}")
         t0 = time.perf_counter()
         summary["root"] = build_root(args.cache, mode, logs, args.rebuild)
         summary["root"]["phase_s"] = round(time.perf_counter() - t0, 1)
-        if mode == "proot":
-            proot_translates_access(Path(summary["root"]["path"]))
         summary["root"]["copy_s"] = round(fresh_copy(Path(summary["root"]["path"]), run_root), 1)
         t0 = time.perf_counter()
         wheel = args.wheel or build_wheel(args.source, out / "wheel", logs)

@@ -68,6 +68,11 @@ def _local_settings(config: str | None, **flags: Any) -> dict[str, Any]:
 @click.option("--config", type=click.Path(dir_okay=False), help="the same settings as a file")
 @click.option("--wait", type=float, help="give up after this many seconds without a job")
 @click.option(
+    "--reproducible",
+    is_flag=True,
+    help="accept a job that asks for seeded, predictable noise (tests only; refused otherwise)",
+)
+@click.option(
     "--retry-forever",
     is_flag=True,
     help="retry also after an authentication or certificate refusal (for a system service)",
@@ -98,6 +103,7 @@ def device(url, device_id, data_dir, public_key, job, prefix, index, config, wai
     index = s["index"] if s["index"] is not None else device_index(s["id"])
     if index is None:
         _fail(f"device id {s['id']!r} does not end in its index: give --index")
+    s["reproducible"] = kw["reproducible"]
     try:
         sent = asyncio.run(_serve(s, index, kw["retry_forever"], wait))
     except RuntimeError as exc:
@@ -107,10 +113,7 @@ def device(url, device_id, data_dir, public_key, job, prefix, index, config, wai
 
 
 async def _serve(s: dict[str, Any], index: int, retry_forever: bool, wait: float | None) -> int:
-    from edge_fl.config import ConfigError
-    from edge_fl.device.join import device_config
     from edge_fl.device.runtime import run_device
-    from edge_fl.job import build_job
     from edge_fl.transport.url import parse_broker_url
 
     try:
@@ -138,16 +141,8 @@ async def _serve(s: dict[str, Any], index: int, retry_forever: bool, wait: float
         "device": {"id": s["id"], "index": index},
         "data_dir": s["data_dir"],
     }
-    try:
-        cfg = device_config(doc, local)
-        if not 0 <= index < cfg.data.devices:
-            raise RuntimeError(
-                f"device index {index} (from {s['id']!r}) is outside the job's "
-                f"[0, data.devices = {cfg.data.devices})"
-            )
-        job = build_job(cfg)
-    except ConfigError as exc:
-        raise RuntimeError(str(exc)) from None
+    job = join_job(doc, local, index, reproducible=s.get("reproducible", False))
+    cfg = job.cfg
     _check_budget_support(job)
     agent = job.agent(index)
     agent.device_id = s["id"]
@@ -162,6 +157,35 @@ async def _serve(s: dict[str, Any], index: int, retry_forever: bool, wait: float
     return await run_device(
         agent, spec, job.topics, doc.digest, trust=job.trust(), retry_forever=retry_forever
     )
+
+
+def join_job(doc: Any, local: dict[str, Any], index: int, *, reproducible: bool = False) -> Any:
+    """The job this device runs from the aggregator's document ``doc`` (an
+    ``edge_fl.job.Job``); RuntimeError (one line) if the device cannot take part.
+
+    The same checks the aggregator's own build made (``edge_fl.job.build_job``, on the same
+    values), so a device accepts every document its aggregator accepted, except what is the
+    device's own to refuse: predictable noise (``reproducible: true``) unless this device was
+    started with ``--reproducible``, an index outside the job, and data it does not have."""
+    from edge_fl.config import ConfigError
+    from edge_fl.device.join import device_config
+    from edge_fl.job import build_job
+
+    if doc.config.get("reproducible") is True and not reproducible:
+        raise RuntimeError(
+            f"job {doc.job!r} asks for reproducible (seeded, predictable) noise, which anyone "
+            "who reads its document could recompute: refused (start the device with "
+            "--reproducible for a test)"
+        )
+    try:
+        cfg = device_config(doc, local)
+        if not 0 <= index < cfg.data.devices:
+            raise RuntimeError(
+                f"device index {index} is outside the job's [0, data.devices = {cfg.data.devices})"
+            )
+        return build_job(cfg, evaluates=False)
+    except ConfigError as exc:
+        raise RuntimeError(str(exc)) from None
 
 
 async def _fetch(

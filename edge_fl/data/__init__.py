@@ -34,6 +34,7 @@ __all__ = [
     "make_synthetic",
     "partition_dirichlet",
     "partition_iid",
+    "reads_files",
     "register_dataset",
 ]
 
@@ -99,6 +100,15 @@ def register_dataset(name: str, loader: DatasetLoader) -> None:
 
 def known_datasets() -> list[str]:
     return sorted(_LOADERS)
+
+
+def reads_files(name: str) -> bool:
+    """Whether dataset ``name``'s loader reads ``data_dir`` (a loader taking ``**kwargs`` may)."""
+    loader = _LOADERS.get(name)
+    if loader is None:
+        return False
+    accepted = _accepted_options(loader)
+    return accepted is None or "data_dir" in accepted
 
 
 def _accepted_options(loader: DatasetLoader) -> set[str] | None:

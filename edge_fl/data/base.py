@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -31,6 +32,18 @@ class FederatedDataset:
     def device_data(self, device: int) -> tuple[np.ndarray, np.ndarray]:
         idx = self.device_indices[device]
         return self.X_train[idx], self.y_train[idx]
+
+    def fingerprint(self) -> str:
+        """SHA-256 of what the devices train on and the aggregator tests on: every array (shape,
+        dtype, bytes) and every device's share. Two loads of the same files agree wherever the
+        files are kept; other files, or another split, disagree (the config digest's data_dir)."""
+        h = hashlib.sha256()
+        arrays = (self.X_train, self.y_train, self.X_test, self.y_test, *self.device_indices)
+        for a in arrays:
+            c = np.ascontiguousarray(a)
+            h.update(f"{c.dtype.str}{c.shape};".encode())
+            h.update(c.data)
+        return "sha256:" + h.hexdigest()
 
     @classmethod
     def from_arrays(

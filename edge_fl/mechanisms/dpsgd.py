@@ -67,13 +67,15 @@ class DpSgd(Mechanism):
     def params(self, n_samples: int) -> DpSgdConfig:
         """DP-SGD for a device of this size; sigma calibrated once per (q, steps) when needed."""
         key = (self.rate(n_samples), self.steps(n_samples))
+        q, steps = key
+        c = self.cfg
+        args = (c.epsilon, c.delta, q, steps * self.facts.max_uploads, c.accountant)
+        # asked every time (a table lookup after the first), so the job's calibration scope
+        # records this size's row whenever it is asked for (edge_fl.privacy.calibration.scope)
+        sigma = c.noise_multiplier or calibrated(
+            "dpsgd", args, lambda: calibrate_dpsgd_noise_multiplier(*args)
+        )
         if key not in self._by_size:
-            q, steps = key
-            c = self.cfg
-            args = (c.epsilon, c.delta, q, steps * self.facts.max_uploads, c.accountant)
-            sigma = c.noise_multiplier or calibrated(
-                "dpsgd", args, lambda: calibrate_dpsgd_noise_multiplier(*args)
-            )
             self._by_size[key] = DpSgdConfig(self.cfg.clip, sigma, q, self.facts.local_lr)
         return self._by_size[key]
 

@@ -4,9 +4,12 @@ Method (``docs/specs/privacy.md`` section 5; Jagielski et al. 2020, Nasr et al. 
 Viswanath 2015): run the PRODUCTION mechanism n times on each of two worst-case neighbouring inputs,
 count k0 / k1 outputs in a test event S fixed in advance, bound the false-positive and
 false-negative rates from above with one-sided Clopper-Pearson bounds at alpha/2 each, and turn them
-into eps_lb = max(0, ln((1 - delta - FNR)/FPR), ln((1 - delta - FPR)/FNR)). For a correct mechanism
-``eps_lb <= claimed eps`` fails with probability <= alpha for any n; a mechanism with too little
-noise is caught once n is large enough (table in spec 5.2).
+into eps_lb = max(0, ln((1 - delta - FNR)/FPR), ln((1 - delta - FPR)/FNR)). eps_lb is a lower
+confidence bound at level 1 - alpha: for a correct mechanism the check ``eps_lb <= claimed eps``
+fails (a false alarm) with probability at most alpha for any n, the run's stated false-alarm
+rate; a mechanism with too little noise is caught once n is large enough (table in spec 5.2).
+The bound is conservative: for the Laplace test below at eps = 1 and alpha = 0.05 the exact
+false-alarm probability is about 0.4% (tests/test_audit_false_alarms.py computes it).
 
 The runners draw all n runs in one vectorised call: the mechanisms add i.i.d. noise per coordinate,
 so perturbing a vector of n copies of the worst-case output is n independent runs. The
@@ -144,6 +147,13 @@ def _result(
         "k1": k1,
         "alpha": alpha,
         "delta": delta,
+        "confidence": 1.0 - alpha,
+        "false_alarm_rate_at_most": alpha,
+        "test": (
+            f"passes when epsilon_lower_bound, a lower confidence bound at level {1.0 - alpha:g} "
+            f"(one-sided Clopper-Pearson bounds at {alpha / 2:g} on each error rate), is at most "
+            f"claimed_epsilon; a correct mechanism fails it in at most {alpha:g} of runs"
+        ),
     }
     if k0 > 0 and k1 > 0:  # exact tests: E[k1/k0] = e^eps; a calibration check (spec 5.1 step 6)
         p0, p1 = k0 / n, k1 / n

@@ -6,17 +6,35 @@ The aggregator computes every value its job needs and publishes the table in the
 document (``edge_fl.protocol.jobdoc``); a device with the base install takes its value from there,
 trusting it exactly as much as every other parameter of that signed document. A process that has
 dp-accounting computes what is missing itself.
+
+The table is the process's (a value calibrated once is reused by every job that needs it), but a
+job publishes only its own rows: whoever asks for a value inside :func:`scope` has its key
+recorded there, so a job document never carries another job's calibrations.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 
 from edge_fl.privacy._dp import HINT, AccountingUnavailable
 
 Key = tuple[str | float | int, ...]
 _TABLE: dict[Key, float] = {}
+_SCOPES: ContextVar[tuple[set[Key], ...]] = ContextVar("calibration_scopes", default=())
+
+
+@contextmanager
+def scope(used: set[Key]) -> Iterator[set[Key]]:
+    """Record into ``used`` the key of every value asked for inside the block (found or
+    computed): the rows one job needs, out of the process's table."""
+    token = _SCOPES.set((*_SCOPES.get(), used))
+    try:
+        yield used
+    finally:
+        _SCOPES.reset(token)
 
 
 def calibrated(
@@ -24,6 +42,8 @@ def calibrated(
 ) -> float:
     """The noise multiplier for ``(kind, *args)``: from the table, or computed and remembered."""
     key: Key = (kind, *args)
+    for used in _SCOPES.get():
+        used.add(key)
     if key in _TABLE:
         return _TABLE[key]
     try:
@@ -37,9 +57,11 @@ def calibrated(
     return value
 
 
-def table() -> list[list[str | float | int]]:
-    """Every value calibrated in this process, as ``[kind, *args, value]`` rows."""
-    return [[*key, value] for key, value in sorted(_TABLE.items(), key=repr)]
+def table(keys: Iterable[Key] | None = None) -> list[list[str | float | int]]:
+    """The values of ``keys`` (default: every value in this process), as ``[kind, *args,
+    value]`` rows; a key never calibrated is left out."""
+    wanted = set(_TABLE) if keys is None else {tuple(k) for k in keys} & set(_TABLE)
+    return [[*key, _TABLE[key]] for key in sorted(wanted, key=repr)]
 
 
 def load(rows: object) -> int:
