@@ -326,6 +326,7 @@ _REGISTRIES: dict[str, Any] = {
     "data.dataset": _names("edge_fl.data", "known_datasets"),
     "model.name": _names("edge_fl.models", "known_models"),
     "privacy.mechanism": _names("edge_fl.mechanisms", "mechanism_names"),
+    "compression.downlink": _names("edge_fl.protocol.codecs", "downlink_names"),
     "compression.uplink": _names("edge_fl.protocol.codecs", "codec_names"),
 }
 
