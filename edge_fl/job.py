@@ -330,11 +330,24 @@ class Job:
         """The aggregator's noise (central Gaussian, NbAFL downlink): one stream for the job."""
         return self.rng(STREAM_NOISE)[0]
 
+    def _public_config(self) -> dict:
+        """The config as run.json and trackers keep it: the broker URL without its password."""
+        config = self.cfg.model_dump()
+        url = config["broker"].get("url")
+        if url:
+            from edge_fl.transport.url import parse_broker_url
+
+            try:
+                config["broker"]["url"] = parse_broker_url(url).redacted()
+            except ValueError:
+                config["broker"]["url"] = "<unparsable URL, not shown>"
+        return config
+
     def metadata(self) -> dict:
         _, info = self.rng(0)
         return {
             "job": self.cfg.job,
-            "config": self.cfg.model_dump(),
+            "config": self._public_config(),
             "config_digest": self.cfg.digest(),
             "model": {"name": self.model.name, "n_params": self.model.n_params},
             "dataset": {

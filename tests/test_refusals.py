@@ -5,6 +5,7 @@ a round that can never close."""
 from __future__ import annotations
 
 import hashlib
+import json
 import subprocess
 import sys
 import uuid
@@ -285,3 +286,14 @@ def test_the_downlink_codec_is_a_registered_name_checked_when_the_job_is_built()
     ):
         _build(**{"compression.downlink": "topk"})  # an uplink codec only
     assert edge_fl.load_config(None, {"compression.downlink": "my-codec"})  # a name: for later
+
+
+def test_run_json_never_holds_the_broker_password():
+    """run.json (and what trackers log from it) shows the broker URL with the password redacted."""
+    import edge_fl
+
+    cfg = edge_fl.load_config(None, {"broker.url": "mqtts://aggregator:s3cret-pw@broker.lan:8883"})
+    meta = edge_fl.build_job(cfg).metadata()
+    text = json.dumps(meta)
+    assert "s3cret-pw" not in text
+    assert meta["config"]["broker"]["url"].startswith("mqtts://aggregator:")
