@@ -90,6 +90,8 @@ def build() -> dict[str, Any]:
         "selected": list(d.selected),
     }
     glob = GlobalModel("demo", 7, 7, np.zeros(2, np.float32), mode="fedbuff", nonce=NONCE)
+    envelope = msgpack.unpackb(sealed, raw=False)
+    UNKNOWN, BAD = Reject.UNKNOWN_FIELD, Reject.BAD_TYPE
     rejections = [
         ("dispatch_unknown_field", pack(body(cfg="")), None, Reject.UNKNOWN_FIELD, "cfg"),
         ("dispatch_missing_nonce", pack(body(nc=None)), None, Reject.MISSING_FIELD, "nc"),
@@ -106,6 +108,15 @@ def build() -> dict[str, Any]:
             "sig",
         ),
         ("dispatch_global_message", encode_global(glob, signer()), "key", Reject.WRONG_KIND, "k"),
+        # appended: the cases above keep their places in the file
+        ("dispatch_envelope_unknown_field", pack({**envelope, "x": 1}), "key", UNKNOWN, "x"),
+        (
+            "dispatch_sig_not_bin",
+            pack({**envelope, "sig": envelope["sig"].hex()}),
+            None,
+            BAD,
+            "sig",
+        ),
     ]
     return {
         "signing_key": {

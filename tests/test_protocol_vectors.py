@@ -872,6 +872,33 @@ def rejection_vectors() -> dict[str, Any]:
             "a negative ack must say why",
         )
     )
+    # appended after the cases above, which keep their places in the file
+    envelope = msgpack.unpackb(signed, raw=False)
+    global_case(
+        "signed_envelope_unknown_field",
+        _pack({**envelope, "x": 1}),
+        "unknown_field",
+        "x",
+        "a signed envelope has exactly the keys v k b sig (checked with or without a key)",
+        40,
+    )
+    global_case(
+        "signed_envelope_sig_not_bin",
+        _pack({**envelope, "sig": envelope["sig"].hex()}),
+        "bad_type",
+        "sig",
+        "the signature sent as a hex str: bad_type, not bad_signature",
+        40,
+    )
+    global_case(
+        "q8_missing_qp",
+        _mutate(encode_global(msgs["global_sync_q8"][0]), qp=_DELETE),
+        "missing_field",
+        "qp",
+        "a q8 global message without its block parameters",
+        D_Q8,
+        verify=False,
+    )
     return {
         "format": "edge-fl wire protocol v1 negative vectors; see docs/protocol.md, Test vectors",
         "vectors": [
