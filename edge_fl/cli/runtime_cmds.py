@@ -116,6 +116,8 @@ def aggregator(out, resume, overwrite, verbose, config, workers, spawn_workers, 
 
 
 def _run_aggregator(cfg, out, resume, overwrite, signals) -> None:
+    from dataclasses import replace
+
     from edge_fl.job import build_job
     from edge_fl.metrics import OutputError
     from edge_fl.protocol.jobdoc import encode_job_document
@@ -137,7 +139,8 @@ def _run_aggregator(cfg, out, resume, overwrite, signals) -> None:
         on_record=lambda r: click.echo(_line(r)),
         finish_before_done=True,
         signals=signals,
-        job_document=encode_job_document(job.job_document(), job.signer),
+        # the run's id: devices that join with this document refuse any other run's messages
+        job_document=encode_job_document(replace(job.job_document(), run=core.run_id), job.signer),
         sharding=_coordinator(cfg, core),
     )
     if job.signer is None:
