@@ -9,6 +9,7 @@ from __future__ import annotations
 import base64
 import logging
 import math
+import os
 from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
@@ -20,10 +21,12 @@ from edge_fl.mechanisms import Mechanism, Strategy
 from edge_fl.mechanisms.none import NoPrivacy
 from edge_fl.protocol import (
     REJECT_MEANING,
+    RUN_BYTES,
     GlobalModel,
     PayloadRejected,
     Reject,
     UpdateLimits,
+    decode_global,
     decode_status,
     decode_update,
 )
@@ -213,6 +216,10 @@ class AggregatorCore:
         self._released: set[tuple[str, int]] = set()  # (device, round) already in the ledger
         self.releases: list[tuple[str, int, int]] = []  # (device, round, n): for checkpoints
         self.noised_rounds: list[int] = []
+        #: this run's id, in every global message (and the job document): a device refuses a
+        #: signed message of another run, e.g. an earlier run's done marker replayed; random per
+        #: run, restored with the run's state on a resume (docs/protocol.md, "Run id")
+        self.run_id = os.urandom(RUN_BYTES)
         if policy is None:
             policy = policy_for(settings, concurrency, dispatch_timeout_s)
         self.policy: RoundPolicy = policy(self)
@@ -291,6 +298,15 @@ class AggregatorCore:
         """Rebuild the round a journal's ``open`` record describes (``round_spec``), as
         ``open_round`` left it, without drawing a new selection."""
         rnd = self.policy.build_round(field_values(spec), now)
+        published = spec.get("g")
+        if isinstance(published, bytes | bytearray) and published:
+            # the round as published names its run: a resume without a checkpoint keeps it
+            try:
+                run = decode_global(bytes(published)).run
+            except PayloadRejected:
+                run = None  # never: this process published it
+            if run is not None:
+                self.run_id = run
         self.round_number = int(rnd.number)
         self.tally = RoundTally()
         self.policy.reopen(rnd, spec)
@@ -335,6 +351,7 @@ class AggregatorCore:
             issued_at=now,
             nonce=None if done else self.current_nonce(),
             mechanism_params=self.public_params,
+            run=self.run_id,
         )
 
     def dispatch(self, now: float) -> GlobalModel | None:
@@ -713,6 +730,7 @@ class AggregatorCore:
         """The engine's state between rounds as plain data (JSON-able; the parameters apart):
         the ledger's releases, the selection history, the fleet view and the policy's own."""
         state: dict[str, Any] = {
+            "run": self.run_id.hex(),
             "version": self.version,
             "round_number": self.round_number,
             "mechanism_state": self.mechanism.encode_state(self.mechanism_state),
@@ -741,6 +759,8 @@ class AggregatorCore:
         """The inverse of :meth:`snapshot` on a core freshly built from the same config (the
         fleet view is left alone: see :func:`fleet_view`)."""
         self.params = params.astype(np.float32)
+        if isinstance(state.get("run"), str):  # checkpoints before run ids had none
+            self.run_id = bytes.fromhex(state["run"])
         self.version = int(state["version"])
         self.round_number = int(state["round_number"])
         carried = state.get("mechanism_state")
