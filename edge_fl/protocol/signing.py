@@ -20,9 +20,12 @@ A signed global message is a msgpack map of exactly four entries::
 - ``SIG`` is the 64-byte Ed25519 signature (RFC 8032, pure Ed25519) of
   ``GLOBAL_CONTEXT || BODY`` where ``GLOBAL_CONTEXT = b"edge-fl/global/v1\\x00"`` (18 bytes). The
   context prefix separates these signatures from anything else the key might ever sign.
-- Replay is not prevented by the signature itself: the body carries the job id, the round, the
-  version and the round's nonce, and devices apply :class:`edge_fl.protocol.window.GlobalWindow`
-  (monotonic, bounded round/version) and compare the job id.
+- Replay is not prevented by the signature itself: the body carries the job id, the run id
+  (``run``: a replay from an earlier run of the same job id and key is refused,
+  :mod:`edge_fl.device.trust`), the round, the version and the round's nonce, and devices apply
+  :class:`edge_fl.protocol.window.GlobalWindow` (monotonic, bounded round/version).
+- A :class:`Verifier` refuses a small-order or non-canonical public key (under the identity
+  point every forged signature ``R = identity, S = 0`` verifies).
 
 A decoder without a verifier still decodes a signed message (the signature is then ignored); a
 decoder with a verifier rejects an unsigned message (``Reject.UNSIGNED``) and a signature that
