@@ -20,3 +20,11 @@ def device_index(device: str) -> int | None:
     """The index in a device id that ends in digits (``d00007`` -> 7), else None."""
     digits = len(device) - len(device.rstrip("0123456789"))
     return int(device[-digits:]) if digits else None
+
+
+def in_population(device: str, devices: int) -> bool:
+    """Whether ``device`` is one of a job's ``devices`` devices: its id ends in an index in
+    [0, devices). A device of another job (``d00011`` where ``data.devices`` is 6), or an id
+    outside the scheme, is not: an aggregator never selects it."""
+    index = device_index(device)
+    return index is not None and index < devices

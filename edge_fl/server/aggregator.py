@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from edge_fl.identity import in_population
 from edge_fl.mechanisms import Mechanism, Strategy
 from edge_fl.mechanisms.none import NoPrivacy
 from edge_fl.protocol import (
@@ -63,6 +64,7 @@ PARTICIPATION_FIELDS = (
     "online",
     "capped_samples",
     "bad_status",
+    "foreign_status",
     "device_updates",
 )
 #: record fields a runtime adds that depend on who uploaded too: the simulated fleet's wire bytes
@@ -90,6 +92,9 @@ class AggregatorSettings:
     buffer_size: int = 10  # FedBuff K (FedAsync: 1)
     max_staleness: int = 20
     staleness: Any = None  # edge_fl.server.staleness.Staleness (async modes)
+    #: the job's devices (``data.devices``): a status of a device outside them (another job's,
+    #: edge_fl.identity.in_population) is ignored and counted; None: every device is taken
+    population: int | None = None
 
     @property
     def n_select(self) -> int:
@@ -159,6 +164,7 @@ class RoundTally:
     capped_samples: int = 0  # updates whose sample count exceeded the device's declared one
     samples: dict = field(default_factory=dict)  # reason -> "device: detail" of its first case
     bad_status: Counter = field(default_factory=Counter)
+    foreign_status: int = 0  # statuses of devices outside the job's population, ignored
 
 
 class AggregatorCore:
@@ -220,6 +226,7 @@ class AggregatorCore:
         #: signed message of another run, e.g. an earlier run's done marker replayed; random per
         #: run, restored with the run's state on a resume (docs/protocol.md, "Run id")
         self.run_id = os.urandom(RUN_BYTES)
+        self.foreign_seen = 0  # statuses of devices outside the population, over the job
         if policy is None:
             policy = policy_for(settings, concurrency, dispatch_timeout_s)
         self.policy: RoundPolicy = policy(self)
@@ -234,6 +241,22 @@ class AggregatorCore:
 
     def on_status(self, device: str, payload: bytes) -> None:
         """Track availability from retained status messages (and last wills)."""
+        population = self.settings.population
+        if population is not None and not in_population(device, population):
+            # another job's device (the broker's ACL lets it write status/<id> under any job id):
+            # never selectable here, or rounds wait for one that never answers
+            self.tally.foreign_status += 1
+            self.foreign_seen += 1
+            if self.foreign_seen <= 3 or self.foreign_seen % 1000 == 0:
+                log.warning(
+                    "ignoring the status of %r (%d so far): not one of this job's %d devices "
+                    "(ids ending in 0-%d)",
+                    device,
+                    self.foreign_seen,
+                    population,
+                    population - 1,
+                )
+            return
         if not payload:  # a cleared retained message
             self.devices.pop(device, None)
             self.policy.on_status(device)
@@ -642,6 +665,7 @@ class AggregatorCore:
             "rejection_samples": dict(t.samples),
             "capped_samples": t.capped_samples,
             "bad_status": sum(t.bad_status.values()),
+            "foreign_status": t.foreign_status,
             "extended": rnd.extended,
             "bytes_up": t.bytes_up,
             "messages_up": t.messages_up,
