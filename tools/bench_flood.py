@@ -47,14 +47,6 @@ def rss_mb(pid: int) -> float:
     raise RuntimeError(f"no VmRSS for {pid}")
 
 
-def read_bytes(pid: int) -> int:
-    """Bytes the process read through read(2)-like calls, sockets included (/proc/pid/io)."""
-    for line in Path(f"/proc/{pid}/io").read_text().splitlines():
-        if line.startswith("rchar:"):
-            return int(line.split()[1])
-    raise RuntimeError(f"no rchar for {pid}")
-
-
 def cpu_ticks(pid: int) -> int:
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return int(fields[11]) + int(fields[12])  # utime + stime
@@ -169,7 +161,6 @@ def flood(url: str, topics: Topics, messages: int) -> float:
     for info in pending:
         info.wait_for_publish(60)
     elapsed = time.perf_counter() - t0
-    c.publish(topics.status(ATTACKER), b"", qos=1, retain=True).wait_for_publish(30)
     c.loop_stop()
     c.disconnect()
     return elapsed
@@ -187,6 +178,16 @@ def settle(pid: int, quiet_s: float = 2.0, limit_s: float = 600.0) -> float:
         elif time.perf_counter() - since >= quiet_s:
             break
     return time.perf_counter() - t0
+
+
+def start_fleet(config: Path, log: Path, env: dict[str, str]) -> subprocess.Popen:
+    """The 4 honest devices d00000-d00003 (``edge-fl fleet``)."""
+    return subprocess.Popen(
+        [EDGE_FL, "fleet", "--config", str(config), "--indices", "0:4"],
+        stdout=log.open("w"),
+        stderr=subprocess.STDOUT,
+        env=env,
+    )
 
 
 def one(mode: str, phase: str, messages: int, workdir: Path) -> dict:
@@ -222,21 +223,12 @@ def one(mode: str, phase: str, messages: int, workdir: Path) -> dict:
         wait_for_message(broker.url, topics.job_document, 180)  # connected and announced
         metrics = Metrics(broker.url, topics)
         if phase == "rounds":
-            fleet_log = (workdir / f"{job}.fleet.log").open("w")
-            procs.append(
-                subprocess.Popen(
-                    [EDGE_FL, "fleet", "--config", str(path), "--indices", "0:4"],
-                    stdout=fleet_log,
-                    stderr=subprocess.STDOUT,
-                    env=env,
-                )
-            )
+            procs.append(start_fleet(path, workdir / f"{job}.fleet.log", env))
             if not metrics.wait(lambda r: len(r) >= 3, 300):  # rounds are running
                 raise RuntimeError("the fleet's rounds did not start")
         else:
             settle(agg.pid)  # waiting for devices: idle
         before = rss_mb(agg.pid)
-        read_before = read_bytes(agg.pid)
         start = len(metrics.records)
         sampler = Sampler(agg.pid)
         sampler.start()
@@ -248,10 +240,13 @@ def one(mode: str, phase: str, messages: int, workdir: Path) -> dict:
             settle(agg.pid)
         drained_s = time.perf_counter() - t0
         after = rss_mb(agg.pid)
-        read_mib = (read_bytes(agg.pid) - read_before) / MIB  # the flood did reach it
-        metrics.close()
         sampler.halt.set()
         sampler.join()
+        if phase == "wait":  # the flood's refusals are in round 1's record: start the devices
+            procs.append(start_fleet(path, workdir / f"{job}.fleet.log", env))
+            metrics.wait(lambda r: len(r) > start, 300)
+        counted = oversized(metrics.records[start:])
+        metrics.close()
         alive = agg.poll() is None
         return {
             "mode": mode,
@@ -261,11 +256,10 @@ def one(mode: str, phase: str, messages: int, workdir: Path) -> dict:
             "rss_peak_mb": round(sampler.peak, 1),
             "rss_after_mb": round(after, 1),
             "growth_mb": round(sampler.peak - before, 1),
-            "read_mib": round(read_mib, 1),
             "send_s": round(sent_s, 1),
             "drain_s": round(drained_s, 1),
             "aggregator_alive": alive,
-            "oversized_counted": oversized(metrics.records[start:]) if phase == "rounds" else None,
+            "oversized_counted": counted,
         }
     finally:
         for p in reversed(procs):
@@ -298,13 +292,13 @@ def main() -> None:
         f"`tools/bench_flood.py --mb {args.mb}` (one device, {args.mb} x 1 MiB at QoS 1, "
         "private Mosquitto, `edge-fl aggregator --out`, digits MLP; RSS = VmRSS):\n"
     )
-    print("| mode | phase | RSS before (MB) | peak (MB) | after (MB) | growth (MB) | read (MiB) "
-          "| send s | drain s | alive |")  # fmt: skip
+    print("| mode | phase | RSS before (MB) | peak (MB) | after (MB) | growth (MB) | refused "
+          "(oversized) | send s | drain s | alive |")  # fmt: skip
     print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(
             f"| {r['mode']} | {r['phase']} | {r['rss_before_mb']} | {r['rss_peak_mb']} | "
-            f"{r['rss_after_mb']} | {r['growth_mb']} | {r['read_mib']} | {r['send_s']} | "
+            f"{r['rss_after_mb']} | {r['growth_mb']} | {r['oversized_counted']} | {r['send_s']} | "
             f"{r['drain_s']} | "
             f"{r['aggregator_alive']} |"
         )
