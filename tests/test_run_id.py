@@ -98,6 +98,26 @@ def test_the_aggregator_core_names_its_run_everywhere_and_keeps_it_on_resume():
     assert resumed.run_id == core.run_id
 
 
+def test_a_round_reopened_from_the_journal_keeps_the_run_it_was_published_in():
+    """A resume without a checkpoint (a crash in round 1) rebuilds the open round from its
+    journaled ``open`` record, whose global message names the run: the run id comes back."""
+    from edge_fl.protocol import Status, encode_status
+
+    cfg = load_config(None, {"job": "job-r", "data.devices": 4, "rounds.rounds": 2})
+    job = build_job(cfg)
+    live = job.aggregator_core()
+    for i in range(4):
+        dev = f"d{i:05d}"
+        live.on_status(dev, encode_status(Status(dev, True, 30)))
+    opened = live.open_round(0.0)
+    assert opened is not None
+    spec = live.round_spec(encode_global(opened, SIGNER))
+    resumed = job.aggregator_core()
+    assert resumed.run_id != live.run_id
+    resumed.reopen(spec)
+    assert resumed.run_id == live.run_id == resumed.open_message().run
+
+
 def test_an_extreme_but_finite_q8_global_is_refused_not_trained_on():
     cfg = load_config(None, {"job": "job-r", "data.devices": 4, "rounds.rounds": 3})
     job = build_job(cfg)
