@@ -12,7 +12,14 @@ device d00004 of the job (its status says online), publishing ``--mb`` messages 
 Phases: ``wait`` floods while the aggregator waits for devices (no window is open: every update
 would be held); ``rounds`` floods while the fleet's rounds run (windows open and full alike).
 The aggregator's RSS (VmRSS of its process) is sampled every 20 ms from just before the flood
-until it has consumed the flood (its CPU time stops growing for 2 s); growth = peak - before.
+until it has consumed the flood (every message refused as ``oversized`` in the records, or, while
+waiting, its CPU time idle for 2 s); growth = peak - before. The refusals are read from the
+metrics records (the wait phase's are in round 1's, once the fleet has started), which proves
+the flood reached the aggregator.
+
+Measured (``--mb 1024``, 2 shared cores): growth 6.1 / 8.2 MB (FedBuff, wait / rounds) and
+6.4 / 10.2 MB (FedAsync); at 52d4911^ (updates held undecoded) 1,030 / 5,454 MB and
+1,042 / 6,541 MB.
 """
 
 from __future__ import annotations
