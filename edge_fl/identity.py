@@ -20,3 +20,15 @@ def device_index(device: str) -> int | None:
     """The index in a device id that ends in digits (``d00007`` -> 7), else None."""
     digits = len(device) - len(device.rstrip("0123456789"))
     return int(device[-digits:]) if digits else None
+
+
+def in_population(device: str, devices: int) -> bool:
+    """Whether the aggregator of a job with ``devices`` devices may select ``device``.
+
+    An id of the minted scheme (``d`` + 5 or more digits) must name an index in [0, devices): a
+    device minted for another job on the same broker (``d00011`` where ``data.devices`` is 6) is
+    not selected. Any other id (a named device such as ``pi-kitchen``, provisioned with its own
+    credentials and data) is taken: the broker's credentials and ACL decide who it is."""
+    if not (device.startswith("d") and len(device) >= 6 and device[1:].isdigit()):
+        return True
+    return int(device[1:]) < devices

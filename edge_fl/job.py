@@ -180,6 +180,8 @@ class Job:
             buffer_size=r.buffer_size,
             max_staleness=r.max_staleness,
             staleness=Staleness(r.staleness, r.staleness_a, r.staleness_b),
+            # statuses of devices outside 0..N-1 (another job's, on a shared broker) are ignored
+            population=self.cfg.data.devices,
         )
         rng, _ = self.rng(STREAM_SELECT)
         p = self.cfg.privacy

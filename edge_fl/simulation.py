@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import os
 import time
@@ -251,8 +252,16 @@ def open_run(
             lock.close()
         raise
     run.lock = lock
-    if not (out_dir is not None and resume and (Path(out_dir) / "run.json").exists()):
-        run.recorder.write_meta(meta if meta is not None else job.metadata())
+    meta_path = None if out_dir is None else Path(out_dir) / "run.json"
+    if resume and meta_path is not None and meta_path.exists():
+        # the run id survives a resume even when the aggregator died before round 1 opened
+        # (devices that joined from the job document are bound to it)
+        saved = json.loads(meta_path.read_text()).get("run")
+        if isinstance(saved, str) and len(saved) == 32:
+            run.core.run_id = bytes.fromhex(saved)
+    else:
+        base = meta if meta is not None else job.metadata()
+        run.recorder.write_meta({**base, "run": run.core.run_id.hex()})
     return run
 
 

@@ -13,6 +13,7 @@ ACL are the code's and the shipped broker files'. Regenerate after a deliberate 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -42,11 +43,26 @@ VECTORS = ROOT / "tests" / "vectors" / "jobdoc.json"
 DOC = ROOT / "docs" / "protocol.md"
 BROKER = ROOT / "broker"
 SEED = bytes(range(32))  # the vectors' public Ed25519 test seed (as in messages.json): never real
+#: the run ids of the documents that carry one (the same test run id as messages.json)
+RUNS = {"jobdoc_logreg_run_signed": bytes.fromhex("0f1e2d3c4b5a69788796a5b4c3d2e1f0")}
 
 #: (name, note, config overrides, signed): what `edge-fl aggregator` publishes for these jobs. The
 #: document's ``cal`` is every value calibrated in the aggregator's process, so the vectors are built
 #: in a fresh process, and the job that calibrates nothing comes first.
 JOBS: list[tuple[str, str, dict[str, Any], bool]] = [
+    (
+        "jobdoc_logreg_run_signed",
+        "digits, logreg, 4 devices, no privacy; the aggregator run's id in `run` (docs/protocol.md, "
+        "Run id); signed",
+        {
+            "job": "demo-run",
+            "data.devices": 4,
+            "rounds.rounds": 3,
+            "rounds.clients_per_round": 4,
+            "model.name": "logreg",
+        },
+        True,
+    ),
     (
         "jobdoc_nbafl",
         "digits, logreg, 4 devices, NbAFL (mmin = the smallest device's |D|); unsigned",
@@ -114,7 +130,7 @@ def build_vectors() -> dict[str, Any]:
     out = []
     for name, note, overrides, signed in JOBS:
         job = build_job(load_config(None, overrides))
-        doc = job.job_document()
+        doc = dataclasses.replace(job.job_document(), run=RUNS.get(name))
         payload = encode_job_document(doc, signer if signed else None)
         body = encode_job_document(doc)
         entry: dict[str, Any] = {
@@ -127,6 +143,8 @@ def build_vectors() -> dict[str, Any]:
         if signed:
             entry["body_hex"] = body.hex()
         entry["document"] = msgpack.unpackb(body, raw=False)
+        if doc.run is not None:  # JSON has no bytes: the run id as hex
+            entry["document"]["run"] = doc.run.hex()
         entry["device"] = device_facts(job.cfg, doc)
         out.append(entry)
     return {
@@ -176,12 +194,13 @@ def test_decode_and_encode(vector):
     key = verifier() if vector["signed"] else None
     doc = decode_job_document(payload, key)
     body = vector["document"]
-    assert (doc.job, doc.digest, doc.config, doc.calibration, doc.signed) == (
+    assert (doc.job, doc.digest, doc.config, doc.calibration, doc.signed, doc.run) == (
         body["job"],
         body["digest"],
         body["config"],
         body["cal"],
         vector["signed"],
+        bytes.fromhex(body["run"]) if "run" in body else None,
     )
     assert vector["topic"] == f"edgefl/{doc.job}/job"
     signer = Signer.from_seed(bytes.fromhex(json.loads(VECTORS.read_text())["signing_key"]["seed"]))
@@ -195,7 +214,8 @@ def test_decode_and_encode(vector):
     else:
         wire = msgpack.unpackb(payload, raw=False)
     # the key order the document states for the body and for config's sections
-    assert list(wire) == ["v", "k", "job", "digest", "config", "cal"]
+    run = ["run"] if "run" in body else []
+    assert list(wire) == ["v", "k", "job", "digest", "config", "cal", *run]
     expected_sections = [s for s in JobConfig.model_fields if s not in DEVICE_LOCAL_SECTIONS]
     assert list(wire["config"]) == expected_sections
     assert wire["config"]["data"]["data_dir"] is None

@@ -71,6 +71,7 @@ FILES = ("messages", "rejections", "indices", "signds", "models", "preprocessing
 
 SEED = bytes(range(32))  # the test vectors' Ed25519 private seed: public, never use it for real
 NONCE = bytes.fromhex("00112233445566778899aabbccddeeff")
+RUN = bytes.fromhex("0f1e2d3c4b5a69788796a5b4c3d2e1f0")  # a run id (docs/protocol.md, "Run id")
 JOB = "demo"
 DEVICE = "d00001"
 TOPICS = Topics(JOB)
@@ -133,6 +134,7 @@ def global_from(m: dict[str, Any]) -> GlobalModel:
         issued_at=m["issued_at"],
         nonce=None if m["nonce"] is None else bytes.fromhex(m["nonce"]),
         mechanism_params=m["mechanism_params"],
+        run=bytes.fromhex(m["run"]) if m.get("run") is not None else None,
     )
 
 
@@ -153,6 +155,8 @@ def global_to(g: GlobalModel) -> dict[str, Any]:
         "mechanism_params": g.mechanism_params,
         "done": g.done,
         "nonce": None if g.nonce is None else g.nonce.hex(),
+        # only when present: the vectors written before run ids existed stay as they were
+        **({} if g.run is None else {"run": g.run.hex()}),
     }
 
 
@@ -324,6 +328,23 @@ def _globals() -> list[tuple[str, GlobalModel, bool, str]]:
             ),
             True,
             "the done marker (signed, retained, no nonce): the job is over",
+        ),
+        (
+            "global_done_run",
+            GlobalModel(
+                job=JOB,
+                version=20,
+                round=20,
+                params=np.asarray(W8, np.float32),
+                deadline_s=30.0,
+                config_digest="0123456789ab",
+                done=True,
+                issued_at=1700000400.0,
+                mechanism_params=none_mp,
+                run=RUN,
+            ),
+            True,
+            "the done marker of run 0f1e...f0: a device of another run refuses it (Run id)",
         ),
         (
             "global_sync_q8",
@@ -834,6 +855,15 @@ def rejection_vectors() -> dict[str, Any]:
         "qp",
         "block 0's step is negative (a q8 global's steps are finite and >= 0)",
         D_Q8,
+        verify=False,
+    )
+    global_case(
+        "global_run_short",
+        _mutate(unsigned_sync, run=RUN[:15]),
+        "out_of_range",
+        "run",
+        "a run id is exactly 16 bytes",
+        8,
         verify=False,
     )
     global_case(

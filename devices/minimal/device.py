@@ -22,7 +22,7 @@ CONTEXT, DCONTEXT = b"edge-fl/global/v1\x00", b"edge-fl/dispatch/v1\x00"
 BENIGN_NACKS = {"late", "not_selected", "duplicate", "stale", "future"}
 # key:type of the global message ("!" = required), and the mp keys each mechanism needs here
 GLOBAL = """v:int! k:str! job:str! ver:int! rnd:int! mode:str! dt:str! w:bin! dl:num! cfg:str! ts:num
-    sel:list q:num sd:map mp:map done:bool nc:bin qp:bin"""
+    sel:list q:num sd:map mp:map done:bool nc:bin qp:bin run:bin"""
 GLOBAL = dict(kv.split(":") for kv in GLOBAL.split())
 DISPATCH = "v:int! k:str! job:str! ver:int! nc:bin! sel:list!"  # the dispatch message's keys
 DISPATCH = dict(kv.split(":") for kv in DISPATCH.split())
@@ -76,8 +76,9 @@ def decode_dispatch(payload, pubkey=None):  # who trains on version ver (nonce n
 def decode_global(payload, pubkey=None):
     m, bad, missing = unseal(payload, pubkey, "g", CONTEXT, GLOBAL)
     bad += ["qp (unknown_field)"] if "qp" in m and m.get("dt") != "q8" else []
-    if bad or missing or m["dt"] not in ("f4", "f2", "q8") or len(m.get("nc", b"x" * 16)) != 16:
-        raise ValueError(f"unknown_field/bad_type {bad}, missing_field {missing} or bad dt/nc")
+    sized = {len(m.get(k, b"x" * 16)) for k in ("nc", "run")}  # the round's nonce, the run id
+    if bad or missing or m["dt"] not in ("f4", "f2", "q8") or sized != {16}:
+        raise ValueError(f"unknown_field/bad_type {bad}, missing_field {missing} or bad dt/nc/run")
     if m["dt"] == "q8":  # levels w_i; per block of 256: (lo, step) float32; x = lo + w_i step
         qp = np.frombuffer(m.get("qp", b""), "<f4").astype(np.float64).reshape(-1, 2)
         block = np.arange(len(m["w"])) // 256

@@ -154,8 +154,10 @@ async def _serve(s: dict[str, Any], index: int, retry_forever: bool, wait: float
         cfg.privacy.mechanism,
         agent.n_samples,
     )
+    trust = job.trust()
+    trust.bind_run(doc.run)  # the run it joined: another run's messages are replays
     return await run_device(
-        agent, spec, job.topics, doc.digest, trust=job.trust(), retry_forever=retry_forever
+        agent, spec, job.topics, doc.digest, trust=trust, retry_forever=retry_forever
     )
 
 

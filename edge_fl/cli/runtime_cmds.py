@@ -144,6 +144,8 @@ def aggregator(
 
 
 def _run_aggregator(cfg, out, resume, overwrite, signals) -> dict:
+    from dataclasses import replace
+
     from edge_fl.job import build_job
     from edge_fl.metrics import OutputError
     from edge_fl.protocol.jobdoc import encode_job_document
@@ -165,7 +167,8 @@ def _run_aggregator(cfg, out, resume, overwrite, signals) -> dict:
         on_record=lambda r: click.echo(_line(r)),
         finish_before_done=True,
         signals=signals,
-        job_document=encode_job_document(job.job_document(), job.signer),
+        # the run's id: devices that join with this document refuse any other run's messages
+        job_document=encode_job_document(replace(job.job_document(), run=core.run_id), job.signer),
         sharding=_coordinator(cfg, core),
     )
     if job.signer is None:

@@ -43,6 +43,7 @@ from edge_fl.protocol.messages import (
     GLOBAL_CONTEXT,
     MODES,
     NONCE_BYTES,
+    RUN_BYTES,
     SCHEMA_VERSION,
     SIGNATURE_BYTES,
     Ack,
@@ -175,6 +176,10 @@ def global_body(msg: GlobalModel) -> bytes:
     if msg.nonce is not None:
         _check_nonce(msg.nonce)
         body["nc"] = msg.nonce
+    if msg.run is not None:
+        if not isinstance(msg.run, bytes) or len(msg.run) != RUN_BYTES:
+            raise ValueError(f"a run id is {RUN_BYTES} bytes, got {msg.run!r}")
+        body["run"] = msg.run
     return _pack(body)
 
 
@@ -620,7 +625,7 @@ def _decode_signds(
 _SIGNED_KEYS = frozenset({"v", "k", "b", "sig"})
 _GLOBAL_KEYS = frozenset(
     {"v", "k", "job", "ver", "rnd", "mode", "dt", "w", "dl", "cfg", "ts", "sel", "sd", "mp", "q"}
-    | {"done", "nc", "qp"}
+    | {"done", "nc", "qp", "run"}
 )
 
 
@@ -706,6 +711,11 @@ def _decode_global_body(obj: dict[str, Any], expected_dim: int | None) -> Global
         rate = F.number(obj["q"], "q", "Poisson sample rate", 0.0, 1.0, lo_open=True)
     done = F.boolean(obj, "done", "done marker") if "done" in obj else False
     nonce = _optional_nonce(obj)
+    run = None
+    if "run" in obj:
+        run = F.get(obj, "run", bytes, "run id", "bin")
+        if len(run) != RUN_BYTES:
+            raise F.out_of_range("run", "run id", run, f"bin of exactly {RUN_BYTES} bytes")
     if obj.get("dt") == GLOBAL_Q8:
         dt, params = GLOBAL_Q8, _global_q8(obj, expected_dim)
     else:
@@ -727,6 +737,7 @@ def _decode_global_body(obj: dict[str, Any], expected_dim: int | None) -> Global
         issued_at=issued,
         nonce=nonce,
         mechanism_params=mp,
+        run=run,
     )
 
 

@@ -9,7 +9,8 @@ Normative wire format (docs/protocol.md, "Job document")
 
 ``BODY`` is a msgpack map::
 
-    {"v": 1, "k": "j", "job": str, "digest": str, "config": map, "cal": [[kind, *args, value]]}
+    {"v": 1, "k": "j", "job": str, "digest": str, "config": map, "cal": [[kind, *args, value]],
+     "run": bin(16)}
 
 - ``config``: the job's settings a device uses (``job, seed, reproducible, data, model, training,
   rounds, privacy, robust`` and any newer section), as the JSON form of ``edge_fl.config``; the
@@ -17,6 +18,9 @@ Normative wire format (docs/protocol.md, "Job document")
 - ``digest``: ``JobConfig.digest()`` of that config; every global message carries it too.
 - ``cal``: noise multipliers the aggregator calibrated (``edge_fl.privacy.calibration``), so a
   device without dp-accounting uses the same values.
+- ``run`` (optional): the aggregator run's id; every global message of that run carries the same
+  ``run``, and a device that joined with this document refuses any other (a replay of an
+  earlier run's signed message, docs/protocol.md "Run id").
 
 Signed (the aggregator has a signing key): ``{"v": 1, "k": "js", "b": BODY, "sig": SIG}`` with
 ``SIG`` = Ed25519 over ``JOB_CONTEXT || BODY``, ``JOB_CONTEXT = b"edge-fl/job/v1\\x00"``. A device
@@ -31,7 +35,13 @@ from typing import TYPE_CHECKING, Any
 
 import msgpack
 
-from edge_fl.protocol.messages import SCHEMA_VERSION, SIGNATURE_BYTES, PayloadRejected, Reject
+from edge_fl.protocol.messages import (
+    RUN_BYTES,
+    SCHEMA_VERSION,
+    SIGNATURE_BYTES,
+    PayloadRejected,
+    Reject,
+)
 
 if TYPE_CHECKING:
     from edge_fl.protocol.signing import Signer, Verifier
@@ -39,6 +49,7 @@ if TYPE_CHECKING:
 JOB_CONTEXT = b"edge-fl/job/v1\x00"
 MAX_JOB_DOCUMENT = 1 << 20  # 1 MiB: a config plus a calibration table is a few KB
 _BODY_KEYS = {"v", "k", "job", "digest", "config", "cal"}
+_OPTIONAL_KEYS = {"run"}
 _SIGNED_KEYS = {"v", "k", "b", "sig"}
 
 
@@ -49,20 +60,23 @@ class JobDocument:
     config: dict[str, Any]
     calibration: list[list[Any]] = field(default_factory=list)
     signed: bool = False
+    run: bytes | None = None  # the aggregator run's id (every global message of the run has it)
 
 
 def encode_job_document(doc: JobDocument, signer: Signer | None = None) -> bytes:
-    body = msgpack.packb(
-        {
-            "v": SCHEMA_VERSION,
-            "k": "j",
-            "job": doc.job,
-            "digest": doc.digest,
-            "config": doc.config,
-            "cal": doc.calibration,
-        },
-        use_bin_type=True,
-    )
+    fields: dict[str, Any] = {
+        "v": SCHEMA_VERSION,
+        "k": "j",
+        "job": doc.job,
+        "digest": doc.digest,
+        "config": doc.config,
+        "cal": doc.calibration,
+    }
+    if doc.run is not None:
+        if not isinstance(doc.run, bytes) or len(doc.run) != RUN_BYTES:
+            raise ValueError(f"a run id is {RUN_BYTES} bytes, got {doc.run!r}")
+        fields["run"] = doc.run
+    body = msgpack.packb(fields, use_bin_type=True)
     if signer is None:
         return body
     sig = signer.sign(JOB_CONTEXT + body)
@@ -128,8 +142,8 @@ def decode_job_document(payload: bytes, verifier: Verifier | None = None) -> Job
         )
     if obj.get("k") != "j":
         raise PayloadRejected(Reject.WRONG_KIND, f"kind {obj.get('k')!r} is not a job document")
-    if set(obj) != _BODY_KEYS:
-        missing, extra = _BODY_KEYS - set(obj), set(obj) - _BODY_KEYS
+    if not _BODY_KEYS <= set(obj) <= _BODY_KEYS | _OPTIONAL_KEYS:
+        missing, extra = _BODY_KEYS - set(obj), set(obj) - _BODY_KEYS - _OPTIONAL_KEYS
         raise PayloadRejected(
             Reject.MALFORMED,
             f"job document keys: missing {sorted(missing)}, unknown {sorted(extra)}",
@@ -141,4 +155,7 @@ def decode_job_document(payload: bytes, verifier: Verifier | None = None) -> Job
         raise PayloadRejected(Reject.MALFORMED, "'config' must be a map whose 'job' is 'job'")
     if type(cal) is not list:
         raise PayloadRejected(Reject.MALFORMED, "'cal' must be an array of rows")
-    return JobDocument(job, digest, config, cal, signed)
+    run = obj.get("run")
+    if "run" in obj and (type(run) is not bytes or len(run) != RUN_BYTES):
+        raise PayloadRejected(Reject.MALFORMED, f"'run' must be bin of {RUN_BYTES} bytes")
+    return JobDocument(job, digest, config, cal, signed, run)

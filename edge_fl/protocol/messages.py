@@ -10,6 +10,7 @@ import numpy as np
 
 SCHEMA_VERSION = 1
 NONCE_BYTES = 16  # the per-round nonce the aggregator puts in the signed global message
+RUN_BYTES = 16  # the aggregator run's id in every global message and job document (``run``)
 # Signed global messages (normative format: edge_fl/protocol/signing.py): Ed25519 over
 # GLOBAL_CONTEXT || body. Defined here so the codec needs no crypto import.
 GLOBAL_CONTEXT = b"edge-fl/global/v1\x00"
@@ -139,6 +140,7 @@ class GlobalModel:
     nonce: bytes | None = None  # the round's nonce; an update must echo it (signed with the model)
     # public parameters of the job's mechanism (wire ``mp``; each mechanism registers its schema, edge_fl/protocol/params.py)
     mechanism_params: dict | None = None
+    run: bytes | None = None  # the aggregator run's id (docs/protocol.md, "Run id")
 
     def selects(self, device: str) -> bool:
         return self.selected is None or device in self._selected_set

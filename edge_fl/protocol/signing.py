@@ -20,9 +20,12 @@ A signed global message is a msgpack map of exactly four entries::
 - ``SIG`` is the 64-byte Ed25519 signature (RFC 8032, pure Ed25519) of
   ``GLOBAL_CONTEXT || BODY`` where ``GLOBAL_CONTEXT = b"edge-fl/global/v1\\x00"`` (18 bytes). The
   context prefix separates these signatures from anything else the key might ever sign.
-- Replay is not prevented by the signature itself: the body carries the job id, the round, the
-  version and the round's nonce, and devices apply :class:`edge_fl.protocol.window.GlobalWindow`
-  (monotonic, bounded round/version) and compare the job id.
+- Replay is not prevented by the signature itself: the body carries the job id, the run id
+  (``run``: a replay from an earlier run of the same job id and key is refused,
+  :mod:`edge_fl.device.trust`), the round, the version and the round's nonce, and devices apply
+  :class:`edge_fl.protocol.window.GlobalWindow` (monotonic, bounded round/version).
+- A :class:`Verifier` refuses a small-order or non-canonical public key (under the identity
+  point every forged signature ``R = identity, S = 0`` verifies).
 
 A decoder without a verifier still decodes a signed message (the signature is then ignored); a
 decoder with a verifier rejects an unsigned message (``Reject.UNSIGNED``) and a signature that
@@ -57,6 +60,7 @@ __all__ = [
     "generate_key_files",
     "load_signer",
     "load_verifier",
+    "weak_key_reason",
 ]
 
 PUBLIC_KEY_BYTES = 32
@@ -64,10 +68,41 @@ PRIVATE_SEED_BYTES = 32
 PRIVATE_KEY_FILE = "aggregator_ed25519.pem"
 PUBLIC_KEY_FILE = "aggregator_ed25519.pub"
 _HEX_KEY = re.compile(r"^[0-9a-fA-F]{64}$")
+_FIELD_P = 2**255 - 19
+#: the y coordinates of the 8 points of order 1, 2, 4 and 8 (Ed25519's torsion subgroup): the
+#: identity (y = 1), order 2 (y = -1), order 4 (y = 0) and order 8 (two values, each with both
+#: signs of x). Under such a public key a signature that "verifies" proves nothing: with the
+#: identity, the forged R = S*B passes any message (issue 24, item 10)
+_SMALL_ORDER_Y = frozenset(
+    {
+        1,
+        _FIELD_P - 1,
+        0,
+        int.from_bytes(
+            bytes.fromhex("26e8958fc2b227b045c3f489f2ef98f0d5dfac05d3c63339b13802886d53fc05"),
+            "little",
+        ),
+        int.from_bytes(
+            bytes.fromhex("c7176a703d4dd84fba3c0b760d10670f2a2053fa2c39ccc64ec7fd7792ac037a"),
+            "little",
+        ),
+    }
+)
 
 
 class SigningKeyError(ValueError):
     """A key that cannot be used: wrong type, unreadable, or a private key others can read."""
+
+
+def weak_key_reason(raw_public: bytes) -> str | None:
+    """Why a 32-byte Ed25519 public key must not be trusted, or None: a small-order point (one of
+    the 8 of order 1, 2, 4 or 8, in any encoding) or a non-canonical encoding (y >= p)."""
+    y = int.from_bytes(raw_public, "little") & ((1 << 255) - 1)
+    if y >= _FIELD_P:
+        return "a non-canonical encoding (y >= 2^255 - 19)"
+    if y in _SMALL_ORDER_Y:
+        return "a small-order point (order 1, 2, 4 or 8; 01 followed by zeros is the identity)"
+    return None
 
 
 def _fingerprint(raw_public: bytes) -> str:
@@ -80,6 +115,13 @@ class Verifier:
     def __init__(self, public_key: Ed25519PublicKey) -> None:
         if not isinstance(public_key, Ed25519PublicKey):
             raise SigningKeyError(f"not an Ed25519 public key: {type(public_key).__name__}")
+        raw = public_key.public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
+        weak = weak_key_reason(raw)
+        if weak is not None:
+            raise SigningKeyError(
+                f"refusing the public key {raw.hex()}: it is {weak}, under which forged "
+                "signatures verify; give the aggregator's real key (`edge-fl keygen` makes one)"
+            )
         self._key = public_key
 
     # -- construction

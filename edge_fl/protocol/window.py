@@ -24,8 +24,9 @@ old ``done`` cannot end a later round.
 
 An aggregator restarted from scratch under the same job id starts again at round 0: a device
 process that outlived it would reject the new run as ``STALE`` until :meth:`GlobalWindow.reset`.
-Signatures give origin, not freshness across runs of the same job id and key: keep ACLs on the
-global topic (only the aggregator publishes), or use one key per run.
+Signatures give origin, not freshness across runs of the same job id and key: that is the run
+id's job (every signed message carries the aggregator run's ``run``; a device refuses another
+run's, ``edge_fl.device.trust``).
 
 A dispatch message (who trains on a published version, :mod:`edge_fl.protocol.dispatch`) is
 checked against the same window but never moves it: only a global message does. Its version may

@@ -9,6 +9,7 @@ from __future__ import annotations
 import base64
 import logging
 import math
+import os
 from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
@@ -16,14 +17,17 @@ from typing import Any
 
 import numpy as np
 
+from edge_fl.identity import in_population
 from edge_fl.mechanisms import Mechanism, Strategy
 from edge_fl.mechanisms.none import NoPrivacy
 from edge_fl.protocol import (
     REJECT_MEANING,
+    RUN_BYTES,
     GlobalModel,
     PayloadRejected,
     Reject,
     UpdateLimits,
+    decode_global,
     decode_status,
     decode_update,
 )
@@ -60,6 +64,7 @@ PARTICIPATION_FIELDS = (
     "online",
     "capped_samples",
     "bad_status",
+    "foreign_status",
     "device_updates",
 )
 #: record fields a runtime adds that depend on who uploaded too: the simulated fleet's wire bytes
@@ -87,6 +92,9 @@ class AggregatorSettings:
     buffer_size: int = 10  # FedBuff K (FedAsync: 1)
     max_staleness: int = 20
     staleness: Any = None  # edge_fl.server.staleness.Staleness (async modes)
+    #: the job's devices (``data.devices``): a status of a device outside them (another job's,
+    #: edge_fl.identity.in_population) is ignored and counted; None: every device is taken
+    population: int | None = None
 
     @property
     def n_select(self) -> int:
@@ -156,6 +164,7 @@ class RoundTally:
     capped_samples: int = 0  # updates whose sample count exceeded the device's declared one
     samples: dict = field(default_factory=dict)  # reason -> "device: detail" of its first case
     bad_status: Counter = field(default_factory=Counter)
+    foreign_status: int = 0  # statuses of devices outside the job's population, ignored
 
 
 class AggregatorCore:
@@ -213,6 +222,11 @@ class AggregatorCore:
         self._released: set[tuple[str, int]] = set()  # (device, round) already in the ledger
         self.releases: list[tuple[str, int, int]] = []  # (device, round, n): for checkpoints
         self.noised_rounds: list[int] = []
+        #: this run's id, in every global message (and the job document): a device refuses a
+        #: signed message of another run, e.g. an earlier run's done marker replayed; random per
+        #: run, restored with the run's state on a resume (docs/protocol.md, "Run id")
+        self.run_id = os.urandom(RUN_BYTES)
+        self.foreign_seen = 0  # statuses of devices outside the population, over the job
         if policy is None:
             policy = policy_for(settings, concurrency, dispatch_timeout_s)
         self.policy: RoundPolicy = policy(self)
@@ -227,6 +241,22 @@ class AggregatorCore:
 
     def on_status(self, device: str, payload: bytes) -> None:
         """Track availability from retained status messages (and last wills)."""
+        population = self.settings.population
+        if population is not None and not in_population(device, population):
+            # another job's device (the broker's ACL lets it write status/<id> under any job id):
+            # never selectable here, or rounds wait for one that never answers
+            self.tally.foreign_status += 1
+            self.foreign_seen += 1
+            if self.foreign_seen <= 3 or self.foreign_seen % 1000 == 0:
+                log.warning(
+                    "ignoring the status of %r (%d so far): not one of this job's %d devices "
+                    "(ids ending in 0-%d)",
+                    device,
+                    self.foreign_seen,
+                    population,
+                    population - 1,
+                )
+            return
         if not payload:  # a cleared retained message
             self.devices.pop(device, None)
             self.policy.on_status(device)
@@ -291,6 +321,15 @@ class AggregatorCore:
         """Rebuild the round a journal's ``open`` record describes (``round_spec``), as
         ``open_round`` left it, without drawing a new selection."""
         rnd = self.policy.build_round(field_values(spec), now)
+        published = spec.get("g")
+        if isinstance(published, bytes | bytearray) and published:
+            # the round as published names its run: a resume without a checkpoint keeps it
+            try:
+                run = decode_global(bytes(published)).run
+            except PayloadRejected:
+                run = None  # never: this process published it
+            if run is not None:
+                self.run_id = run
         self.round_number = int(rnd.number)
         self.tally = RoundTally()
         self.policy.reopen(rnd, spec)
@@ -335,6 +374,7 @@ class AggregatorCore:
             issued_at=now,
             nonce=None if done else self.current_nonce(),
             mechanism_params=self.public_params,
+            run=self.run_id,
         )
 
     def dispatch(self, now: float) -> GlobalModel | None:
@@ -625,6 +665,7 @@ class AggregatorCore:
             "rejection_samples": dict(t.samples),
             "capped_samples": t.capped_samples,
             "bad_status": sum(t.bad_status.values()),
+            "foreign_status": t.foreign_status,
             "extended": rnd.extended,
             "bytes_up": t.bytes_up,
             "messages_up": t.messages_up,
@@ -713,6 +754,7 @@ class AggregatorCore:
         """The engine's state between rounds as plain data (JSON-able; the parameters apart):
         the ledger's releases, the selection history, the fleet view and the policy's own."""
         state: dict[str, Any] = {
+            "run": self.run_id.hex(),
             "version": self.version,
             "round_number": self.round_number,
             "mechanism_state": self.mechanism.encode_state(self.mechanism_state),
@@ -741,6 +783,8 @@ class AggregatorCore:
         """The inverse of :meth:`snapshot` on a core freshly built from the same config (the
         fleet view is left alone: see :func:`fleet_view`)."""
         self.params = params.astype(np.float32)
+        if isinstance(state.get("run"), str):  # checkpoints before run ids had none
+            self.run_id = bytes.fromhex(state["run"])
         self.version = int(state["version"])
         self.round_number = int(state["round_number"])
         carried = state.get("mechanism_state")

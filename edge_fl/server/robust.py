@@ -17,7 +17,11 @@ capped at the declared one (tools/bench_poisoning.py). What this module adds on 
   the result a function of the round's *set* of updates, not of their arrival order, which is
   what lets ingest workers fold disjoint shares that merge exactly (:meth:`RobustStrategy.merge`);
 - an absolute cap ``max_samples`` on the sample count an update is weighted by (the aggregator core
-  also caps the count at the one the device declared in its retained status);
+  also caps the count at the one the device declared in its retained status); and with ``auto``
+  a relative one: ``norm_multiplier`` x the median sample count of the same folded updates, fixed
+  like the norm bound. A count is a claim: a device that declares n = 10^7 in its status *and*
+  its update would otherwise carry the whole weighted mean (its clipped delta alone: digits
+  0.93 -> 0.14, tools/bench_poisoning.py ``liar-default``);
 - opt-in coordinate-wise **trimmed mean** or **median** instead of the sample-weighted mean, for
   untrusted fleets. They keep the round's deltas in memory (rows x n_params float32) and ignore
   sample counts (they are claims); the staleness weight still scales each delta.
@@ -158,6 +162,7 @@ class NormReference:
 
     def __init__(self, window: int, multiplier: float, min_updates: int) -> None:
         self.norms: deque[float] = deque(maxlen=window)
+        self.samples: deque[int] = deque(maxlen=window)  # their (capped) sample counts
         self.multiplier = multiplier
         self.min_updates = min_updates
 
@@ -175,6 +180,17 @@ class NormReference:
 
     def add(self, norm: float) -> None:
         self.norms.append(norm)
+
+    def sample_cap(self, pending: list[int] | tuple[int, ...] = ()) -> int | None:
+        """``multiplier`` x the median sample count of the reference (and ``pending``), at least
+        1; None while there are none."""
+        values = [*self.samples, *pending]
+        if not values:
+            return None
+        return max(1, math.ceil(self.multiplier * float(np.median(values))))
+
+    def add_samples(self, n: int) -> None:
+        self.samples.append(n)
 
 
 @dataclass
@@ -266,6 +282,9 @@ class RobustStrategy:
     capped: int = 0
     #: the round's bound, fixed when it opens (auto: from the reference; None while there is none)
     bound: float | None = field(default=None, init=False)
+    #: the round's relative cap on a sample count (auto only; None: none yet)
+    sample_cap: int | None = field(default=None, init=False)
+    _samples: list[int] = field(default_factory=list, init=False)  # folded: for the reference
     _held: list[tuple[DenseUpdate, float, float]] | None = field(default=None, init=False)
     _norms: list[float] = field(default_factory=list, init=False)  # folded: for the reference
 
@@ -277,6 +296,7 @@ class RobustStrategy:
             self.bound = float(s.norm_bound)
         elif len(self.reference) >= self.reference.min_updates:
             self.bound = self.reference.bound()
+            self.sample_cap = _reference_cap(self.reference)
         else:
             self._held = []  # no reference yet (the job's first updates): hold until there is one
 
@@ -307,6 +327,11 @@ class RobustStrategy:
         self.capped += capped
 
     def _fold(self, update: DenseUpdate, weight: float, norm: float) -> None:
+        cap = self.sample_cap
+        if cap is not None and update.n_samples > cap:
+            update = replace(update, n_samples=cap)
+            self.capped += 1
+        self._samples.append(update.n_samples)
         bound = self.bound
         clip = bound is not None and norm > bound
         if clip:
@@ -334,6 +359,11 @@ class RobustStrategy:
                     del self._held[i]
                     return
             raise ValueError("no such held update to remove")
+        cap = self.sample_cap
+        if cap is not None and update.n_samples > cap:
+            update = replace(update, n_samples=cap)
+            self.capped -= 1
+        self._samples.remove(update.n_samples)
         bound = self.bound
         clip = bound is not None and norm > bound
         if clip:
@@ -349,6 +379,7 @@ class RobustStrategy:
         assert self.reference is not None and self._held is not None
         held, self._held = self._held, None
         self.bound = self.reference.bound(tuple(n for _, _, n in held))
+        self.sample_cap = _reference_cap(self.reference, tuple(u.n_samples for u, _, _ in held))
         for update, weight, norm in held:
             self._fold(update, weight, norm)
 
@@ -363,12 +394,13 @@ class RobustStrategy:
             "i": self.inner.partial(),
             "h": held if self._held is not None else None,
             "n": [float(n) for n in self._norms],
+            "s": [int(n) for n in self._samples],
             "k": [self.clipped, self.rejected, self.capped],
         }
 
     def merge(self, data: dict[str, Any]) -> None:
-        if not isinstance(data, dict) or set(data) != {"i", "h", "n", "k"}:
-            raise ValueError("a robust partial is a map with exactly the keys i, h, n and k")
+        if not isinstance(data, dict) or set(data) != {"i", "h", "n", "s", "k"}:
+            raise ValueError("a robust partial is a map with exactly the keys i, h, n, s and k")
         if (data["h"] is None) != (self._held is None):
             raise ValueError("a robust partial must hold updates exactly when this round does")
         counters, norms = data["k"], data["n"]
@@ -377,11 +409,15 @@ class RobustStrategy:
             raise ValueError("a robust partial's 'k' must be 3 counts")
         if not isinstance(norms, list) or not all(isinstance(n, float) for n in norms):
             raise ValueError("a robust partial's 'n' must be a list of floats")
+        samples = data["s"]
+        if not isinstance(samples, list) or not all(type(n) is int and n > 0 for n in samples):
+            raise ValueError("a robust partial's 's' must be a list of positive ints")
         held = [_held_update(item, self.inner) for item in data["h"] or ()]
         self.inner.merge(data["i"])
         if self._held is not None:
             self._held.extend(held)
         self._norms.extend(norms)
+        self._samples.extend(samples)
         self.clipped += counters[0]
         self.rejected += counters[1]
         self.capped += counters[2]
@@ -400,15 +436,27 @@ class RobustStrategy:
         if self.reference is not None:  # in sorted order: the same for any arrival order
             for norm in sorted(self._norms):
                 self.reference.add(norm)
+            add_samples = getattr(self.reference, "add_samples", None)
+            if add_samples is not None:  # a sharded worker's stand-in keeps no reference
+                for n in sorted(self._samples):
+                    add_samples(n)
         new, info = self.inner.finish(params)
         out = dict(info)
         if self.settings.norm_bound is not None:
             out["norm_bound"] = self.bound
             out["norm_clipped"] = self.clipped
             out["norm_rejected"] = self.rejected
-        if self.settings.max_samples is not None:
+        if self.settings.max_samples is not None or self.sample_cap is not None:
             out["max_samples_capped"] = self.capped
+        if self.sample_cap is not None:
+            out["sample_cap"] = self.sample_cap
         return new, out
+
+
+def _reference_cap(reference: Any, pending: tuple[int, ...] = ()) -> int | None:
+    """The reference's relative sample cap (a sharded worker's stand-in has none: None)."""
+    cap = getattr(reference, "sample_cap", None)
+    return cap(pending) if cap is not None else None
 
 
 def _held_update(item: Any, inner: Strategy) -> tuple[DenseUpdate, float, float]:
