@@ -18,6 +18,8 @@ import paho.mqtt.client as paho
 
 __all__ = ["SharedKeepalive"]
 
+CHUNK = 500  # sessions checked between two turns of the event loop
+
 
 class SharedKeepalive:
     """Pass :meth:`misc_loop` to ``client_adapter.replace_misc_loop`` for each session."""
@@ -44,16 +46,20 @@ class SharedKeepalive:
             if self._sessions.get(pc) is gone:
                 del self._sessions[pc]
 
-    def check(self) -> None:
-        """Run every session's ``loop_misc`` once (what the timer does each period)."""
-        for pc, gone in list(self._sessions.items()):
+    def check(self, sessions: list[tuple[paho.Client, asyncio.Future[None]]] | None = None) -> None:
+        """Run ``loop_misc`` once for ``sessions`` (default: every session)."""
+        for pc, gone in sessions if sessions is not None else list(self._sessions.items()):
             if not gone.done() and pc.loop_misc() != paho.MQTT_ERR_SUCCESS:
                 gone.set_result(None)
 
     async def _tick(self) -> None:
         while self._sessions:
             await asyncio.sleep(self.period_s)
-            self.check()
+            sessions = list(self._sessions.items())
+            for start in range(0, len(sessions), CHUNK):
+                # in slices: 10,000 sessions at once would hold the event loop for a while
+                self.check(sessions[start : start + CHUNK])
+                await asyncio.sleep(0)
 
     async def close(self) -> None:
         """Stop the timer (sessions still open keep no housekeeping)."""

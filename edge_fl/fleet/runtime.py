@@ -153,9 +153,9 @@ class Fleet:
         self.reconnect_attempt = 0
         self._pool = ThreadPoolExecutor(max_workers=train_workers, thread_name_prefix="train")
         # every session's keepalive on one timer, not one aiomqtt task waking each second per
-        # session (docs/bench/profile-10k.md); a tenth of the keepalive is well within the 1.5x
-        # the broker allows before it drops a silent session
-        self.keepalive = SharedKeepalive(period_s=max(1.0, keepalive_s / 10))
+        # session (docs/bench/profile-10k.md); a PINGREQ goes out at most a quarter of the
+        # keepalive late, well within the 1.5x the broker allows before it drops a silent session
+        self.keepalive = SharedKeepalive(period_s=max(0.25, keepalive_s / 4))
         self._tasks: set[asyncio.Task] = set()
         self._work: set[asyncio.Task] = set()  # devices' download, training and upload
         self.link: LinkModel = DEFAULT_LINK
