@@ -135,6 +135,8 @@ class LogisticRegression:
         n_w = self._n_w
         lr = np.float32(training.lr)
         n = len(y)
+        rows = np.arange(min(n, training.batch_size))
+        maximum, add, exp, log = np.maximum.reduce, np.add.reduce, np.exp, np.log
         for _ in range(training.epochs):
             order = rng.permutation(n)
             for start in range(0, n, training.batch_size):
@@ -142,12 +144,21 @@ class LogisticRegression:
                 Xb = Xc[batch]
                 if wc is not w:  # float64 data: the model is cast anew each step, as grad does
                     W, b = self._unpack(w.astype(dt))
-                dz = softmax_minus_onehot(Xb @ W + b, y[batch])
+                # softmax_minus_onehot(Xb @ W + b, y[batch]) / batch, its very operations (the
+                # ufuncs' reductions that ndarray.max and .sum call)
+                z = Xb @ W + b
+                shifted = z - maximum(z, axis=1, keepdims=True)
+                dz = exp(shifted - log(add(exp(shifted), axis=1, keepdims=True)))
+                dz[rows[: len(batch)], y[batch]] -= 1
                 dz /= Xb.shape[0]
-                g = np.empty(self.n_params, dtype=dt)
-                g[:n_w] = (Xb.T @ dz).ravel()
-                g[n_w:] = dz.sum(axis=0)
-                w -= lr * g.astype(np.float32, copy=False)
+                if wc is w:  # W and b are views of w: the step updates them in place
+                    W -= lr * (Xb.T @ dz)
+                    b -= lr * add(dz, axis=0)
+                else:
+                    g = np.empty(self.n_params, dtype=dt)
+                    g[:n_w] = (Xb.T @ dz).ravel()
+                    g[n_w:] = add(dz, axis=0)
+                    w -= lr * g.astype(np.float32, copy=False)
         return w
 
     def per_sample_grads(self, params: np.ndarray, X: np.ndarray, y: np.ndarray) -> np.ndarray:
