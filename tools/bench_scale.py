@@ -1,16 +1,23 @@
 """Fleet scale: a whole simulation with thousands of devices, each with its own MQTT session.
 
-Reports connect time, per-round wall time and the PEAK resident memory of the simulation process
-(aggregator + fleet) and of the broker process, sampled from /proc (VmHWM is the kernel's own
-high-water mark, so short peaks are not missed).
+Reports connect time, per-round wall time, CPU seconds (user + system) of the simulation process
+(aggregator + fleet) and of the broker at every round's record, and the PEAK resident memory of
+both, sampled from /proc (VmHWM is the kernel's own high-water mark, so short peaks are not
+missed). CPU per round is the difference between consecutive records (round 1's record also holds
+start-up and connects), so it is what a loaded, shared machine cannot inflate the way it inflates
+wall time.
 
-    .venv/bin/python tools/bench_scale.py --devices 10000 --clients-per-round 1000 --rounds 3
+    .venv/bin/python tools/bench_scale.py --devices 10000 --clients-per-round 1000 --rounds 5
+
+``PYTHONPATH=<another tree>`` measures that tree's code with this script (before/after).
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
+import os
 import resource
 import threading
 import time
@@ -29,6 +36,22 @@ def vm_hwm_kb(pid: int) -> int:
     except OSError:
         pass
     return 0
+
+
+def cpu_s(pid: int | None = None) -> float:
+    """User + system CPU seconds of this process (all its threads) or of ``pid``."""
+    if pid is None:
+        t = os.times()
+        return t.user + t.system
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def broker_pid() -> int | None:
+    return next((b.pid for b in list(broker_mod._LIVE) if b.pid), None)
 
 
 def main() -> None:
@@ -64,13 +87,23 @@ def main() -> None:
             "rounds.wait_for_devices_s": 600,
         },
     )
+    cpu_at_record: list[tuple[float, float]] = []  # (simulation, broker) at each record
+
+    def on_record(record: dict, fleet: object) -> None:
+        del record, fleet
+        cpu_at_record.append((cpu_s(), cpu_s(broker_pid())))
+
     t0 = time.perf_counter()
-    summary = simulate(cfg, args.out)
+    cpu0 = cpu_s()
+    summary = simulate(cfg, args.out, fleet_hook=on_record, overwrite=True)
     wall = time.perf_counter() - t0
     stop.set()
     sampler.join()
     records = [json.loads(x) for x in (Path(args.out) / "metrics.jsonl").read_text().splitlines()]
     own_peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    per_round = [
+        round((b[0] - a[0]) + (b[1] - a[1]), 2) for a, b in itertools.pairwise(cpu_at_record)
+    ]
     result = {
         "devices": args.devices,
         "clients_per_round": args.clients_per_round,
@@ -81,6 +114,14 @@ def main() -> None:
         "first_round_s": summary["timings"]["first_round_s"],
         "round_wall_s": [round(r["wall_time_s"], 3) for r in records],
         "total_s": round(wall, 2),
+        "cpu_s_at_first_record": round(cpu_at_record[0][0] - cpu0 + cpu_at_record[0][1], 2)
+        if cpu_at_record
+        else None,
+        "cpu_s_per_round_after_first": per_round,
+        "cpu_s_per_round_simulation": [
+            round(b[0] - a[0], 2) for a, b in itertools.pairwise(cpu_at_record)
+        ],
+        "cpu_s_total_simulation": round(cpu_s() - cpu0, 2),
         "peak_rss_simulation_mb": round(own_peak_mb, 1),
         "peak_rss_broker_mb": round(broker_peak["kb"] / 1024, 1),
         "bytes_down_per_round": [r["bytes_down"] for r in records],

@@ -63,6 +63,7 @@ from edge_fl.device.policy import (
 )
 from edge_fl.device.trust import Trust
 from edge_fl.fleet.clock import SimClock
+from edge_fl.fleet.keepalive import SharedKeepalive
 from edge_fl.fleet.profiles import AlwaysAvailable, DeviceProfile
 from edge_fl.protocol import GlobalModel, Topics
 from edge_fl.protocol.messages import Dispatch
@@ -151,6 +152,10 @@ class Fleet:
         self.max_reconnects = 10
         self.reconnect_attempt = 0
         self._pool = ThreadPoolExecutor(max_workers=train_workers, thread_name_prefix="train")
+        # every session's keepalive on one timer, not one aiomqtt task waking each second per
+        # session (docs/bench/profile-10k.md); a PINGREQ goes out at most a quarter of the
+        # keepalive late, well within the 1.5x the broker allows before it drops a silent session
+        self.keepalive = SharedKeepalive(period_s=max(0.25, keepalive_s / 4))
         self._tasks: set[asyncio.Task] = set()
         self._work: set[asyncio.Task] = set()  # devices' download, training and upload
         self.link: LinkModel = DEFAULT_LINK
@@ -202,6 +207,7 @@ class Fleet:
         if counter is None:
             counter = self.wire[agent.device_id] = WireCounter(self.link)
         attach(client, counter)
+        client_adapter.replace_misc_loop(client, self.keepalive.misc_loop)
         return client
 
     def _tls(self, device: str) -> bool:
@@ -695,4 +701,5 @@ class Fleet:
         finally:
             self._closing = True
             await self.disconnect_all()
+            await self.keepalive.close()
             self._pool.shutdown(wait=False, cancel_futures=True)

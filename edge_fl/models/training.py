@@ -24,7 +24,13 @@ def local_sgd(
     training: LocalTraining,
     rng: np.random.Generator,
 ) -> np.ndarray:
-    """Shuffled minibatch SGD for ``training.epochs``; returns new parameters (input untouched)."""
+    """Shuffled minibatch SGD for ``training.epochs``; returns new parameters (input untouched).
+
+    A model with its own ``sgd`` (the same steps, checked once instead of per minibatch:
+    :meth:`edge_fl.models.logreg.LogisticRegression.sgd`) runs it; the result is bit-identical."""
+    sgd = getattr(model, "sgd", None)
+    if sgd is not None:
+        return sgd(params, X, y, training, rng)
     w = params.astype(np.float32, copy=True)
     n = len(y)
     for _ in range(training.epochs):

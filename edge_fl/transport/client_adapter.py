@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from typing import TYPE_CHECKING, Any, Protocol, TypeAlias
 
 import paho.mqtt.client as paho
@@ -46,6 +46,7 @@ __all__ = [
     "publish_nowait",
     "quiet_on_loss",
     "raw_socket",
+    "replace_misc_loop",
     "tls_configured",
     "uses_tls",
     "wrap_sockets",
@@ -131,6 +132,20 @@ def wrap_sockets(client: MqttClient, wrap: Callable[[Any], Any]) -> None:
             opened(inner, userdata, wrapped)
 
     pc.on_socket_open = on_socket_open
+
+
+def replace_misc_loop(
+    client: aiomqtt.Client, misc: Callable[[paho.Client], Coroutine[Any, Any, None]]
+) -> None:
+    """Run ``misc(paho client)`` as the client's housekeeping task instead of aiomqtt's.
+
+    aiomqtt starts one task per connection that wakes every second to call paho's ``loop_misc``
+    (keepalive PINGREQ, ping timeout): 10,000 sessions in one process made 10,000 timer wake-ups
+    a second, the fleet's largest CPU cost (docs/bench/profile-10k.md). ``misc`` is awaited in its
+    place (started when the socket opens, cancelled when it closes, as aiomqtt's is), so one
+    shared timer can call ``loop_misc`` for every session. Call before connecting."""
+    pc = paho_client(client)
+    client._misc_loop = lambda: misc(pc)  # type: ignore[method-assign]
 
 
 # ------------------------------------------------------------------------ losing the broker
