@@ -574,48 +574,13 @@ def test_checkpoint_and_journal_resume_keep_the_in_flight_set(tmp_path):
     assert out is not None and len(fresh.policy.in_flight) == 4
 
 
-def test_a_journaled_dispatch_survives_a_resume(tmp_path):
-    """Replacements published mid-window are journaled before devices see them: a resumed core
-    still counts them as selected (their updates are admitted, not refused as not selected)."""
+def _journal_a_window_to_its_dispatch(tmp_path):
+    """A FedBuff window (C = 4, K = 3) journaled from its checkpoint through one accepted update
+    to the mid-window selection it then makes: (the journal, the opened global, that selection);
+    the caller journals the selection as its service would."""
     from edge_fl.protocol import encode_global
     from edge_fl.server.checkpoint import save_checkpoint
-    from edge_fl.server.journal import Journal, resume, round_spec
-
-    c = limited_core("fedbuff", c=4, buffer_size=3)
-    save_checkpoint(c, tmp_path, journal_seq=0, last_record=None)
-    journal = Journal.start(tmp_path, job="j", digest="")
-    msg = c.open_round(0.0)
-    journal.append("open", **round_spec(c, encode_global(msg)))
-    first = sorted(c.policy.in_flight)[0]
-    payload = update(c, first, c.policy.in_flight[first], 0.5, 10)
-    assert c.on_update(first, payload) is None
-    journal.append("accept", d=first, p=payload, dn=100)
-    sent = c.dispatch(0.5)
-    assert sent is not None and sent.selected
-    journal.append("dispatch", v=sent.version, sel=list(sent.selected), g=encode_global(sent))
-    journal.sync()
-
-    fresh = limited_core("fedbuff", c=4, buffer_size=3)
-    fresh.devices = {}
-    resumed = resume(fresh, tmp_path)
-    for d in MANY:
-        fresh.on_status(d, encode_status(Status(d, True, 100)))
-    assert set(sent.selected) <= fresh.current.selected
-    assert set(sent.selected) <= set(fresh.policy.in_flight)
-    assert resumed.open_payload == encode_global(sent)
-    late = sent.selected[0]
-    assert fresh.on_update(late, update(fresh, late, fresh.version, 0.5, 10)) is None
-
-
-def test_a_journaled_dispatch_message_survives_a_resume_and_leaves_the_model_retained(tmp_path):
-    """The service journals a mid-window selection as the dispatch message it publishes (the
-    model is not re-published): the resumed core counts the devices as selected, the retained
-    model to re-publish is still the window's, and the dispatch is there to publish after it."""
-    from edge_fl.protocol import encode_global
-    from edge_fl.protocol.dispatch import decode_dispatch, encode_dispatch
-    from edge_fl.protocol.messages import Dispatch
-    from edge_fl.server.checkpoint import save_checkpoint
-    from edge_fl.server.journal import Journal, resume, round_spec
+    from edge_fl.server.journal import Journal, round_spec
 
     c = limited_core("fedbuff", c=4, buffer_size=3)
     save_checkpoint(c, tmp_path, journal_seq=0, last_record=None)
@@ -628,15 +593,51 @@ def test_a_journaled_dispatch_message_survives_a_resume_and_leaves_the_model_ret
     journal.append("accept", d=first, p=payload, dn=100)
     sent = c.dispatch(0.5)
     assert sent is not None and sent.selected
-    message = encode_dispatch(Dispatch.of(sent))
-    journal.append("dispatch", v=sent.version, sel=list(sent.selected), d=message)
-    journal.sync()
+    return journal, opened, sent
+
+
+def _resume_fedbuff(tmp_path):
+    """A fresh core of the same job resumed from ``tmp_path``, its devices back online."""
+    from edge_fl.server.journal import resume
 
     fresh = limited_core("fedbuff", c=4, buffer_size=3)
     fresh.devices = {}
     resumed = resume(fresh, tmp_path)
     for d in MANY:
         fresh.on_status(d, encode_status(Status(d, True, 100)))
+    return fresh, resumed
+
+
+def test_a_journaled_dispatch_survives_a_resume(tmp_path):
+    """Replacements published mid-window are journaled before devices see them: a resumed core
+    still counts them as selected (their updates are admitted, not refused as not selected)."""
+    from edge_fl.protocol import encode_global
+
+    journal, _, sent = _journal_a_window_to_its_dispatch(tmp_path)
+    journal.append("dispatch", v=sent.version, sel=list(sent.selected), g=encode_global(sent))
+    journal.sync()
+
+    fresh, resumed = _resume_fedbuff(tmp_path)
+    assert set(sent.selected) <= fresh.current.selected
+    assert set(sent.selected) <= set(fresh.policy.in_flight)
+    assert resumed.open_payload == encode_global(sent)
+    late = sent.selected[0]
+    assert fresh.on_update(late, update(fresh, late, fresh.version, 0.5, 10)) is None
+
+
+def test_a_journaled_dispatch_message_survives_a_resume_and_leaves_the_model_retained(tmp_path):
+    """The service journals a mid-window selection as the dispatch message it publishes (the
+    model is not re-published): the resumed core counts the devices as selected, the retained
+    model to re-publish is still the window's, and the dispatch is there to publish after it."""
+    from edge_fl.protocol.dispatch import decode_dispatch, encode_dispatch
+    from edge_fl.protocol.messages import Dispatch
+
+    journal, opened, sent = _journal_a_window_to_its_dispatch(tmp_path)
+    message = encode_dispatch(Dispatch.of(sent))
+    journal.append("dispatch", v=sent.version, sel=list(sent.selected), d=message)
+    journal.sync()
+
+    fresh, resumed = _resume_fedbuff(tmp_path)
     assert set(sent.selected) <= fresh.current.selected
     assert resumed.open_payload == opened  # the model was published once, with the window
     assert resumed.dispatch_payload == message

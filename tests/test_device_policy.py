@@ -10,6 +10,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from helpers import real_agent
 
 from edge_fl.device.policy import (
     DevicePolicy,
@@ -259,21 +260,6 @@ def test_another_jobs_model_is_ignored():
 
 # ---------------------------------------------------------------------------------------------
 # A real agent through the same events
-
-
-def real_agent(device_id: str = "d0"):
-    from edge_fl.device.agent import DeviceAgent
-    from edge_fl.models import make_model
-    from edge_fl.models.training import LocalTraining
-    from edge_fl.privacy.rng import seeded_generator
-
-    g = np.random.default_rng(0)
-    X = g.normal(size=(12, 4)).astype(np.float32)
-    y = (np.arange(12) % 3).astype(np.int64)
-    return DeviceAgent(
-        device_id, X, y, make_model("logreg", 4, 3), LocalTraining(1, 4, 0.1),
-        seeded_generator(1),
-    )  # fmt: skip
 
 
 def test_an_agent_answers_trains_once_and_resends_only_when_selected():

@@ -11,6 +11,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from helpers import real_agent
 
 from edge_fl.device.dispatch import receive_dispatch
 from edge_fl.device.policy import (
@@ -174,21 +175,6 @@ def test_the_connection_checks_signature_job_and_window_and_never_moves_the_wind
 
 # ---------------------------------------------------------------------------------------------
 # A real agent through the same events
-
-
-def real_agent(device_id: str):
-    from edge_fl.device.agent import DeviceAgent
-    from edge_fl.models import make_model
-    from edge_fl.models.training import LocalTraining
-    from edge_fl.privacy.rng import seeded_generator
-
-    g = np.random.default_rng(0)
-    X = g.normal(size=(12, 4)).astype(np.float32)
-    y = (np.arange(12) % 3).astype(np.int64)
-    return DeviceAgent(
-        device_id, X, y, make_model("logreg", 4, 3), LocalTraining(1, 4, 0.1),
-        seeded_generator(1),
-    )  # fmt: skip
 
 
 def model(version: int, selected: tuple[str, ...]) -> GlobalModel:

@@ -232,11 +232,11 @@ def _require_tools() -> None:
             pytest.skip(f"{tool} not installed")
 
 
-def _wait_for_aggregator(deploy: Deployment) -> dict[str, str]:
+def _wait_for_aggregator(deploy: Deployment, timeout: float = 150) -> dict[str, str]:
     """The aggregator's exit, then every other process's; all exit 0 without a traceback."""
     aggregator = next(n for n in deploy.background if n.startswith("edge-fl aggregator"))
     try:
-        deploy.background[aggregator].wait(timeout=150)
+        deploy.background[aggregator].wait(timeout=timeout)
     except subprocess.TimeoutExpired:
         pytest.fail("the aggregator did not finish:\n" + deploy.all_logs())
     if deploy.background[aggregator].returncode != 0:
@@ -331,22 +331,7 @@ def test_readme_secure_deployment_runs_as_written(tmp_path: Path) -> None:
             deploy.run_block(block)
         kinds = sorted(name.split(" #")[0] for name in deploy.background)
         assert kinds == ["edge-fl aggregator"] + ["edge-fl device"] * 2 + ["edge-fl fleet"] * 2
-        aggregator = next(n for n in deploy.background if n.startswith("edge-fl aggregator"))
-        try:
-            deploy.background[aggregator].wait(timeout=120)
-        except subprocess.TimeoutExpired:
-            pytest.fail("the aggregator did not finish:\n" + deploy.all_logs())
-        if deploy.background[aggregator].returncode != 0:
-            pytest.fail("the aggregator failed:\n" + deploy.all_logs())
-        for name, proc in deploy.background.items():
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                pytest.fail(f"{name} did not stop after the job:\n{deploy.all_logs()}")
-        logs = {name: deploy.log(name) for name in deploy.background}
-        for name, proc in deploy.background.items():
-            assert proc.returncode == 0, f"{name}:\n{logs[name]}"
-            assert "Traceback" not in logs[name], logs[name]
+        logs = _wait_for_aggregator(deploy, timeout=120)
 
         job = (tmp_path / "etc/edge-fl/job.yaml").read_text()
         assert "devices: 6" in job and "rounds: 3" in job

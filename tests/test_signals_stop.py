@@ -15,10 +15,8 @@ bar is meant to hold there.
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
-import sys
 import threading
 import time
 import uuid
@@ -27,13 +25,14 @@ from pathlib import Path
 import msgpack
 import paho.mqtt.client as paho
 import pytest
+from helpers import UNBUFFERED as ENV
+from helpers import start_fleet_and_aggregator
+from processes import EDGE_FL
 
 from edge_fl.protocol import Topics
 
 pytestmark = pytest.mark.broker
 
-EDGE_FL = str(Path(sys.executable).with_name("edge-fl"))
-ENV = {**os.environ, "PYTHONUNBUFFERED": "1"}
 STOP_BAR_S = 2.0
 MOMENTS = ["round_opens", "mid_round", "round_closes"]
 
@@ -155,14 +154,7 @@ def test_the_aggregator_stops_within_2s_with_every_release_charged(mosquitto, tm
     out = tmp_path / "run"
     args = job_args(mosquitto.url, job)
     sniffer = Sniffer(mosquitto.url, Topics(job), moment)
-    fleet = subprocess.Popen(
-        [EDGE_FL, "fleet", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        env=ENV,
-    )  # fmt: skip
-    agg = subprocess.Popen(
-        [EDGE_FL, "aggregator", *args, "--out", str(out)], stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE, text=True, env=ENV,
-    )  # fmt: skip
+    fleet, agg = start_fleet_and_aggregator(args, out)
     sniffer.target = agg
     try:
         fired_at = sniffer.wait_fired(180, agg, fleet)
@@ -180,16 +172,10 @@ def test_the_aggregator_stops_within_2s_with_every_release_charged(mosquitto, tm
     check_charged(out, sniffer.updates, signal.SIGTERM)
 
 
-@pytest.mark.parametrize("moment", MOMENTS)
-def test_simulate_stops_within_2s_of_ctrl_c_with_every_release_charged(mosquitto, tmp_path, moment):
-    job = f"sim-{uuid.uuid4().hex[:6]}"
-    out = tmp_path / "sim"
-    sniffer = Sniffer(mosquitto.url, Topics(job), moment)
-    sniffer.sig = signal.SIGINT
-    sim = subprocess.Popen(
-        [EDGE_FL, "simulate", *job_args(mosquitto.url, job), "--no-progress", "--out", str(out)],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV,
-    )  # fmt: skip
+def _simulate_until_stopped(sniffer: Sniffer, argv: list[str]) -> tuple[int, str, str, float]:
+    """Run `edge-fl simulate` (``argv``) until ``sniffer`` signals it: its exit code, stdout,
+    stderr and the seconds from the signal to its exit."""
+    sim = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
     sniffer.target = sim
     try:
         fired_at = sniffer.wait_fired(180, sim)
@@ -198,8 +184,19 @@ def test_simulate_stops_within_2s_of_ctrl_c_with_every_release_charged(mosquitto
     finally:
         sniffer.close()
         kill(sim)
+    return sim.returncode, stdout, stderr, took
+
+
+@pytest.mark.parametrize("moment", MOMENTS)
+def test_simulate_stops_within_2s_of_ctrl_c_with_every_release_charged(mosquitto, tmp_path, moment):
+    job = f"sim-{uuid.uuid4().hex[:6]}"
+    out = tmp_path / "sim"
+    sniffer = Sniffer(mosquitto.url, Topics(job), moment)
+    sniffer.sig = signal.SIGINT
+    argv = [EDGE_FL, "simulate", *job_args(mosquitto.url, job), "--no-progress", "--out", str(out)]
+    returncode, stdout, stderr, took = _simulate_until_stopped(sniffer, argv)
     print(f"simulate, {moment}: exit {took:.2f} s after SIGINT")
-    assert sim.returncode == 0, stderr
+    assert returncode == 0, stderr
     assert "Traceback" not in stderr
     assert took < STOP_BAR_S, f"{took:.2f} s"
     summary = check_charged(out, sniffer.updates, signal.SIGINT)
@@ -219,16 +216,8 @@ def test_an_async_simulation_stops_within_2s_with_every_release_charged(mosquitt
     sniffer.sig = signal.SIGINT
     argv = [EDGE_FL, "simulate", *job_args(mosquitto.url, job), "--mode", mode,
             "--buffer-size", "3", "--no-progress", "--out", str(out)]  # fmt: skip
-    sim = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
-    sniffer.target = sim
-    try:
-        fired_at = sniffer.wait_fired(180, sim)
-        _, stderr = sim.communicate(timeout=60)
-        took = time.monotonic() - fired_at
-    finally:
-        sniffer.close()
-        kill(sim)
+    returncode, _, stderr, took = _simulate_until_stopped(sniffer, argv)
     print(f"simulate {mode}: exit {took:.2f} s after SIGINT")
-    assert sim.returncode == 0, stderr
+    assert returncode == 0, stderr
     assert took < STOP_BAR_S, f"{took:.2f} s"
     check_charged(out, sniffer.updates, signal.SIGINT)

@@ -285,8 +285,6 @@ def test_aggregator_tracks_its_rounds_without_the_broker_password(
 ) -> None:
     """`edge-fl aggregator --track --tensorboard` with devices in another process; the broker
     URL's password reaches neither the params nor the logged run.json."""
-    from processes import EDGE_FL
-
     store, tb, out = tmp_path / "mlruns", tmp_path / "tb", tmp_path / "run"
     job = f"agg-{uuid.uuid4().hex[:6]}"
     host_port = mosquitto.url.split("://", 1)[1]
@@ -296,21 +294,7 @@ def test_aggregator_tracks_its_rounds_without_the_broker_password(
         "--rounds", "3", "--clients-per-round", "4", "--deadline", "20", "--model", "logreg",
     ]  # fmt: skip
     tracking = ["--track", f"mlflow:{store}", "--tensorboard", str(tb)]
-    agg = subprocess.Popen(
-        [EDGE_FL, "aggregator", *common, "--out", str(out), *tracking],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    fleet = subprocess.Popen([EDGE_FL, "fleet", *common], stderr=subprocess.PIPE, text=True)
-    try:
-        _, stderr = agg.communicate(timeout=180)
-        fleet.communicate(timeout=30)
-    finally:
-        for p in (agg, fleet):
-            if p.poll() is None:
-                p.kill()
-    assert agg.returncode == 0, stderr
+    _aggregator_and_fleet(common, ["--out", str(out), *tracking])
     records = _records(out)
     assert [r["round"] for r in records] == [1, 2, 3]
     client, run_id = _only_run(store.resolve().as_uri(), job, monkeypatch)

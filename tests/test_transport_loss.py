@@ -17,22 +17,19 @@ import contextlib
 import gc
 import json
 import logging
-import os
-import subprocess
-import sys
 import time
 import uuid
 from pathlib import Path
 
 import aiomqtt
 import pytest
+from helpers import start_fleet_and_aggregator
 
 from edge_fl.transport import client_adapter
 from edge_fl.transport.broker import EmbeddedBroker, free_port
 
 pytestmark = pytest.mark.broker
 
-EDGE_FL = str(Path(sys.executable).with_name("edge-fl"))
 NOISE = ("Traceback", "never retrieved", "Bad file descriptor", "Exception in callback")
 
 
@@ -152,15 +149,7 @@ def test_a_broker_restart_is_one_line_in_the_aggregator_and_no_traceback_anywher
         "--rounds", "4", "--clients-per-round", "20", "--deadline", "30", "--model", "logreg",
         "--epochs", "1",
     ]  # fmt: skip
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    fleet = subprocess.Popen(
-        [EDGE_FL, "fleet", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        env=env,
-    )  # fmt: skip
-    agg = subprocess.Popen(
-        [EDGE_FL, "aggregator", *args, "--out", str(out)], stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE, text=True, env=env,
-    )  # fmt: skip
+    fleet, agg = start_fleet_and_aggregator(args, out)
     try:
         until = time.monotonic() + 120
         while metrics_lines(out) < 1:

@@ -76,14 +76,10 @@ def run_round(
     trace = Trace(outcome=None)  # type: ignore[arg-type]
     pending: list[Deliver] = []
 
-    def up(device: str, payload: bytes) -> None:
-        if tamper is not None:
-            payload = tamper("up", device, payload)
-        trace.up[device] += len(payload)
-        if record:
-            trace.sent.append(("up", device, payload))
+    def aggregator_does(call: Callable[[], list]) -> None:
+        """Time the aggregator's call and route its effects."""
         start = clock() if clock else 0.0
-        effects = agg.receive(device, payload)
+        effects = call()
         if clock:
             trace.cpu_aggregator += clock() - start
         for effect in effects:
@@ -91,6 +87,14 @@ def run_round(
                 pending.append(effect)
             elif isinstance(effect, Finished):
                 trace.outcome = effect.outcome
+
+    def up(device: str, payload: bytes) -> None:
+        if tamper is not None:
+            payload = tamper("up", device, payload)
+        trace.up[device] += len(payload)
+        if record:
+            trace.sent.append(("up", device, payload))
+        aggregator_does(lambda: agg.receive(device, payload))
 
     def handle(device: str, effects: list) -> None:
         for effect in effects:
@@ -118,15 +122,7 @@ def run_round(
         if trace.outcome is not None:
             break
         if not pending:
-            start = clock() if clock else 0.0
-            closing = agg.close_phase()
-            if clock:
-                trace.cpu_aggregator += clock() - start
-            for effect in closing:
-                if isinstance(effect, Deliver):
-                    pending.append(effect)
-                elif isinstance(effect, Finished):
-                    trace.outcome = effect.outcome
+            aggregator_does(agg.close_phase)
         batch, pending[:] = list(pending), []
         if phase is None:
             break
@@ -145,11 +141,5 @@ def run_round(
                 x = inputs[effect.device]
                 handle(effect.device, timed(effect.device, partial(dev.submit, x, modular=modular)))
     if trace.outcome is None:
-        start = clock() if clock else 0.0
-        closing = agg.close_phase()
-        if clock:
-            trace.cpu_aggregator += clock() - start
-        for effect in closing:
-            if isinstance(effect, Finished):
-                trace.outcome = effect.outcome
+        aggregator_does(agg.close_phase)  # a Deliver now has no phase left to go to
     return trace

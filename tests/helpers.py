@@ -1,0 +1,47 @@
+"""Helpers more than one test module needs: the job's CLI processes started as a deployment
+would, a real device agent on a small fixed data set."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+import numpy as np
+from processes import EDGE_FL
+
+# unbuffered, so a process's last lines reach its pipe before it is stopped
+UNBUFFERED = {**os.environ, "PYTHONUNBUFFERED": "1"}
+
+
+def start_fleet_and_aggregator(
+    args: list[str], out: Path
+) -> tuple[subprocess.Popen[str], subprocess.Popen[str]]:
+    """`edge-fl fleet` then `edge-fl aggregator --out out` of the job ``args`` names, both with
+    their output piped; the caller stops them."""
+    fleet = subprocess.Popen(
+        [EDGE_FL, "fleet", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env=UNBUFFERED,
+    )  # fmt: skip
+    agg = subprocess.Popen(
+        [EDGE_FL, "aggregator", *args, "--out", str(out)], stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True, env=UNBUFFERED,
+    )  # fmt: skip
+    return fleet, agg
+
+
+def real_agent(device_id: str = "d0"):
+    """A real :class:`~edge_fl.device.agent.DeviceAgent` (logreg, 12 fixed samples, seeded), for
+    the device-policy tests that drive the agent through the policy's events."""
+    from edge_fl.device.agent import DeviceAgent
+    from edge_fl.models import make_model
+    from edge_fl.models.training import LocalTraining
+    from edge_fl.privacy.rng import seeded_generator
+
+    g = np.random.default_rng(0)
+    X = g.normal(size=(12, 4)).astype(np.float32)
+    y = (np.arange(12) % 3).astype(np.int64)
+    return DeviceAgent(
+        device_id, X, y, make_model("logreg", 4, 3), LocalTraining(1, 4, 0.1),
+        seeded_generator(1),
+    )  # fmt: skip
