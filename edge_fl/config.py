@@ -28,7 +28,13 @@ from pydantic import (
 
 
 class ConfigError(ValueError):
-    """A configuration that cannot run, with one line per problem."""
+    """A configuration that cannot run, with one line per problem (one line in all when there
+    is one problem: ``invalid configuration: key = value: why``)."""
+
+    def __str__(self) -> str:
+        text = super().__str__()
+        head, sep, rest = text.partition("\n  ")
+        return f"{head} {rest}" if sep and "\n" not in rest else text
 
 
 class _Section(BaseModel):

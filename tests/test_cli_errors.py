@@ -207,5 +207,8 @@ def test_operator_errors_are_one_line_from_any_subcommand_even_inside_a_task_gro
     assert [o.exit_code for o in outputs[:3]] == [2, 2, 2]
     assert outputs[0].stderr == "edge-fl: error: broker URL 'x' has no scheme\n"
     assert outputs[1].stderr.startswith("edge-fl: error: fleet profile 'nosuch' is neither")
-    assert outputs[2].stderr.splitlines()[0] == "edge-fl: error: invalid configuration:"
+    # one problem, one line
+    assert (
+        outputs[2].stderr == "edge-fl: error: invalid configuration: data.devices: must be >= 1\n"
+    )
     assert isinstance(outputs[3].exception, ValueError)  # not an operator error: raised as is
