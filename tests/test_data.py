@@ -266,3 +266,19 @@ def test_synthetic_bad_arguments():
     nat = load_federated("synthetic", 5, partition="natural")
     iid = load_federated("synthetic", 5, partition="iid")  # generic default = natural
     assert nat.n_devices == 5 and np.array_equal(nat.X_train, iid.X_train)
+
+
+def test_a_contiguous_share_is_a_read_only_view_and_equals_the_copy():
+    from edge_fl.data.base import FederatedDataset
+
+    X = np.arange(40, dtype=np.float32).reshape(10, 4)
+    y = np.arange(10) % 3
+    parts = (np.arange(0, 4), np.arange(4, 10), np.array([1, 3, 5]))
+    data = FederatedDataset("t", X, y, X[:2], y[:2], 3, parts)
+    Xv, yv = data.device_data(1)
+    np.testing.assert_array_equal(Xv, X[4:10])
+    np.testing.assert_array_equal(yv, y[4:10])
+    assert not Xv.flags.writeable and np.shares_memory(Xv, X)  # a view, not a copy
+    Xc, _ = data.device_data(2)  # not contiguous: a copy, as before
+    np.testing.assert_array_equal(Xc, X[[1, 3, 5]])
+    assert not np.shares_memory(Xc, X)

@@ -30,7 +30,19 @@ class FederatedDataset:
         return len(self.device_indices)
 
     def device_data(self, device: int) -> tuple[np.ndarray, np.ndarray]:
+        """Device ``device``'s rows. A contiguous share (Synthetic's) comes as read-only views
+        of the pooled arrays, not a copy: 10,000 devices' copies were ~92 MB of a fleet's RSS."""
         idx = self.device_indices[device]
+        if (
+            len(idx)
+            and int(idx[-1]) - int(idx[0]) + 1 == len(idx)
+            and bool((np.diff(idx) == 1).all())
+        ):
+            rows = slice(int(idx[0]), int(idx[-1]) + 1)
+            X, y = self.X_train[rows], self.y_train[rows]
+            X.flags.writeable = False
+            y.flags.writeable = False
+            return X, y
         return self.X_train[idx], self.y_train[idx]
 
     def fingerprint(self) -> str:
