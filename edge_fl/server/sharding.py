@@ -291,6 +291,11 @@ def check_partial(core: AggregatorCore, data: Any, devices: list[str]) -> None:
             raise ValueError("a robust partial's 'n' and 'h' must be lists")
         if not isinstance(samples, list) or len(samples) != len(norms):
             raise ValueError("a robust partial's 's' must list one sample count per folded norm")
+        if getattr(getattr(strategy, "settings", None), "norm_bound", None) is None:
+            if norms or held:  # no norm bound: everything goes straight into the inner sums
+                raise ValueError("a round without a norm bound folds no norms and holds nothing")
+            _check_sums(data["i"], len(devices), per_update, max_abs, weight_cap, len(core.params))
+            return
         top = max(folded_caps, default=0)
         for n in samples:
             if type(n) is not int or not 0 < n <= (top if top > 0 else n):
