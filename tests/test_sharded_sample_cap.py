@@ -38,7 +38,8 @@ class FirstSelectedLies:
 
 def run(rounds: int = 4):
     """A sharded run (2 workers) and a single aggregator on the same updates, every device
-    declaring n = 10^7 in its status: (single core, coordinator core, records of both)."""
+    declaring n = 10^7 in its status: (single core, coordinator core, per round (the merge's
+    info, the sharded record, the single record))."""
     job = make_job({"rounds.rounds": rounds, "rounds.over_selection": 1.0})
     agents = job.agents()
     for a in agents:
@@ -56,7 +57,8 @@ def run(rounds: int = 4):
     for _ in range(rounds):
         seen, _ = open_both(single, coord, coordinator, workers)
         answers = [(a.device_id, a.on_global(seen)) for a in agents if a.wants(seen)]
-        # the liar lands on each worker in turn; the others are dealt round-robin
+        # round-robin from a worker that alternates per round: the first answer (the liar, the first
+        # of the selection in id order) lands on each worker in turn
         for i, (device, payload) in enumerate(answers):
             if payload is None:
                 continue
