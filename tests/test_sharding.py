@@ -18,6 +18,11 @@ from edge_fl.server.sharding import Coordinator, IngestWorker, ShardingError, pa
 MECHANISMS = {
     "none (robust auto norm bound)": {},
     "none, trimmed mean": {"robust.aggregator": "trimmed_mean"},
+    "none, trimmed mean, no norm bound": {
+        "robust.aggregator": "trimmed_mean",
+        "robust.norm_bound": "off",
+    },
+    "none, max_samples, no norm bound": {"robust.max_samples": 60, "robust.norm_bound": "off"},
     "gaussian": {"privacy.mechanism": "gaussian", "privacy.epsilon": 30.0},
     "gaussian-central": {"privacy.mechanism": "gaussian-central", "privacy.noise_multiplier": 1.0},
     "signds": {

@@ -9,7 +9,9 @@ wherever it lands. One round, over ``<prefix>/<job>/ingest/...`` (msgpack maps, 
 
 1. ``open`` (ctl): the round's signed global message as devices see it (round, version,
    selection, nonce, mechanism state), plus the robust norm bound of the round (``b``) or that
-   it is held (``h``: no reference yet). Each worker mirrors the round.
+   it is held (``h``: no reference yet), and its relative sample cap (``c``: a worker folds
+   each update at no more samples than this, as the coordinator would). Each worker mirrors
+   the round.
 2. ``progress`` (worker -> coordinator, after each socket burst, before it is acknowledged):
    the devices it accepted and refused since the last one, the releases it recorded (charged at
    once: a worker lost later cannot take them along) and the updates naming a round it never
@@ -248,6 +250,21 @@ def robust_round(strategy: Any) -> tuple[float | None, bool]:
     return getattr(strategy, "bound", None), bool(getattr(strategy, "holding", False))
 
 
+def round_sample_cap(strategy: Any) -> int | None:
+    """The round's relative sample cap (robust ``auto``), fixed when it opened; None: none."""
+    cap = getattr(strategy, "sample_cap", None)
+    return cap if type(cap) is int else None
+
+
+def open_sample_cap(msg: dict[str, Any]) -> int | None:
+    """An ``open`` message's sample cap ``c``: nil or an int >= 1."""
+    cap = msg.get("c")
+    if cap is not None and (type(cap) is not int or cap < 1):
+        raise ShardingError(f"an open message's sample cap 'c' must be nil or an int >= 1, "
+                            f"got {cap!r}")  # fmt: skip
+    return cap
+
+
 #: relative slack of the partial-sum bounds (float32 rounding of a clipped delta, grid rounding)
 BOUND_SLACK = 1e-4
 
@@ -260,15 +277,29 @@ def check_partial(core: AggregatorCore, data: Any, devices: list[str]) -> None:
     strategy = core.strategy
     max_abs = getattr(core.limits, "max_abs", None)
     caps = [core.devices[d].n_samples if d in core.devices else 0 for d in devices]
-    weight_cap = sum(caps) if caps and all(c > 0 for c in caps) else None
+    sample_cap = round_sample_cap(strategy)  # a folded update weighs at most this (auto)
+    max_samples = getattr(getattr(strategy, "settings", None), "max_samples", None)
+    folded_caps = [min([c, *(x for x in (sample_cap, max_samples) if x is not None)]) for c in caps]
+    weight_cap = sum(folded_caps) if caps and all(c > 0 for c in caps) else None
     bound, _ = robust_round(strategy)
     inner = getattr(strategy, "inner", strategy)
     central = getattr(getattr(inner, "central", None), "clip_norm", None)
     per_update = central if isinstance(central, int | float) else None
-    if isinstance(data, dict) and set(data) == {"i", "h", "n", "k"}:  # a norm-bounded round
-        norms, held = data["n"], data["h"] or []
+    if isinstance(data, dict) and set(data) == {"i", "h", "n", "s", "k"}:  # norm-bounded
+        norms, held, samples = data["n"], data["h"] or [], data["s"]
         if not isinstance(norms, list) or not isinstance(held, list):
             raise ValueError("a robust partial's 'n' and 'h' must be lists")
+        if not isinstance(samples, list) or len(samples) != len(norms):
+            raise ValueError("a robust partial's 's' must list one sample count per folded norm")
+        if getattr(getattr(strategy, "settings", None), "norm_bound", None) is None:
+            if norms or held:  # no norm bound: everything goes straight into the inner sums
+                raise ValueError("a round without a norm bound folds no norms and holds nothing")
+            _check_sums(data["i"], len(devices), per_update, max_abs, weight_cap, len(core.params))
+            return
+        top = max(folded_caps, default=0)
+        for n in samples:
+            if type(n) is not int or not 0 < n <= (top if top > 0 else n):
+                raise ValueError(f"a folded sample count {n!r} exceeds the round's cap {top}")
         if len(norms) + len(held) != len(devices):
             raise ValueError(f"it holds {len(norms) + len(held)} updates for {len(devices)} "
                              "devices admitted")  # fmt: skip
@@ -279,8 +310,12 @@ def check_partial(core: AggregatorCore, data: Any, devices: list[str]) -> None:
         for item in held:
             _check_held(core, item, max(caps, default=0), max_abs)
         if norms:
-            top = max(norms)
-            per_update = top if per_update is None else min(top, per_update)
+            peak = max(norms)
+            per_update = peak if per_update is None else min(peak, per_update)
+        inner_weight = data["i"].get("w") if isinstance(data["i"], dict) else None
+        if type(inner_weight) is int and inner_weight not in (0, sum(samples)):
+            raise ValueError(f"its weight {inner_weight} is not the sum of its folded sample "
+                             f"counts {sum(samples)}")  # fmt: skip
         _check_sums(data["i"], len(norms), per_update, max_abs, weight_cap, len(core.params))
     else:
         _check_sums(data, len(devices), per_update, max_abs, weight_cap, len(core.params))
@@ -357,6 +392,7 @@ class FixedReference:
 
     value: float | None
     hold: bool
+    cap: int | None = None  # the round's relative sample cap, as sent
     min_updates: int = 1
 
     def __len__(self) -> int:
@@ -367,6 +403,16 @@ class FixedReference:
 
     def add(self, norm: float) -> None:  # the coordinator keeps the reference
         pass
+
+    def sample_cap(self, pending: Any = ()) -> int | None:
+        """The coordinator's cap: its median of sample counts, which the worker does not see."""
+        return self.cap
+
+
+def _identity(msg: dict[str, Any]) -> tuple[Any, ...]:
+    """What makes an ``open`` a new one: a re-sent copy has the same (a changed bound or cap
+    is a new open of the round)."""
+    return (msg.get("g"), msg.get("b"), msg.get("h"), msg.get("c"), msg.get("e"))
 
 
 #: updates a worker keeps per round to take back (their memory: this many updates' deltas)
@@ -430,7 +476,7 @@ class IngestWorker:
         core.configure_as_worker()
         self.frozen: int | None = None  # the round frozen and awaiting its commit
         self._last_partial: tuple[int, bytes] | None = None  # re-sent if asked again
-        self._opened: tuple[Any, ...] | None = None  # (g, b, h, e) of the round mirrored
+        self._opened: tuple[Any, ...] | None = None  # (g, b, h, c, e) of the round mirrored
         self._reopened = False  # the mirrored round was opened again (re-folded)
         #: progress messages carry (instance, sequence): a re-delivered copy changes nothing
         self._instance, self._seq = os.urandom(8), 0
@@ -501,7 +547,7 @@ class IngestWorker:
         return msg
 
     def _same_open(self, msg: dict[str, Any]) -> bool:
-        return (msg.get("g"), msg.get("b"), msg.get("h"), msg.get("e")) == self._opened
+        return _identity(msg) == self._opened
 
     def on_control(self, payload: bytes) -> list[tuple[str, bytes]]:
         """Check and apply a coordinator message; returns (kind, payload) messages to publish."""
@@ -538,7 +584,7 @@ class IngestWorker:
 
     def _open(self, msg: dict[str, Any], rnd: int) -> None:
         core = self.core
-        identity = (msg.get("g"), msg.get("b"), msg.get("h"), msg.get("e"))
+        identity = _identity(msg)
         if identity == self._opened:
             return  # a re-sent open (a coordinator reconnect), mirrored, frozen or committed
         if self._reset_pending:
@@ -554,10 +600,10 @@ class IngestWorker:
                                 "selection (Poisson self-selection is not sharded)")  # fmt: skip
         if core.current is not None:  # a round we never saw frozen: it is over
             self._retire()
-        bound, hold = msg.get("b"), msg.get("h") is True
+        bound, hold, cap = msg.get("b"), msg.get("h") is True, open_sample_cap(msg)
         mechanism = core.mechanism
         if getattr(mechanism, "reference", None) is not None:
-            mechanism.reference = FixedReference(bound, hold)  # type: ignore[attr-defined]
+            mechanism.reference = FixedReference(bound, hold, cap)  # type: ignore[attr-defined]
         core.mirror(g, Recording)
         recording = self._recording()
         assert recording is not None and core.current is not None  # mirrored just now
@@ -741,7 +787,7 @@ class Coordinator:
         if not self.dealt:  # an offline worker's devices go unseen: its share is lost already
             self.round.lost = workers - self.online
         return self._control("open", r=core.current.number, g=global_payload, b=bound, h=hold,
-                             e=self.epoch)  # fmt: skip
+                             c=round_sample_cap(core.strategy), e=self.epoch)  # fmt: skip
 
     def _control(self, kind: str, **fields: Any) -> bytes:
         """A control message sealed for every worker (one MAC each), with a rising ``q``."""
