@@ -737,12 +737,7 @@ def _optional_selection(obj: dict[str, Any]) -> tuple[str, ...] | None:
         return None
     sel = F.get(obj, "sel", list, "selection", "array of str")
     for i, device in enumerate(sel):
-        if type(device) is not str:
-            raise F.bad_type(f"sel[{i}]", "selected device id", device, "str")
-        if not F.NAME.fullmatch(device):
-            raise F.out_of_range(
-                f"sel[{i}]", "selected device id", device, f"a str of {F.NAME_DOMAIN}"
-            )
+        F.name(device, f"sel[{i}]", "selected device id")
     seen: set[str] = set()
     for device in sel:
         if device in seen:

@@ -137,12 +137,7 @@ def _decode_body(obj: dict[str, Any]) -> Dispatch:
         raise F.out_of_range("sel", "selection", sel, "at least one device id")
     seen: set[str] = set()
     for i, device in enumerate(sel):
-        if type(device) is not str:
-            raise F.bad_type(f"sel[{i}]", "selected device id", device, "str")
-        if not F.NAME.fullmatch(device):
-            raise F.out_of_range(
-                f"sel[{i}]", "selected device id", device, f"a str of {F.NAME_DOMAIN}"
-            )
+        F.name(device, f"sel[{i}]", "selected device id")
         if device in seen:
             raise F.out_of_range("sel", "selection", device, "distinct device ids (named twice)")
         seen.add(device)

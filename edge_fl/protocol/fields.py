@@ -107,13 +107,13 @@ def get(
     prefix: str = "",
 ) -> Any:
     """A required field of exactly one of the types ``kind`` (no subclasses: bool is not int)."""
-    name = prefix + key
+    full = prefix + key
     if key not in obj:
-        raise missing(name, what)
+        raise missing(full, what)
     value = obj[key]
     kinds = kind if isinstance(kind, tuple) else (kind,)
     if type(value) not in kinds:
-        raise bad_type(name, what, value, expected)
+        raise bad_type(full, what, value, expected)
     return value
 
 
@@ -161,11 +161,19 @@ def number(
     return float(value)
 
 
-def name_field(obj: dict[str, Any], key: str, what: str, prefix: str = "") -> str:
-    value = get(obj, key, str, what, "str", prefix)
+def name(value: Any, key: str, what: str) -> str:
+    """A str of the topic-segment alphabet (:data:`NAME`): an id, a job, a map key."""
+    if type(value) is not str:
+        raise bad_type(key, what, value, "str")
     if not NAME.fullmatch(value):
-        raise out_of_range(prefix + key, what, value, f"a str of {NAME_DOMAIN}")
+        raise out_of_range(key, what, value, f"a str of {NAME_DOMAIN}")
     return value
+
+
+def name_field(obj: dict[str, Any], key: str, what: str, prefix: str = "") -> str:
+    if key not in obj:
+        raise missing(prefix + key, what)
+    return name(obj[key], prefix + key, what)
 
 
 def boolean(obj: dict[str, Any], key: str, what: str, prefix: str = "") -> bool:
@@ -203,17 +211,19 @@ def unpack_map(
     message is not valid msgpack"); without it the terse wording ("not valid msgpack").
     ``exceeds``: the words between the size and the limit; ``max_str_len``/``max_bin_len``:
     msgpack's limits (None: msgpack's default). The schema version is each decoder's to check."""
-    name = what or "payload"
+    subject = what or "payload"
     if isinstance(payload, memoryview):
         try:
             payload = payload.tobytes()
         except Exception:  # a released view, an exotic format
-            raise PayloadRejected(Reject.MALFORMED, f"{name} is an unreadable memoryview") from None
+            raise PayloadRejected(
+                Reject.MALFORMED, f"{subject} is an unreadable memoryview"
+            ) from None
     if not isinstance(payload, bytes | bytearray):
-        raise PayloadRejected(Reject.MALFORMED, f"{name} is {type(payload).__name__}, not bytes")
+        raise PayloadRejected(Reject.MALFORMED, f"{subject} is {type(payload).__name__}, not bytes")
     if len(payload) > max_bytes:
         raise PayloadRejected(
-            Reject.OVERSIZED, f"{name} of {len(payload)} bytes {exceeds} {max_bytes}"
+            Reject.OVERSIZED, f"{subject} of {len(payload)} bytes {exceeds} {max_bytes}"
         )
     limits = {"max_str_len": max_str_len, "max_bin_len": max_bin_len}
     try:
