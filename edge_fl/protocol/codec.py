@@ -22,7 +22,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import msgpack
 import numpy as np
@@ -32,6 +32,7 @@ from edge_fl.protocol.codecs import codec_for_tag, codec_tags, registered_tags
 from edge_fl.protocol.codecs.base import HEADER_KEYS
 from edge_fl.protocol.codecs.q8 import Q8
 from edge_fl.protocol.codecs.quantised import BLOCK, dequantise, n_blocks, quantise_nearest
+from edge_fl.protocol.envelope import SIGNED_KEYS, Signs, Verifies, open_signed, seal
 from edge_fl.protocol.indices import (
     CODES,
     CODINGS,
@@ -45,7 +46,6 @@ from edge_fl.protocol.messages import (
     NONCE_BYTES,
     RUN_BYTES,
     SCHEMA_VERSION,
-    SIGNATURE_BYTES,
     Ack,
     DenseUpdate,
     GlobalModel,
@@ -76,14 +76,6 @@ _LITTLE_ENDIAN_HINT = (
     "vectors are little-endian IEEE 754 (f4: float32, f2: float16); a byte-swapped "
     "(big-endian) vector looks like this"
 )
-
-
-class Signs(Protocol):
-    def sign(self, data: bytes) -> bytes: ...
-
-
-class Verifies(Protocol):
-    def verify(self, data: bytes, signature: bytes) -> bool: ...
 
 
 @dataclass(frozen=True)
@@ -200,10 +192,7 @@ def encode_global(msg: GlobalModel, signer: Signs | None = None) -> bytes:
     body = global_body(msg)
     if signer is None:
         return body
-    signature = signer.sign(GLOBAL_CONTEXT + body)
-    if not isinstance(signature, bytes) or len(signature) != SIGNATURE_BYTES:
-        raise ValueError(f"the signer returned {signature!r}, not {SIGNATURE_BYTES} bytes")
-    return _pack({"v": SCHEMA_VERSION, "k": "gs", "b": body, "sig": signature})
+    return seal(body, "gs", GLOBAL_CONTEXT, signer)
 
 
 def sign_bits(sign: int, magrr_bit: int) -> int:
@@ -320,51 +309,14 @@ def ack_for(
 # ---------------------------------------------------------------- decoding
 
 
-class _DuplicateKey(Exception):
-    pass
-
-
-def _map_without_duplicates(pairs: list[tuple[Any, Any]]) -> dict[Any, Any]:
-    # msgpack keeps the last of repeated keys silently; two parsers could then disagree
-    out: dict[Any, Any] = {}
-    for key, value in pairs:
-        if key in out:
-            raise _DuplicateKey(key)
-        out[key] = value
-    return out
-
-
 def _unpack(payload: Any, max_bytes: int) -> dict[str, Any]:
-    if isinstance(payload, memoryview):
-        try:
-            payload = payload.tobytes()
-        except Exception:  # a released view, an exotic format
-            raise PayloadRejected(Reject.MALFORMED, "payload is an unreadable memoryview") from None
-    if not isinstance(payload, bytes | bytearray):
-        raise PayloadRejected(Reject.MALFORMED, f"payload is {type(payload).__name__}, not bytes")
-    if len(payload) > max_bytes:
-        raise PayloadRejected(
-            Reject.OVERSIZED, f"payload of {len(payload)} bytes exceeds the limit of {max_bytes}"
-        )
-    try:
-        obj = msgpack.unpackb(
-            payload,
-            raw=False,
-            strict_map_key=True,
-            max_bin_len=max_bytes,
-            max_str_len=MAX_STR,
-            object_pairs_hook=_map_without_duplicates,
-        )
-    except _DuplicateKey as exc:
-        raise PayloadRejected(
-            Reject.MALFORMED, f"a map repeats the key {F.describe(exc.args[0])}"
-        ) from None
-    except Exception as exc:  # msgpack raises several unrelated types
-        raise PayloadRejected(Reject.MALFORMED, f"not valid msgpack ({exc})") from None
-    if type(obj) is not dict:
-        raise PayloadRejected(
-            Reject.MALFORMED, f"top level is msgpack {F.wire_type(obj)}, not a map"
-        )
+    obj = F.unpack_map(
+        payload,
+        max_bytes,
+        exceeds="exceeds the limit of",
+        max_str_len=MAX_STR,
+        max_bin_len=max_bytes,
+    )
     version = obj.get("v")
     if type(version) is not int or version != SCHEMA_VERSION:
         shown = "absent" if "v" not in obj else f"{F.wire_type(version)} {F.describe(version)}"
@@ -622,11 +574,12 @@ def _decode_signds(
     return SignDSUpdate(device, rnd, base, n, sign, indices, bit, nonce)
 
 
-_SIGNED_KEYS = frozenset({"v", "k", "b", "sig"})
 _GLOBAL_KEYS = frozenset(
     {"v", "k", "job", "ver", "rnd", "mode", "dt", "w", "dl", "cfg", "ts", "sel", "sd", "mp", "q"}
     | {"done", "nc", "qp", "run"}
 )
+
+_SIGNED_KEYS = SIGNED_KEYS  # the envelope's keys (edge_fl.protocol.envelope), listed with the rest
 
 
 def decode_global(
@@ -647,35 +600,15 @@ def decode_global(
     obj = _unpack(payload, max_bytes)
     kind = _kind(obj, ("g", "gs"), "a global message")
     if kind == "gs":
-        F.check_keys(obj, _SIGNED_KEYS, "a signed global message")
-        body = F.get(obj, "b", bytes, "signed body", "bin")
-        signature = F.get(obj, "sig", bytes, "signature", "bin")
-        if len(signature) != SIGNATURE_BYTES:
-            raise PayloadRejected(
-                Reject.BAD_SIGNATURE,
-                f"field 'sig' (signature) has {len(signature)} bytes, expected {SIGNATURE_BYTES}",
-                field="sig",
-            )
-        if verifier is not None:
-            try:
-                valid = verifier.verify(GLOBAL_CONTEXT + body, signature) is True
-            except Exception:  # a verifier must say no, not raise; treat it as a no
-                valid = False
-            if not valid:
-                raise PayloadRejected(
-                    Reject.BAD_SIGNATURE,
-                    "the signature does not verify under the aggregator key over "
-                    "'edge-fl/global/v1\\x00' + b",
-                    field="sig",
-                )
-        obj = _unpack(body, len(body))
-        inner = obj.get("k")
-        if inner != "g" or type(inner) is not str:
-            raise PayloadRejected(
-                Reject.WRONG_KIND,
-                f"the signed body has kind {F.describe(inner)}, not 'g' (a global model)",
-                field="b",
-            )
+        obj = open_signed(
+            obj,
+            GLOBAL_CONTEXT,
+            verifier,
+            what="a signed global message",
+            unpack=lambda body: _unpack(body, len(body)),
+            kind="g",
+            label="a global model",
+        )
     elif verifier is not None:
         raise PayloadRejected(
             Reject.UNSIGNED, "an unsigned global message (k = 'g') where a signature is required"
@@ -804,12 +737,7 @@ def _optional_selection(obj: dict[str, Any]) -> tuple[str, ...] | None:
         return None
     sel = F.get(obj, "sel", list, "selection", "array of str")
     for i, device in enumerate(sel):
-        if type(device) is not str:
-            raise F.bad_type(f"sel[{i}]", "selected device id", device, "str")
-        if not F.NAME.fullmatch(device):
-            raise F.out_of_range(
-                f"sel[{i}]", "selected device id", device, f"a str of {F.NAME_DOMAIN}"
-            )
+        F.name(device, f"sel[{i}]", "selected device id")
     seen: set[str] = set()
     for device in sel:
         if device in seen:

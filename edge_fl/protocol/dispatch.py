@@ -24,16 +24,16 @@ keys, the reasons of docs/protocol.md's "Rejection reasons".
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Any
 
 import msgpack
 
 import edge_fl.protocol.fields as F
+from edge_fl.protocol.envelope import Signs, Verifies, open_signed, seal
 from edge_fl.protocol.messages import (
     DISPATCH_CONTEXT,
     NONCE_BYTES,
     SCHEMA_VERSION,
-    SIGNATURE_BYTES,
     Dispatch,
     PayloadRejected,
     Reject,
@@ -45,15 +45,6 @@ __all__ = ["DISPATCH_CONTEXT", "MAX_DISPATCH_BYTES", "decode_dispatch", "encode_
 MAX_DISPATCH_BYTES = 1 << 20
 MAX_COUNTER = 2**40
 _BODY_KEYS = frozenset({"v", "k", "job", "ver", "nc", "sel"})
-_SIGNED_KEYS = frozenset({"v", "k", "b", "sig"})
-
-
-class Signs(Protocol):
-    def sign(self, data: bytes) -> bytes: ...
-
-
-class Verifies(Protocol):
-    def verify(self, data: bytes, signature: bytes) -> bool: ...
 
 
 def _pack(obj: dict[str, Any]) -> bytes:
@@ -86,44 +77,11 @@ def encode_dispatch(d: Dispatch, signer: Signs | None = None) -> bytes:
     body = dispatch_body(d)
     if signer is None:
         return body
-    signature = signer.sign(DISPATCH_CONTEXT + body)
-    if not isinstance(signature, bytes) or len(signature) != SIGNATURE_BYTES:
-        raise ValueError(f"the signer returned {signature!r}, not {SIGNATURE_BYTES} bytes")
-    return _pack({"v": SCHEMA_VERSION, "k": "ds", "b": body, "sig": signature})
-
-
-def _no_duplicates(pairs: list[tuple[Any, Any]]) -> dict[Any, Any]:
-    out: dict[Any, Any] = {}
-    for key, value in pairs:
-        if key in out:
-            raise PayloadRejected(Reject.MALFORMED, f"a map repeats the key {F.describe(key)}")
-        out[key] = value
-    return out
+    return seal(body, "ds", DISPATCH_CONTEXT, signer)
 
 
 def _unpack(payload: Any, what: str) -> dict[str, Any]:
-    if isinstance(payload, memoryview | bytearray):
-        payload = bytes(payload)
-    if not isinstance(payload, bytes):
-        raise PayloadRejected(Reject.MALFORMED, f"{what} is {type(payload).__name__}, not bytes")
-    if len(payload) > MAX_DISPATCH_BYTES:
-        raise PayloadRejected(
-            Reject.OVERSIZED, f"{what} of {len(payload)} bytes exceeds {MAX_DISPATCH_BYTES}"
-        )
-    try:
-        obj = msgpack.unpackb(
-            payload,
-            raw=False,
-            strict_map_key=True,
-            max_str_len=4096,
-            object_pairs_hook=_no_duplicates,
-        )
-    except PayloadRejected:
-        raise
-    except Exception as exc:  # msgpack raises several unrelated types
-        raise PayloadRejected(Reject.MALFORMED, f"{what} is not valid msgpack ({exc})") from None
-    if type(obj) is not dict:
-        raise PayloadRejected(Reject.MALFORMED, f"{what}: top level is not a msgpack map")
+    obj = F.unpack_map(payload, MAX_DISPATCH_BYTES, what, max_str_len=4096)
     version = obj.get("v")
     if type(version) is not int or version != SCHEMA_VERSION:
         raise PayloadRejected(
@@ -144,34 +102,15 @@ def decode_dispatch(payload: bytes, *, verifier: Verifies | None = None) -> Disp
     obj = _unpack(payload, "dispatch message")
     kind = obj.get("k")
     if kind == "ds" and type(kind) is str:
-        F.check_keys(obj, _SIGNED_KEYS, "a signed dispatch message")
-        body = F.get(obj, "b", bytes, "signed body", "bin")
-        signature = F.get(obj, "sig", bytes, "signature", "bin")
-        if len(signature) != SIGNATURE_BYTES:
-            raise PayloadRejected(
-                Reject.BAD_SIGNATURE,
-                f"field 'sig' (signature) has {len(signature)} bytes, expected {SIGNATURE_BYTES}",
-                field="sig",
-            )
-        if verifier is not None:
-            try:
-                valid = verifier.verify(DISPATCH_CONTEXT + body, signature) is True
-            except Exception:  # a verifier must say no, not raise
-                valid = False
-            if not valid:
-                raise PayloadRejected(
-                    Reject.BAD_SIGNATURE,
-                    "the signature does not verify under the aggregator key over "
-                    "'edge-fl/dispatch/v1\\x00' + b",
-                    field="sig",
-                )
-        obj = _unpack(body, "signed dispatch body")
-        if obj.get("k") != "d" or type(obj.get("k")) is not str:
-            raise PayloadRejected(
-                Reject.WRONG_KIND,
-                f"the signed body has kind {F.describe(obj.get('k'))}, not 'd' (a dispatch)",
-                field="b",
-            )
+        obj = open_signed(
+            obj,
+            DISPATCH_CONTEXT,
+            verifier,
+            what="a signed dispatch message",
+            unpack=lambda body: _unpack(body, "signed dispatch body"),
+            kind="d",
+            label="a dispatch",
+        )
     elif kind != "d" or type(kind) is not str:
         shown = "absent" if "k" not in obj else F.describe(kind)
         raise PayloadRejected(
@@ -198,12 +137,7 @@ def _decode_body(obj: dict[str, Any]) -> Dispatch:
         raise F.out_of_range("sel", "selection", sel, "at least one device id")
     seen: set[str] = set()
     for i, device in enumerate(sel):
-        if type(device) is not str:
-            raise F.bad_type(f"sel[{i}]", "selected device id", device, "str")
-        if not F.NAME.fullmatch(device):
-            raise F.out_of_range(
-                f"sel[{i}]", "selected device id", device, f"a str of {F.NAME_DOMAIN}"
-            )
+        F.name(device, f"sel[{i}]", "selected device id")
         if device in seen:
             raise F.out_of_range("sel", "selection", device, "distinct device ids (named twice)")
         seen.add(device)

@@ -107,13 +107,13 @@ def get(
     prefix: str = "",
 ) -> Any:
     """A required field of exactly one of the types ``kind`` (no subclasses: bool is not int)."""
-    name = prefix + key
+    full = prefix + key
     if key not in obj:
-        raise missing(name, what)
+        raise missing(full, what)
     value = obj[key]
     kinds = kind if isinstance(kind, tuple) else (kind,)
     if type(value) not in kinds:
-        raise bad_type(name, what, value, expected)
+        raise bad_type(full, what, value, expected)
     return value
 
 
@@ -161,12 +161,91 @@ def number(
     return float(value)
 
 
-def name_field(obj: dict[str, Any], key: str, what: str, prefix: str = "") -> str:
-    value = get(obj, key, str, what, "str", prefix)
+def name(value: Any, key: str, what: str) -> str:
+    """A str of the topic-segment alphabet (:data:`NAME`): an id, a job, a map key."""
+    if type(value) is not str:
+        raise bad_type(key, what, value, "str")
     if not NAME.fullmatch(value):
-        raise out_of_range(prefix + key, what, value, f"a str of {NAME_DOMAIN}")
+        raise out_of_range(key, what, value, f"a str of {NAME_DOMAIN}")
     return value
+
+
+def name_field(obj: dict[str, Any], key: str, what: str, prefix: str = "") -> str:
+    if key not in obj:
+        raise missing(prefix + key, what)
+    return name(obj[key], prefix + key, what)
 
 
 def boolean(obj: dict[str, Any], key: str, what: str, prefix: str = "") -> bool:
     return get(obj, key, bool, what, "bool", prefix)
+
+
+class _RepeatedKey(Exception):
+    pass
+
+
+def _refuse_repeats(pairs: list[tuple[Any, Any]]) -> dict[Any, Any]:
+    # msgpack keeps the last of repeated keys silently; two parsers could then disagree
+    out: dict[Any, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise _RepeatedKey(key)
+        out[key] = value
+    return out
+
+
+def unpack_map(
+    payload: Any,
+    max_bytes: int,
+    what: str | None = None,
+    *,
+    exceeds: str = "exceeds",
+    max_str_len: int | None = None,
+    max_bin_len: int | None = None,
+) -> dict[Any, Any]:
+    """The top-level msgpack map of ``payload``, read strictly, or :class:`PayloadRejected`.
+
+    One reading for every decoder, so none of them can drift: bytes (a bytearray, or a memoryview
+    copied) of at most ``max_bytes``, valid msgpack with str or bin map keys, no map repeating a
+    key, a map at the top level. ``what`` names the payload in the rejections ("dispatch
+    message is not valid msgpack"); without it the terse wording ("not valid msgpack").
+    ``exceeds``: the words between the size and the limit; ``max_str_len``/``max_bin_len``:
+    msgpack's limits (None: msgpack's default). The schema version is each decoder's to check."""
+    subject = what or "payload"
+    if isinstance(payload, memoryview):
+        try:
+            payload = payload.tobytes()
+        except Exception:  # a released view, an exotic format
+            raise PayloadRejected(
+                Reject.MALFORMED, f"{subject} is an unreadable memoryview"
+            ) from None
+    if not isinstance(payload, bytes | bytearray):
+        raise PayloadRejected(Reject.MALFORMED, f"{subject} is {type(payload).__name__}, not bytes")
+    if len(payload) > max_bytes:
+        raise PayloadRejected(
+            Reject.OVERSIZED, f"{subject} of {len(payload)} bytes {exceeds} {max_bytes}"
+        )
+    limits = {"max_str_len": max_str_len, "max_bin_len": max_bin_len}
+    try:
+        obj = msgpack.unpackb(
+            payload,
+            raw=False,
+            strict_map_key=True,
+            object_pairs_hook=_refuse_repeats,
+            **{key: limit for key, limit in limits.items() if limit is not None},
+        )
+    except _RepeatedKey as exc:
+        raise PayloadRejected(
+            Reject.MALFORMED, f"a map repeats the key {describe(exc.args[0])}"
+        ) from None
+    except Exception as exc:  # msgpack raises several unrelated types
+        prefix = f"{what} is " if what else ""
+        raise PayloadRejected(Reject.MALFORMED, f"{prefix}not valid msgpack ({exc})") from None
+    if type(obj) is not dict:
+        raise PayloadRejected(
+            Reject.MALFORMED,
+            f"{what}: top level is not a msgpack map"
+            if what
+            else f"top level is msgpack {wire_type(obj)}, not a map",
+        )
+    return obj

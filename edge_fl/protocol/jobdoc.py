@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgpack
 
+from edge_fl.protocol.envelope import SIGNED_KEYS, seal, verifies
 from edge_fl.protocol.messages import (
     RUN_BYTES,
     SCHEMA_VERSION,
@@ -50,7 +51,6 @@ JOB_CONTEXT = b"edge-fl/job/v1\x00"
 MAX_JOB_DOCUMENT = 1 << 20  # 1 MiB: a config plus a calibration table is a few KB
 _BODY_KEYS = {"v", "k", "job", "digest", "config", "cal"}
 _OPTIONAL_KEYS = {"run"}
-_SIGNED_KEYS = {"v", "k", "b", "sig"}
 
 
 @dataclass(frozen=True)
@@ -79,8 +79,7 @@ def encode_job_document(doc: JobDocument, signer: Signer | None = None) -> bytes
     body = msgpack.packb(fields, use_bin_type=True)
     if signer is None:
         return body
-    sig = signer.sign(JOB_CONTEXT + body)
-    return msgpack.packb({"v": SCHEMA_VERSION, "k": "js", "b": body, "sig": sig}, use_bin_type=True)
+    return seal(body, "js", JOB_CONTEXT, signer)
 
 
 def _no_duplicates(pairs: list[tuple[Any, Any]]) -> dict[Any, Any]:
@@ -119,22 +118,17 @@ def decode_job_document(payload: bytes, verifier: Verifier | None = None) -> Job
     obj = _map(bytes(payload), "job document")
     signed = obj.get("k") == "js"
     if signed:
-        if set(obj) != _SIGNED_KEYS:
+        if set(obj) != SIGNED_KEYS:
             raise PayloadRejected(Reject.MALFORMED, f"a signed job document has keys {sorted(obj)}")
         body, sig = obj["b"], obj["sig"]
         if type(body) is not bytes or type(sig) is not bytes or len(sig) != SIGNATURE_BYTES:
             raise PayloadRejected(Reject.BAD_SIGNATURE, "'b' and a 64-byte 'sig' must be bin")
-        if verifier is not None:
-            try:
-                valid = verifier.verify(JOB_CONTEXT + body, sig) is True
-            except Exception:  # a verifier must say no, not raise
-                valid = False
-            if not valid:
-                raise PayloadRejected(
-                    Reject.BAD_SIGNATURE,
-                    "the job document's signature does not verify under the aggregator key",
-                    field="sig",
-                )
+        if verifier is not None and not verifies(verifier, JOB_CONTEXT + body, sig):
+            raise PayloadRejected(
+                Reject.BAD_SIGNATURE,
+                "the job document's signature does not verify under the aggregator key",
+                field="sig",
+            )
         obj = _map(body, "signed job document body")
     elif verifier is not None:
         raise PayloadRejected(

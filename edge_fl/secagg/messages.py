@@ -88,26 +88,7 @@ def _optional_bins(items: list[Any], key: str, what: str, size: int) -> list[byt
 def decode(payload: Any, max_bytes: int, neighbours: int | None = None) -> Message:
     """Decode and check one message; ``neighbours``: the length every per-neighbour array must
     have (None: not checked, the aggregator checks per device)."""
-    if not isinstance(payload, bytes | bytearray):
-        raise PayloadRejected(Reject.MALFORMED, f"payload is {type(payload).__name__}, not bytes")
-    if len(payload) > max_bytes:
-        raise PayloadRejected(
-            Reject.OVERSIZED, f"payload of {len(payload)} bytes exceeds {max_bytes}"
-        )
-    try:
-        obj = msgpack.unpackb(
-            bytes(payload), raw=False, strict_map_key=True, object_pairs_hook=_no_duplicates
-        )
-    except _Duplicate as exc:
-        raise PayloadRejected(
-            Reject.MALFORMED, f"a map repeats the key {F.describe(exc.args[0])}"
-        ) from None
-    except Exception as exc:
-        raise PayloadRejected(Reject.MALFORMED, f"not valid msgpack ({exc})") from None
-    if type(obj) is not dict:
-        raise PayloadRejected(
-            Reject.MALFORMED, f"top level is msgpack {F.wire_type(obj)}, not a map"
-        )
+    obj = F.unpack_map(payload, max_bytes)
     if type(obj.get("v")) is not int or obj["v"] != SCHEMA_VERSION:
         raise PayloadRejected(
             Reject.WRONG_VERSION, f"'v' must be the int {SCHEMA_VERSION}", field="v"
@@ -172,19 +153,6 @@ def decode(payload: Any, max_bytes: int, neighbours: int | None = None) -> Messa
             _array(obj, "s", "shares", neighbours), "s", "share", SHARE_BYTES
         )
     return Message(kind, rnd, nonce, body)
-
-
-class _Duplicate(Exception):
-    pass
-
-
-def _no_duplicates(pairs: list[tuple[Any, Any]]) -> dict[Any, Any]:
-    out: dict[Any, Any] = {}
-    for key, value in pairs:
-        if key in out:
-            raise _Duplicate(key)
-        out[key] = value
-    return out
 
 
 def advert_body(job: str, rnd: int, nonce: bytes, device: str, ck: bytes, sk: bytes) -> bytes:
