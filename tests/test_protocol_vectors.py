@@ -49,6 +49,7 @@ from edge_fl.protocol import (
     encode_global,
     encode_status,
     encode_update,
+    envelope,
     global_body,
     mechanism_params,
     sign_bits,
@@ -1515,7 +1516,7 @@ def test_doc_lists_every_key_of_every_message():
 
     tables = {
         "### Global message": codec._GLOBAL_KEYS - {"v", "k"},
-        "### Signed envelope": codec._SIGNED_KEYS - {"v", "k"},
+        "### Signed envelope": envelope.SIGNED_KEYS - {"v", "k"},
         "### Dense update": codec._DENSE_KEYS - {"v", "k"},
         "### SignDS vote": codec._SIGNDS_KEYS - {"v", "k"},
         "### Status and last will": codec._STATUS_KEYS - {"v", "k"},

@@ -32,7 +32,7 @@ from edge_fl.protocol.codecs import codec_for_tag, codec_tags, registered_tags
 from edge_fl.protocol.codecs.base import HEADER_KEYS
 from edge_fl.protocol.codecs.q8 import Q8
 from edge_fl.protocol.codecs.quantised import BLOCK, dequantise, n_blocks, quantise_nearest
-from edge_fl.protocol.envelope import SIGNED_KEYS, Signs, Verifies, open_signed, seal
+from edge_fl.protocol.envelope import Signs, Verifies, open_signed, seal
 from edge_fl.protocol.indices import (
     CODES,
     CODINGS,
@@ -578,8 +578,6 @@ _GLOBAL_KEYS = frozenset(
     {"v", "k", "job", "ver", "rnd", "mode", "dt", "w", "dl", "cfg", "ts", "sel", "sd", "mp", "q"}
     | {"done", "nc", "qp", "run"}
 )
-
-_SIGNED_KEYS = SIGNED_KEYS  # the envelope's keys (edge_fl.protocol.envelope), listed with the rest
 
 
 def decode_global(
