@@ -20,6 +20,7 @@ import numpy as np
 import edge_fl.secagg.messages as M
 import edge_fl.secagg.primitives as P
 from edge_fl.protocol import PayloadRejected
+from edge_fl.protocol.envelope import Verifies
 from edge_fl.secagg.session import (
     Deliver,
     Failed,
@@ -28,7 +29,6 @@ from edge_fl.secagg.session import (
     Rejected,
     RoundParams,
     Summed,
-    Verifies,
 )
 
 Effect = Deliver | Rejected | Finished

@@ -23,7 +23,13 @@ from cryptography.exceptions import InvalidTag
 import edge_fl.secagg.messages as M
 import edge_fl.secagg.primitives as P
 from edge_fl.protocol import PayloadRejected
-from edge_fl.secagg.session import Aborted, Rejected, RoundParams, Send, Signs, Verifies
+from edge_fl.protocol.envelope import Signs, Verifies
+from edge_fl.secagg.session import (
+    Aborted,
+    Rejected,
+    RoundParams,
+    Send,
+)
 
 Effect = Send | Aborted | Rejected
 

@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 
+from edge_fl.protocol.envelope import Signs, Verifies
 from edge_fl.secagg.aggregator import AggregatorSession, Observer
 from edge_fl.secagg.device import DeviceSession
 from edge_fl.secagg.primitives import RandBytes
@@ -24,8 +25,6 @@ from edge_fl.secagg.session import (
     Outcome,
     RoundParams,
     Send,
-    Signs,
-    Verifies,
 )
 
 #: the phases a device can vanish before: it sends nothing from that phase on

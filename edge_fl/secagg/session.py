@@ -5,21 +5,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Protocol
 
 import numpy as np
 
 from edge_fl.protocol import NONCE_BYTES
 from edge_fl.protocol.fields import NAME
 from edge_fl.secagg.graph import Graph, graph_seed
-
-
-class Signs(Protocol):
-    def sign(self, data: bytes) -> bytes: ...
-
-
-class Verifies(Protocol):
-    def verify(self, data: bytes, signature: bytes) -> bool: ...
 
 
 @dataclass(frozen=True)
