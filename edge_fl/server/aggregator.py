@@ -154,7 +154,13 @@ class PrivacyAccounting:
         }
 
     def report(self) -> dict[str, Any]:
+        """The ledger's report (summary.json's ``privacy``) with the job's mechanism named as
+        everywhere else: ``mechanisms`` holds the registered name (the summary's ``mechanism``,
+        every record's, the global message's ``m``); the labels of the events charged (e.g.
+        ``gaussian-local``; SignDS: ``signds`` and ``magrr-bit``) are ``release_kinds``."""
         out = self.ledger.report(self.delta)
+        out["release_kinds"] = out.pop("mechanisms")
+        out["mechanisms"] = [self.mechanism.name]
         out["guarantee"] = self.mechanism.guarantee.text()
         return out
 
