@@ -147,3 +147,44 @@ def test_the_ledger_answers_as_before_after_growing() -> None:
     assert ledger.epsilon(1e-5, "basic", device="never") == pytest.approx(1.0)
     assert ledger.epsilon(1e-5, "basic") == pytest.approx(3.0)
     assert ledger.epsilon_by_device(1e-5, "basic") == pytest.approx({"a": 3.0, "b": 2.0})
+
+
+@pytest.mark.bench
+def test_cost_per_round_with_10000_devices() -> None:
+    """The ledger fields of a round's record (``epsilon`` and the rest, then the per-device
+    quantiles) with 10,000 devices in the fleet view and 1,000 releases a round: seconds per
+    round, one JSON line each (``pytest -m bench -s -k cost``)."""
+    import json
+    import time
+
+    from edge_fl.server.aggregator import PrivacyAccounting
+
+    devices, per_round, rounds = 10_000, 1_000, 10
+    cfg = load_config(
+        None,
+        {
+            "data.devices": devices,
+            "data.dataset": "synthetic",
+            "model.name": "logreg",
+            "rounds.rounds": rounds,
+            "rounds.clients_per_round": per_round,
+            "privacy.mechanism": "gaussian",
+            "privacy.epsilon": 50.0,
+        },
+    )
+    job = build_job(cfg)
+    accounting = PrivacyAccounting(job.mechanism, cfg.privacy.delta)
+    names = [f"d{i:05d}" for i in range(devices)]
+    sizes = list(job.facts.dataset_sizes)
+    rng = np.random.default_rng(0)
+    for r in range(1, rounds + 1):
+        for i in rng.choice(devices, per_round, replace=False):
+            accounting.record_upload(names[i], int(sizes[i]), r)
+        t0 = time.perf_counter()
+        epsilon = accounting.metrics()
+        t1 = time.perf_counter()
+        quantiles = accounting.device_metrics(names)
+        t2 = time.perf_counter()
+        assert quantiles["epsilon_device_max"] == epsilon["epsilon"]
+        line = {"round": r, "metrics_s": round(t1 - t0, 4), "device_fields_s": round(t2 - t1, 4)}
+        print(json.dumps({**line, **quantiles, "ledger_entries": r * per_round}))

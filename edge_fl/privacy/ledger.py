@@ -92,8 +92,8 @@ class PrivacyLedger:
         self._event_of.setdefault(key, event)
         if device is None:  # every device's composition gains it: O(devices), once a round
             self._job[key] = self._job.get(key, 0) + 1
-            for counts in self._own.values():
-                counts[key] = counts.get(key, 0) + 1
+            for held in self._own.values():
+                held[key] = held.get(key, 0) + 1
             self._sig.clear()
         else:
             self._devices.setdefault(device, None)
