@@ -194,6 +194,8 @@ class RunRecorder:
         records agree with the checkpoint (at the first new record, or at ``close``)."""
         self.out_dir = Path(out_dir) if out_dir else None
         self.records: list[dict[str, Any]] = []
+        #: what the summary says of the job (:func:`job_facts`), before the runner's ``extra``
+        self.facts: dict[str, Any] = {}
         self.sinks: list[RecordSink] = list(_SINKS.get() if sinks is None else sinks)
         self._replayed = False  # earlier records (a resumed run's) not yet given to the sinks
         self._jsonl = None
@@ -301,6 +303,7 @@ class RunRecorder:
             "epsilon": last.get("epsilon"),
             "accountant": last.get("accountant"),
             **wire,
+            **self.facts,
             **(extra or {}),
         }
 
@@ -320,3 +323,16 @@ class RunRecorder:
         if self.out_dir is not None:
             write_json(self.out_dir / "summary.json", summary)
         return summary
+
+
+def job_facts(job: Any) -> dict[str, Any]:
+    """What every run's summary says of its job (``edge_fl.job.Job``), `simulate`'s and
+    `aggregator`'s alike: the registered mechanism name (as in every record and the global
+    message's ``m``), the devices, the model and the dataset."""
+    return {
+        "mechanism": job.cfg.privacy.mechanism,
+        "devices": job.cfg.data.devices,
+        "model": job.model.name,
+        "n_params": job.model.n_params,
+        "dataset": job.dataset.name,
+    }

@@ -390,8 +390,20 @@ async def _run_with_fleet(
     from edge_fl.protocol.signing import Signer
 
     signer = job.signer or Signer.generate()
+    # the job document, retained while the job runs and cleared at its end (as `edge-fl
+    # aggregator` does): a live dashboard takes the rounds and the budget from it
+    from dataclasses import replace
+
+    from edge_fl.protocol.jobdoc import encode_job_document
+
+    document = encode_job_document(replace(job.job_document(), run=run.core.run_id), signer)
     service = run.make_service(
-        spec, on_record=on_record, annotate=annotate, signals=signals, signer=signer
+        spec,
+        on_record=on_record,
+        annotate=annotate,
+        signals=signals,
+        signer=signer,
+        job_document=document,
     )
     fleet = job.fleet_runtime(spec, trust=job.trust(signer.verifier))
     fleet.link = link or DEFAULT_LINK

@@ -44,7 +44,11 @@ RECORD = {
     "wire_up_max": 19500,
     "epsilon": 2.5,
     "delta": 1e-5,
+    "epsilon_device_p50": 0.0,
+    "epsilon_device_p95": 1.9,
+    "epsilon_device_max": 2.5,
 }
+DEVICE_EPSILON = ("epsilon_device_p50", "epsilon_device_p95", "epsilon_device_max")
 
 
 def relay(poisson: bool = False) -> BrokerSource:
@@ -88,9 +92,13 @@ def test_device_counts_follow_the_retained_statuses() -> None:
 
 
 def test_a_ts_that_is_no_unix_time_counts_from_arrival() -> None:
-    """Today's aggregator writes its event loop's clock into ``ts``."""
+    """``ts`` is the aggregator's Unix time, taken as is, however long the round has been open
+    (a page opened mid-round counts down what is left); another clock's value (older
+    aggregators wrote their event loop's) or one from the future counts from arrival."""
     assert wall_clock(12345.6, now=1.7e9) == 1.7e9
     assert wall_clock(1.7e9 - 3, now=1.7e9) == 1.7e9 - 3
+    assert wall_clock(1.7e9 - 7200, now=1.7e9) == 1.7e9 - 7200
+    assert wall_clock(1.7e9 + 3600, now=1.7e9) == 1.7e9
     source = relay()
     before = time.time()
     global_message(source, 1, issued_at=812.25)
@@ -134,14 +142,26 @@ def test_without_the_token_only_the_public_record(poisson: bool) -> None:
     assert not {"devices", "rejections", "ingest"} & set(public)
     row = public["records"][0]
     assert "rejection_samples" not in row
-    shown = set(row) & {*PARTICIPATION_FIELDS, "wire_up_p50", "wire_up_p95", "wire_up_max"}
+    counting = {*PARTICIPATION_FIELDS, "wire_up_p50", "wire_up_p95", "wire_up_max", *DEVICE_EPSILON}
+    shown = set(row) & counting
     if poisson:
         assert not shown, f"participation shown to a viewer without operator rights: {shown}"
         assert row["accuracy"] == RECORD["accuracy"] and row["epsilon"] == RECORD["epsilon"]
     else:
-        assert {"received", "bytes_up", "wire_up_max"} <= shown
+        assert {"received", "bytes_up", "wire_up_max", *DEVICE_EPSILON} <= shown
     operator = source.state.view(operator=True)
     assert operator["records"][0]["received"] == 10 and operator["devices"]["known"] == 1
+
+
+def test_the_live_page_draws_the_records_epsilon_per_device() -> None:
+    """A record from the metrics topic carries the aggregator's epsilon per device: the page
+    gets it as is; a run directory's replay never overwrites a record's own."""
+    source = relay()
+    source.handle(source.topics.metrics, json.dumps(RECORD).encode())
+    row = source.state.view(operator=True)["records"][0]
+    assert {k: row[k] for k in DEVICE_EPSILON} == {k: RECORD[k] for k in DEVICE_EPSILON}
+    source.state.set_device_epsilon({3: dict.fromkeys(DEVICE_EPSILON, 9.0)})
+    assert source.state.records[0]["epsilon_device_p95"] == 1.9
 
 
 def test_a_non_finite_value_becomes_null() -> None:
@@ -257,6 +277,8 @@ def test_device_epsilon_replays_the_ledger(tmp_path: Path, mechanism: str) -> No
         q = by_round[record["round"]]
         assert q["epsilon_device_max"] == pytest.approx(record["epsilon"], rel=1e-9)
         assert q["epsilon_device_p50"] <= q["epsilon_device_p95"] <= q["epsilon_device_max"]
+        for key in DEVICE_EPSILON:  # the aggregator's own, composed through its ledger
+            assert record[key] == pytest.approx(q[key], rel=1e-9), (record["round"], key)
     assert by_round[records[0]["round"]]["epsilon_device_p50"] == 0.0  # 8 of 20 uploaded
 
 

@@ -107,6 +107,9 @@ def test_poisson_selection_runs_hides_participation_and_accounts_exactly(mosquit
     # gave the received count of every round (issue 23 F3)
     assert all("wire_up" in r and "dropouts" in r for r in records)
     assert not [k for r in public for k in r if k.startswith("wire_") or k == "dropouts"]
+    # the devices' epsilon quantiles count releases too: in the records, never on the topic
+    assert all(r["epsilon_device_max"] == r["epsilon"] for r in records)
+    assert not [k for r in public for k in r if k.startswith("epsilon_device_")]
     assert all(r["epsilon"] == rec["epsilon"] for r, rec in zip(public, records, strict=True))
     # devices really flipped coins: 4 rounds x 20 devices x q = 0.25 -> 20 expected uploads
     assert 0 < summary["total_received"] < 60
@@ -160,9 +163,11 @@ def test_one_epsilon_everywhere(tmp_path, privacy):
     summary = json.loads((tmp_path / "summary.json").read_text())
     records = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     eps, acc = summary["privacy"]["epsilon"], summary["privacy"]["accountant"]
-    assert summary["mechanism"] == mech
+    assert summary["mechanism"] == mech and summary["privacy"]["mechanisms"] == [mech]
     assert summary["epsilon"] == eps and summary["accountant"] == acc
     assert records[-1]["epsilon"] == eps and records[-1]["accountant"] == acc
+    assert records[-1]["epsilon_device_max"] == eps  # the worst device's is the job's
+    assert all(r["epsilon_device_p50"] <= r["epsilon_device_p95"] <= r["epsilon"] for r in records)
     by = summary["privacy"]["epsilon_by_accountant"]
     assert eps == min(v for v in by.values() if v is not None)
     for name, value in by.items():  # a skipped accountant is null, with its reason

@@ -147,7 +147,7 @@ def _run_aggregator(cfg, out, resume, overwrite, signals) -> dict:
     from dataclasses import replace
 
     from edge_fl.job import build_job
-    from edge_fl.metrics import OutputError
+    from edge_fl.metrics import OutputError, job_facts
     from edge_fl.protocol.jobdoc import encode_job_document
     from edge_fl.simulation import RunDirError, open_run, refuse_earlier_run
     from edge_fl.transport.url import parse_broker_url
@@ -161,6 +161,7 @@ def _run_aggregator(cfg, out, resume, overwrite, signals) -> dict:
         _fail(str(exc))
     for note in run.notes:
         click.echo(note)
+    run.recorder.facts = job_facts(job)  # the summary names the job as simulate's does
     core = run.core
     service = run.make_service(
         parse_broker_url(cfg.broker.url),

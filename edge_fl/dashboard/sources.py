@@ -34,11 +34,19 @@ log = logging.getLogger("edge_fl.dashboard")
 RECONNECT_S = (0.5, 1.0, 2.0, 5.0)  # backoff between broker sessions
 
 
+#: a ``ts`` before this (September 2001) is no Unix time: another clock's (uptime, monotonic)
+UNIX_TIME_FLOOR = 1e9
+#: nor one further than this ahead of the dashboard's clock
+PLAUSIBLE_SKEW_S = 300.0
+
+
 def wall_clock(ts: float, now: float | None = None) -> float:
-    """A global message's ``ts`` when it is a plausible Unix time, else the message's arrival:
-    ``ts`` is informational, may be 0, and today's aggregator writes its event loop's clock."""
+    """When a global message was issued: its ``ts`` (the aggregator's wall clock, Unix seconds),
+    so a page opened mid-round counts the deadline from the round's start; the message's arrival
+    instead when ``ts`` is no plausible Unix time (0 or another clock, as older aggregators
+    wrote, or a clock set far off)."""
     now = time.time() if now is None else now
-    return ts if abs(ts - now) < 3600 else now
+    return ts if UNIX_TIME_FLOOR <= ts <= now + PLAUSIBLE_SKEW_S else now
 
 
 class BrokerSource:
@@ -184,7 +192,7 @@ class RunDirSource:
         while True:
             if self.poll():
                 self.on_change()
-            if self._epsilon_due and self._checkpoint is not None:
+            if self._epsilon_due and self._checkpoint is not None and self._replay_needed():
                 self._epsilon_due = False
                 records = [dict(r) for r in self.state.records]
                 by_round = await asyncio.to_thread(self._device_epsilon, records, self._checkpoint)
@@ -192,6 +200,11 @@ class RunDirSource:
                     self.state.set_device_epsilon(by_round)
                     self.on_change()
             await asyncio.sleep(self.POLL_S)
+
+    def _replay_needed(self) -> bool:
+        """Whether some record lacks the aggregator's own ``epsilon_device_*`` (a run written
+        before the aggregator recorded them): only those are replayed from the checkpoint."""
+        return any("epsilon_device_max" not in r for r in self.state.records)
 
     def _device_epsilon(
         self, records: list[dict[str, Any]], checkpoint: dict[str, Any]

@@ -54,9 +54,6 @@ ROUND_FIELDS = (
     "wall_time_s",
 )
 
-#: computed per device (edge_fl.dashboard.epsilon): with Poisson selection they count releases
-DEVICE_EPSILON_PREFIX = "epsilon_device_"
-
 #: rejection details kept per reason (the newest)
 SAMPLES_PER_REASON = 5
 
@@ -64,13 +61,17 @@ SAMPLES_PER_REASON = 5
 def public_fields(record: dict[str, Any], poisson: bool) -> dict[str, Any]:
     """The fields of ``record`` the aggregator would put on the metrics topic: never the
     rejection samples (they name devices); with Poisson selection nothing that counts who took
-    part (the aggregator's own rule, :meth:`AggregatorCore.public_record`)."""
+    part, the devices' epsilon quantiles included (the aggregator's own rule,
+    :meth:`AggregatorCore.public_record`)."""
     hidden: tuple[str, ...] = PRIVATE_FIELDS
     if not poisson:
         return {k: v for k, v in record.items() if k not in hidden}
     hidden = (*PARTICIPATION_FIELDS, *PRIVATE_FIELDS)
-    prefixes = (*PARTICIPATION_PREFIXES, DEVICE_EPSILON_PREFIX)
-    return {k: v for k, v in record.items() if k not in hidden and not k.startswith(prefixes)}
+    return {
+        k: v
+        for k, v in record.items()
+        if k not in hidden and not k.startswith(PARTICIPATION_PREFIXES)
+    }
 
 
 @dataclass
@@ -145,10 +146,11 @@ class DashboardState:
         self.touch()
 
     def set_device_epsilon(self, by_round: dict[int, dict[str, float]]) -> None:
-        """Per-device epsilon quantiles of each round (a run directory's checkpoint)."""
+        """Per-device epsilon quantiles of each round replayed from a run directory's checkpoint,
+        for the records that do not carry the aggregator's own (runs before it wrote them)."""
         for row in self.records:
             extra = by_round.get(row.get("round"))  # type: ignore[arg-type]
-            if extra:
+            if extra and "epsilon_device_max" not in row:
                 row.update(extra)
         self.rows_epoch += 1
         self.touch()

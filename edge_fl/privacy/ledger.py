@@ -3,13 +3,18 @@
 ``device=None`` marks a job-level release (e.g. the aggregator's central noise) that touches every
 device's data. A device's epsilon composes its own releases and the job-level ones; the job's is the
 worst device's (parallel composition over disjoint data).
+
+A composition depends only on which events it holds, how many of each, and the order in which each
+kind first occurs (the accountants sum and compose in that order). The ledger keeps that
+*signature* per device as releases are recorded, so grouping 10,000 devices costs one dict lookup
+each, not a scan of every entry per device, and a signature once composed is never composed again.
 """
 
 from __future__ import annotations
 
-from collections import Counter
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass
+from itertools import repeat
 
 from dp_accounting import dp_event
 from dp_accounting.privacy_accountant import NeighboringRelation, UnsupportedEventError
@@ -27,6 +32,9 @@ from edge_fl.privacy.accountants import (
 from edge_fl.privacy.events import IncompatibleEventsError, PrivacyEvent, Unit
 
 __all__ = ["LedgerEntry", "PrivacyLedger"]
+
+#: a composition's input: (event key, count) in the order each key first occurs
+Signature = tuple[tuple[tuple, int], ...]
 
 
 @dataclass(frozen=True)
@@ -47,6 +55,11 @@ class PrivacyLedger:
         self._composer = _Composer(orders, pld_discretization)
         self._entries: list[LedgerEntry] = []
         self._devices: dict[Hashable, None] = {}
+        self._event_of: dict[tuple, PrivacyEvent] = {}  # event key -> its first event
+        self._job: dict[tuple, int] = {}  # job-level key -> count, in first-occurrence order
+        self._own: dict[Hashable, dict[tuple, int]] = {}  # device -> its composition's counts
+        self._sig: dict[Hashable, Signature] = {}  # device -> signature (dropped on change)
+        # compositions by signature: pure functions of it, so they stay valid as the ledger grows
         self._eps_cache: dict[tuple, EpsilonResult] = {}
         self._best_cache: dict[tuple, Bound] = {}
 
@@ -75,10 +88,20 @@ class PrivacyLedger:
             raise ValueError(f"round must be an integer >= 0 or None, got {round!r}")
         entry = LedgerEntry(event, device, None if round is None else int(round))
         self._entries.append(entry)
-        if device is not None:
+        key = event.key
+        self._event_of.setdefault(key, event)
+        if device is None:  # every device's composition gains it: O(devices), once a round
+            self._job[key] = self._job.get(key, 0) + 1
+            for held in self._own.values():
+                held[key] = held.get(key, 0) + 1
+            self._sig.clear()
+        else:
             self._devices.setdefault(device, None)
-        self._eps_cache.clear()
-        self._best_cache.clear()
+            counts = self._own.get(device)
+            if counts is None:  # the job-level events so far come first, in their order
+                counts = self._own[device] = dict(self._job)
+            counts[key] = counts.get(key, 0) + 1
+            self._sig.pop(device, None)
         return entry
 
     @property
@@ -92,12 +115,28 @@ class PrivacyLedger:
     def _events_for(self, device: Hashable | None) -> list[PrivacyEvent]:
         return [e.event for e in self._entries if e.device is None or e.device == device]
 
+    def _signature(self, device: Hashable | None) -> Signature:
+        """What ``device``'s composition depends on (a device without releases, or None: the
+        job-level events alone)."""
+        sig = self._sig.get(device)
+        if sig is None:
+            counts = self._own.get(device) if device is not None else None
+            sig = tuple((counts if counts is not None else self._job).items())
+            if device is not None and counts is not None:
+                self._sig[device] = sig
+        return sig
+
+    def _expand(self, sig: Signature) -> list[PrivacyEvent]:
+        """Events whose composition is the signature's (same kinds, counts and first order)."""
+        return [ev for key, n in sig for ev in repeat(self._event_of[key], n)]
+
     # --- epsilon ---------------------------------------------------------------------------
     def _result(self, delta: float, accountant: str, device: Hashable | None) -> EpsilonResult:
-        key = (float(delta), accountant, device)
+        sig = self._signature(device)
+        key = (float(delta), accountant, sig)
         res = self._eps_cache.get(key)
         if res is None:
-            res = _compose(self._composer, self._events_for(device), delta, accountant)
+            res = _compose(self._composer, self._expand(sig), delta, accountant)
             self._eps_cache[key] = res
         return res
 
@@ -127,13 +166,22 @@ class PrivacyLedger:
     def epsilon_by_device(self, delta: float, accountant: Accountant = "rdp") -> dict:
         return {d: self._result(delta, accountant, d).epsilon for d in self._devices}
 
+    def _groups(self, extra: Iterable[Hashable] = ()) -> dict[frozenset, list]:
+        """Devices by multiset of events (equal multisets have equal epsilon): the multiset ->
+        [its first device, how many devices]; ``extra``: devices without releases counted in
+        too (first in ledger order, then theirs)."""
+        groups: dict[frozenset, list] = {}
+        for dev in self._devices:
+            group = groups.setdefault(frozenset(self._signature(dev)), [dev, 0])
+            group[1] += 1
+        bare = sum(1 for dev in dict.fromkeys(extra) if dev not in self._devices)
+        if bare:
+            groups.setdefault(frozenset(self._job.items()), [None, 0])[1] += bare
+        return groups
+
     def _signatures(self) -> list[Hashable]:
         """One device per distinct multiset of events: equal multisets have equal epsilon."""
-        by_signature: dict[tuple, Hashable] = {}
-        for dev in self._devices:
-            sig = tuple(sorted(Counter(e.key for e in self._events_for(dev)).items(), key=str))
-            by_signature.setdefault(sig, dev)
-        return list(by_signature.values())
+        return [dev for dev, _ in self._groups().values()]
 
     def best(self, delta: float, device: Hashable | None = None) -> tuple[Bound, Hashable | None]:
         """The tightest valid bound (see :func:`best_epsilon`) for ``device``, or for the job: the
@@ -163,11 +211,27 @@ class PrivacyLedger:
         return worst
 
     def _best_of(self, delta: float, device: Hashable | None) -> Bound:
-        key = (float(delta), device)
+        sig = self._signature(device)
+        key = (float(delta), sig)
         bound = self._best_cache.get(key)
         if bound is None:
-            bound = self._best_cache[key] = _best(self._composer, self._events_for(device), delta)
+            bound = self._best_cache[key] = _best(self._composer, self._expand(sig), delta)
         return bound
+
+    def device_distribution(
+        self, delta: float, devices: Iterable[Hashable] = ()
+    ) -> list[tuple[float, int]]:
+        """Every device's tightest epsilon (``best``), as (epsilon, how many devices) sorted by
+        epsilon: the ledger's devices, and those of ``devices`` it holds no release of (the
+        job-level events alone). Each distinct multiset is composed once, through the same
+        device as :meth:`best` composes it, so the largest value is exactly the job's."""
+        values: dict[float, int] = {}
+        for dev, count in self._groups(devices).values():
+            eps = self._best_of(delta, dev).epsilon
+            values[eps] = values.get(eps, 0) + count
+        if not values:
+            values[self._best_of(delta, None).epsilon] = 0
+        return sorted(values.items())
 
     # --- reporting -------------------------------------------------------------------------
     def report(self, delta: float, device: Hashable | None = None) -> dict:

@@ -68,8 +68,9 @@ PARTICIPATION_FIELDS = (
     "device_updates",
 )
 #: record fields a runtime adds that depend on who uploaded too: the simulated fleet's wire bytes
-#: (every PUBLISH and PUBACK of a device's session) and its dropouts
-PARTICIPATION_PREFIXES = ("wire_", "dropouts")
+#: (every PUBLISH and PUBACK of a device's session) and its dropouts; and the devices' epsilon
+#: quantiles (``epsilon_device_p50/_p95/_max``), which count releases
+PARTICIPATION_PREFIXES = ("wire_", "dropouts", "epsilon_device_")
 #: record fields for the operator only, never on the metrics topic (they name devices)
 PRIVATE_FIELDS = ("rejection_samples",)
 
@@ -139,10 +140,42 @@ class PrivacyAccounting:
             "epsilon_by_accountant": bound.values,
         }
 
+    def device_metrics(self, devices: Iterable[str] = ()) -> dict[str, float]:
+        """The devices' epsilon (each its own releases and the job-level ones, the tightest
+        bound, as the ledger composes it for the job's): nearest-rank p50 and p95 and the
+        maximum over every device the ledger holds and every one of ``devices`` (the fleet
+        view: devices that never uploaded count at the job-level events alone). The maximum is
+        the job's ``epsilon``."""
+        dist = self.ledger.device_distribution(self.delta, devices)
+        return {
+            "epsilon_device_p50": weighted_rank(dist, 0.50),
+            "epsilon_device_p95": weighted_rank(dist, 0.95),
+            "epsilon_device_max": dist[-1][0],
+        }
+
     def report(self) -> dict[str, Any]:
+        """The ledger's report (summary.json's ``privacy``) with the job's mechanism named as
+        everywhere else: ``mechanisms`` holds the registered name (the summary's ``mechanism``,
+        every record's, the global message's ``m``); the labels of the events charged (e.g.
+        ``gaussian-local``; SignDS: ``signds`` and ``magrr-bit``) are ``release_kinds``."""
         out = self.ledger.report(self.delta)
+        out["release_kinds"] = out.pop("mechanisms")
+        out["mechanisms"] = [self.mechanism.name]
         out["guarantee"] = self.mechanism.guarantee.text()
         return out
+
+
+def weighted_rank(dist: list[tuple[float, int]], q: float) -> float:
+    """The nearest-rank ``q`` quantile of sorted (value, how many) pairs: the value at rank
+    ceil(q * N), 1-based (the dashboard's rule for a run directory)."""
+    total = sum(n for _, n in dist)
+    rank = max(1, math.ceil(q * total))
+    seen = 0
+    for value, n in dist:
+        seen += n
+        if seen >= rank:
+            return value
+    return dist[-1][0]
 
 
 @dataclass
@@ -227,6 +260,9 @@ class AggregatorCore:
         #: run, restored with the run's state on a resume (docs/protocol.md, "Run id")
         self.run_id = os.urandom(RUN_BYTES)
         self.foreign_seen = 0  # statuses of devices outside the population, over the job
+        #: the wall clock (Unix seconds) for the global messages' ``ts``, set by the service: the
+        #: core reads no clock (deadlines run on the ``now`` it is given, a monotonic clock)
+        self.wall: Callable[[], float] = no_wall_clock
         if policy is None:
             policy = policy_for(settings, concurrency, dispatch_timeout_s)
         self.policy: RoundPolicy = policy(self)
@@ -355,9 +391,11 @@ class AggregatorCore:
         self,
         selected: tuple[str, ...] | None = None,
         done: bool = False,
-        now: float = 0.0,
+        wall: float | None = None,
         round_number: int | None = None,
     ) -> GlobalModel:
+        """The global message of the open round (or the done marker); ``ts`` is ``wall``, by
+        default :attr:`wall`'s reading: Unix seconds, what docs/protocol.md promises."""
         return GlobalModel(
             job=self.settings.job,
             version=self.version,
@@ -371,7 +409,7 @@ class AggregatorCore:
             mechanism_state=self.mechanism.encode_state(self.mechanism_state),
             sample_rate=self.settings.sample_rate,
             done=done,
-            issued_at=now,
+            issued_at=self.wall() if wall is None else wall,
             nonce=None if done else self.current_nonce(),
             mechanism_params=self.public_params,
             run=self.run_id,
@@ -544,6 +582,7 @@ class AggregatorCore:
         record["device_updates"] = len(self.releases)
         if self.privacy is not None:
             record.update(self.privacy.metrics())
+            record.update(self.privacy.device_metrics(self.devices))
         return record
 
     def judge_deferred(
@@ -683,6 +722,7 @@ class AggregatorCore:
         }
         if self.privacy is not None:
             record.update(self.privacy.metrics())
+            record.update(self.privacy.device_metrics(self.devices))
         self.records.append(record)
         self.retire()
         self.refused = set()
@@ -823,6 +863,11 @@ class AggregatorCore:
         """The open round's tally, replaced by a fresh one (a worker reports its share)."""
         t, self.tally = self.tally, RoundTally()
         return t
+
+
+def no_wall_clock() -> float:
+    """A core without a service has no wall clock: its messages' ``ts`` is 0 (informational)."""
+    return 0.0
 
 
 def fleet_view(state: dict[str, Any]) -> dict[str, DeviceRecord]:

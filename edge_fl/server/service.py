@@ -120,6 +120,7 @@ class AggregatorService:
         self._open_control: bytes | None = None  # the open round's message to the workers
         self.signer = signer
         self.job_document = job_document
+        core.wall = time.time  # every global message's ts: Unix seconds (docs/protocol.md)
         self.acks = AckPolicy(acks)
         self._live_status: set[str] = set()
         self.core = core
@@ -584,7 +585,7 @@ class AggregatorService:
         """The done marker (retained, signed like every global message), once."""
         if self.done_published:
             return
-        final = self.core.global_message(done=True, now=time.time())
+        final = self.core.global_message(done=True)
         await client.publish(
             self.topics.global_model, encode_global(final, signer=self.signer), 1, retain=True
         )

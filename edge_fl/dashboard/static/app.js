@@ -143,7 +143,9 @@ function drawCharts() {
     : perDevice || !records.length ? ""
     : (view.notes || {}).epsilon_device ? `(${view.notes.epsilon_device})`
     : view.redacted && view.job.poisson ? "(per device: operator only with Poisson selection)"
-    : view.job.source === "run" ? "" : "(per device: `edge-fl dashboard RUN_DIR` on the aggregator's host; the job's value is the worst device's)";
+    : view.job.source === "run" ? ""
+    : view.job.poisson ? "(per device: kept off the metrics topic with Poisson selection, it counts releases; `edge-fl dashboard RUN_DIR` on the aggregator's host shows it)"
+    : "(per device: this aggregator's records do not carry it; the job's value is the worst device's)";
 }
 
 // ---------------------------------------------------------------- tables and cards
