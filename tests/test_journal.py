@@ -493,3 +493,23 @@ def test_starting_afresh_over_an_unfinished_job_is_refused(job, tmp_path):
     assert "holds an unfinished job (a journal of accepted updates)" in done.stderr
     assert "--resume" in done.stderr and "Traceback" not in done.stderr
     assert read_journal(tmp_path / JOURNAL).records  # untouched
+
+
+def test_rotation_waits_until_the_journal_is_large(tmp_path):
+    """A round's commit keeps a small journal (its records are covered by the checkpoint and
+    skipped on resume: no fresh file, no two fsyncs per round) and replaces a large one."""
+    path = tmp_path / JOURNAL
+    j = Journal.start(tmp_path, job="j", digest="abc", durable=False)
+    j.append("release", d="d00001", r=1, n=30)
+    j.sync()
+    j.append("release", d="d00009", r=1, n=30)  # pending at the commit: covered, never written
+    j.rotate()
+    j.append("release", d="d00002", r=2, n=30)
+    j.sync()
+    got = read_journal(path)
+    assert got.header["after"] == 0 and [r["s"] for r in got.records] == [1, 3]
+    j.rotate_bytes = 1
+    j.rotate()
+    got = read_journal(path)
+    assert got.header["after"] == 3 and got.records == []
+    j.close()
