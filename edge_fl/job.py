@@ -231,10 +231,27 @@ class Job:
         if self.cfg.model.evaluate_with == "native" or to_onnx is None:
             return lambda w: evaluate(self.model, w, X_test, y_test)
 
+        model = self.model
+        # one session for the whole run, fed each round's weights, when the graph is the packaged
+        # numpy export (a model's own onnx_bytes, or torch, is exported and loaded per round)
+        reuse = not callable(getattr(model, "onnx_bytes", None))
+        session: list[Any] = []
+
         def with_onnxruntime(w: np.ndarray) -> tuple[float, float]:
+            from edge_fl.models.onnx_export import onnx_weights, onnx_with_weight_inputs
             from edge_fl.models.onnx_runtime import OnnxClassifier
 
-            return OnnxClassifier(to_onnx(w)).evaluate(X_test, y_test)
+            nonlocal reuse
+            if reuse and not session:
+                graph = onnx_with_weight_inputs(model)
+                if graph is None:
+                    reuse = False
+                else:
+                    session.append(OnnxClassifier(graph))
+            if not reuse:
+                return OnnxClassifier(to_onnx(w)).evaluate(X_test, y_test)
+            session[0].set_weights(onnx_weights(model, w))
+            return session[0].evaluate(X_test, y_test)
 
         return with_onnxruntime
 

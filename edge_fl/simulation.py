@@ -18,9 +18,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib
 import json
 import logging
 import os
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -312,6 +314,19 @@ def _remove_earlier_run(d: Path) -> None:
         params.unlink(missing_ok=True)
 
 
+def _preload(*modules: str) -> None:
+    """Import ``modules`` on a thread: onnx and onnxruntime (about 0.3 s) load while the broker
+    starts and devices connect, which mostly wait on sockets, instead of on the event loop when
+    the first round closes. A failed import is left for the real one to report."""
+
+    def load() -> None:
+        for name in modules:
+            with contextlib.suppress(Exception):
+                importlib.import_module(name)
+
+    threading.Thread(target=load, name="preload", daemon=True).start()
+
+
 @dataclass
 class SimulationResult:
     """What :func:`run_simulation` returns: the summary (as in summary.json), every round's
@@ -503,6 +518,8 @@ async def run_simulation_async(
         refuse_earlier_run(out_dir)  # before the job is built and the broker started
     job = job if isinstance(job, Job) else build_job(job)
     cfg = job.cfg
+    if cfg.model.evaluate_with == "onnxruntime" and job.onnx is not None:
+        _preload("edge_fl.models.onnx_export", "edge_fl.models.onnx_runtime")
     timings = {"build_s": round(time.perf_counter() - t_start, 4)}
     meta = job.metadata()
     with contextlib.ExitStack() as stack:

@@ -461,15 +461,16 @@ def test_metrics_line_lost_after_the_checkpoint_is_restored(job, tmp_path, monke
 
 
 @pytest.mark.broker
-def test_kill9_three_times_in_a_six_round_job(mosquitto, tmp_path):
-    """tools/chaos_kill9.py, small: 3 kills at random moments of a 6-round job, each followed by
+def test_kill9_three_times_in_a_ten_round_job(mosquitto, tmp_path):
+    """tools/chaos_kill9.py, small: 3 kills at random moments of a 10-round job, each followed by
     --resume; the final ledger equals the uninterrupted run's and every job finishes."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
     try:
         import chaos_kill9
     finally:
         sys.path.pop(0)
-    args = ["--rounds", "6", "--kills", "3", "--min-gap", "1.0", "--max-gap", "4.0"]
+    # 10 rounds: 6 were sometimes over before the third kill once rounds got faster
+    args = ["--rounds", "10", "--kills", "3", "--min-gap", "1.0", "--max-gap", "4.0"]
     args += ["--broker", mosquitto.url, "--work", str(tmp_path), "--json", str(tmp_path / "r.json")]
     rc = chaos_kill9.main(args)
     results = json.loads((tmp_path / "r.json").read_text())
@@ -493,3 +494,23 @@ def test_starting_afresh_over_an_unfinished_job_is_refused(job, tmp_path):
     assert "holds an unfinished job (a journal of accepted updates)" in done.stderr
     assert "--resume" in done.stderr and "Traceback" not in done.stderr
     assert read_journal(tmp_path / JOURNAL).records  # untouched
+
+
+def test_rotation_waits_until_the_journal_is_large(tmp_path):
+    """A round's commit keeps a small journal (its records are covered by the checkpoint and
+    skipped on resume: no fresh file, no two fsyncs per round) and replaces a large one."""
+    path = tmp_path / JOURNAL
+    j = Journal.start(tmp_path, job="j", digest="abc", durable=False)
+    j.append("release", d="d00001", r=1, n=30)
+    j.sync()
+    j.append("release", d="d00009", r=1, n=30)  # pending at the commit: covered, never written
+    j.rotate()
+    j.append("release", d="d00002", r=2, n=30)
+    j.sync()
+    got = read_journal(path)
+    assert got.header["after"] == 0 and [r["s"] for r in got.records] == [1, 3]
+    j.rotate_bytes = 1
+    j.rotate()
+    got = read_journal(path)
+    assert got.header["after"] == 3 and got.records == []
+    j.close()

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import resource
 import statistics
 import subprocess
 import sys
@@ -50,9 +51,18 @@ def plain_args(simulate_args: str) -> list[str]:
     return out
 
 
-def timed(cmd: list[str]) -> float:
-    t = time.perf_counter()
+def children_cpu() -> float:
+    """User + system CPU seconds of every waited-for child so far (their own children too: the
+    embedded Mosquitto is counted with the simulate process that started it)."""
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return r.ru_utime + r.ru_stime
+
+
+def timed(cmd: list[str], cpu: list[float] | None = None) -> float:
+    t, c = time.perf_counter(), children_cpu()
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    if cpu is not None:
+        cpu.append(children_cpu() - c)
     return time.perf_counter() - t
 
 
@@ -70,20 +80,22 @@ def main() -> None:
     rows["plain numpy FedAvg loop (whole process)"] = []
     rows["edge-fl simulate (whole process)"] = []
     plain_rounds: list[float] = []
+    cpu: dict[str, list[float]] = {"plain": [], "simulate": []}
     parts: dict[str, list[float]] = {}
     per_round: list[float] = []
     for _ in range(args.repeats):
         rows["python -c pass"].append(timed([PY, "-c", "pass"]))
         rows["python -c 'import numpy'"].append(timed([PY, "-c", "import numpy"]))
-        t = time.perf_counter()
+        t, c = time.perf_counter(), children_cpu()
         plain = subprocess.run(
             [PY, PLAIN, *plain_args(args.args)], check=True, capture_output=True, text=True
         )
         rows["plain numpy FedAvg loop (whole process)"].append(time.perf_counter() - t)
+        cpu["plain"].append(children_cpu() - c)
         plain_rounds.append(float(plain.stdout.rsplit("rounds ", 1)[1].split()[0]))
         with tempfile.TemporaryDirectory() as out:
             cmd = [EDGE_FL, "simulate", *args.args.split(), "--out", out, "--no-progress"]
-            rows["edge-fl simulate (whole process)"].append(timed(cmd))
+            rows["edge-fl simulate (whole process)"].append(timed(cmd, cpu["simulate"]))
             summary = json.loads((Path(out) / "summary.json").read_text())
             for key, value in summary["timings"].items():
                 parts.setdefault(key, []).append(value)
@@ -107,6 +119,11 @@ def main() -> None:
     plain_round = statistics.median(plain_rounds) / n_rounds
     ratio_round = statistics.median(per_round) / plain_round
     print(f"  whole process against the plain loop: x{whole / plain_whole:.2f}")
+    cpu_sim, cpu_plain = statistics.median(cpu["simulate"]), statistics.median(cpu["plain"])
+    print(
+        f"  CPU (user+sys, all processes): simulate {cpu_sim:.2f} s, plain {cpu_plain:.2f} s, "
+        f"x{cpu_sim / cpu_plain:.2f}"
+    )
     print(
         f"  per round against the plain loop: x{ratio_round:.2f} "
         f"({plain_round * 1000:.1f} ms per plain round)"

@@ -23,7 +23,15 @@ from onnx import TensorProto, helper, numpy_helper
 
 from .base import Model
 
-__all__ = ["ONNX_IR_VERSION", "ONNX_OPSET", "export_onnx", "onnx_bytes", "onnx_model"]
+__all__ = [
+    "ONNX_IR_VERSION",
+    "ONNX_OPSET",
+    "export_onnx",
+    "onnx_bytes",
+    "onnx_model",
+    "onnx_weights",
+    "onnx_with_weight_inputs",
+]
 
 # Opset 17 / IR 8 are understood by onnxruntime >= 1.13, i.e. by the older builds found on devices.
 ONNX_OPSET = 17
@@ -48,6 +56,14 @@ def onnx_bytes(model: Model, params: np.ndarray) -> bytes:
 
 def onnx_model(model: Model, params: np.ndarray) -> onnx.ModelProto:
     """The ONNX graph of a numpy model (logreg or mlp), checked by ``onnx.checker``."""
+    m = _numpy_graph(model, onnx_weights(model, params))
+    onnx.checker.check_model(m, full_check=True)
+    return m
+
+
+def onnx_weights(model: Model, params: np.ndarray) -> dict[str, np.ndarray]:
+    """A numpy model's parameters as the named float32 tensors of its ONNX graph (the
+    initializers :func:`onnx_model` writes, in the same layout)."""
     p = _flat(model, params)
     name = getattr(model, "name", None)
     F, C = int(model.n_features), int(model.n_classes)
@@ -55,20 +71,47 @@ def onnx_model(model: Model, params: np.ndarray) -> onnx.ModelProto:
         expected = F * C + C
         if p.size != expected:
             raise ValueError(f"logreg params must have {expected} entries, got {p.size}")
-        inits = [_init("W", p[: F * C].reshape(F, C)), _init("b", p[F * C :])]
+        return {"W": p[: F * C].reshape(F, C), "b": p[F * C :]}
+    if name == "mlp":
+        H = _mlp_hidden(model, p.size)
+        o = np.cumsum([0, F * H, H, H * C, C])
+        return {
+            "W1": p[o[0] : o[1]].reshape(F, H),
+            "b1": p[o[1] : o[2]],
+            "W2": p[o[2] : o[3]].reshape(H, C),
+            "b2": p[o[3] : o[4]],
+        }
+    raise ValueError(
+        f"cannot export model {name!r} ({type(model).__name__}) to ONNX: supported are the "
+        "numpy models 'logreg' and 'mlp' and the torch models in edge_fl.models.torch_models"
+    )
+
+
+def onnx_with_weight_inputs(model: Model) -> bytes | None:
+    """The graph :func:`onnx_model` exports, nodes unchanged, with its initializers also declared
+    as graph inputs (overridable, ONNX IR >= 4): one onnxruntime session then evaluates every
+    round's global model, fed :func:`onnx_weights`, instead of a session built per round.
+    None for a model whose graph is not written here (torch: exported per model)."""
+    if _is_torch_model(model) or getattr(model, "name", None) not in ("logreg", "mlp"):
+        return None
+    m = onnx_model(model, np.zeros(model.n_params, dtype=np.float32))
+    g = m.graph
+    for init in g.initializer:
+        g.input.append(helper.make_tensor_value_info(init.name, init.data_type, init.dims))
+    onnx.checker.check_model(m, full_check=True)
+    return m.SerializeToString()
+
+
+def _numpy_graph(model: Model, w: dict[str, np.ndarray]) -> onnx.ModelProto:
+    name = getattr(model, "name", None)
+    F, C = int(model.n_features), int(model.n_classes)
+    inits = [_init(k, v) for k, v in w.items()]
+    if name == "logreg":
         nodes = [
             helper.make_node("MatMul", [INPUT_NAME, "W"], ["xW"]),
             helper.make_node("Add", ["xW", "b"], [OUTPUT_NAME]),
         ]
-    elif name == "mlp":
-        H = _mlp_hidden(model, p.size)
-        o = np.cumsum([0, F * H, H, H * C, C])
-        inits = [
-            _init("W1", p[o[0] : o[1]].reshape(F, H)),
-            _init("b1", p[o[1] : o[2]]),
-            _init("W2", p[o[2] : o[3]].reshape(H, C)),
-            _init("b2", p[o[3] : o[4]]),
-        ]
+    else:
         nodes = [
             helper.make_node("MatMul", [INPUT_NAME, "W1"], ["xW1"]),
             helper.make_node("Add", ["xW1", "b1"], ["z1"]),
@@ -76,11 +119,6 @@ def onnx_model(model: Model, params: np.ndarray) -> onnx.ModelProto:
             helper.make_node("MatMul", ["h1", "W2"], ["hW2"]),
             helper.make_node("Add", ["hW2", "b2"], [OUTPUT_NAME]),
         ]
-    else:
-        raise ValueError(
-            f"cannot export model {name!r} ({type(model).__name__}) to ONNX: supported are the "
-            "numpy models 'logreg' and 'mlp' and the torch models in edge_fl.models.torch_models"
-        )
     graph = helper.make_graph(
         nodes,
         f"edge_fl_{name}",
@@ -94,7 +132,6 @@ def onnx_model(model: Model, params: np.ndarray) -> onnx.ModelProto:
         opset_imports=[helper.make_opsetid("", ONNX_OPSET)],
     )
     m.ir_version = ONNX_IR_VERSION
-    onnx.checker.check_model(m, full_check=True)
     return m
 
 

@@ -60,6 +60,28 @@ class OnnxClassifier:
             out_shape[-1] if out_shape and isinstance(out_shape[-1], int) else None
         )
         self.batch_size = batch_size
+        self._overridable = {
+            i.name: tuple(i.shape) for i in self._session.get_overridable_initializers()
+        }
+        self._weights: dict[str, np.ndarray] = {}
+
+    def set_weights(self, weights: dict[str, np.ndarray]) -> None:
+        """Feed these tensors for the graph's overridable initializers on every later run: the
+        same session evaluates another model's parameters (``onnx_with_weight_inputs``)."""
+        missing = set(self._overridable) - set(weights)
+        unknown = set(weights) - set(self._overridable)
+        if missing or unknown:
+            raise ValueError(
+                f"weights must name the graph's initializers {sorted(self._overridable)}, "
+                f"got {sorted(weights)}"
+            )
+        feeds = {}
+        for name, value in weights.items():
+            a = np.ascontiguousarray(value, dtype=np.float32)
+            if a.shape != self._overridable[name]:
+                raise ValueError(f"weight {name} must have shape {self._overridable[name]}")
+            feeds[name] = a
+        self._weights = feeds
 
     def logits(self, X: np.ndarray) -> np.ndarray:
         """Class scores, float32 (n, n_classes); evaluated in batches to bound memory."""
@@ -71,7 +93,9 @@ class OnnxClassifier:
         if x.shape[0] == 0:
             return np.zeros((0, self.n_classes or 0), dtype=np.float32)
         parts = [
-            self._session.run([self._output], {self._input: x[i : i + self.batch_size]})[0]
+            self._session.run(
+                [self._output], {self._input: x[i : i + self.batch_size], **self._weights}
+            )[0]
             for i in range(0, x.shape[0], self.batch_size)
         ]
         return np.concatenate(parts).astype(np.float32, copy=False)

@@ -5,18 +5,29 @@ is lost in a crash, since the broker re-delivers what was not acknowledged), and
 messages read in one burst share one fsync (group commit), which is what keeps ingest at
 thousands of updates a second (BENCHMARKS.md, ``tools/bench_ingest.py``). The service tells it
 what it received and when a connection is up; it decides when to sync and acknowledge.
+
+Updates that trickle in one per read (devices training one after another, the default simulation)
+would cost one fsync each, on the event loop: a lone message waits up to :data:`ACK_DELAY_S` for
+company instead. A burst of :data:`MIN_BURST` or more (a backlog being drained) is synced at the
+end of its read as before, so the broker's in-flight window never waits on the timer. Either way
+no acknowledgement leaves before the fsync that holds its message's effects.
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["ACK_BATCH", "GroupCommit"]
+__all__ = ["ACK_BATCH", "ACK_DELAY_S", "MIN_BURST", "GroupCommit"]
 
 #: at most this many received messages wait for one journal fsync before their acknowledgements
 ACK_BATCH = 256
+#: at most this long a message read on its own waits for others to share its fsync
+ACK_DELAY_S = 0.01
+#: this many messages waiting at the end of a read are synced at once (a backlog, not a trickle)
+MIN_BURST = 4
 
 Acker = Callable[[int, int], None]
 
@@ -26,7 +37,8 @@ class GroupCommit:
 
     ``add(mid, qos)`` after a message's effects are journaled (not yet synced): the sync and the
     acknowledgements run once the event loop has nothing more to do for the current read
-    (``call_soon``), or at once after :data:`ACK_BATCH` messages. ``acker`` acknowledges one
+    (``call_soon``; fewer than :data:`MIN_BURST` messages wait until the first of them is
+    :data:`ACK_DELAY_S` old), or at once after :data:`ACK_BATCH` messages. ``acker`` acknowledges one
     message id on the current connection (None while there is none: ids then wait, and are void
     once a new connection starts, see :meth:`forget`). ``on_error`` gets an exception raised by a
     scheduled flush (a full disk): ingest cannot go on."""
@@ -37,26 +49,36 @@ class GroupCommit:
         *,
         on_error: Callable[[Exception], None] | None = None,
         batch: int = ACK_BATCH,
+        delay_s: float = ACK_DELAY_S,
     ) -> None:
         self.journal = journal
         self.on_error = on_error
         self.batch = batch
+        self.delay_s = delay_s
         self.acker: Acker | None = None
         self.acknowledge = True  # False: acks were sent on receipt (the chaos tool's comparison)
         self.pending: list[tuple[int, int]] = []
         self._handle: asyncio.Handle | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._oldest = 0.0  # when the first message still waiting was added (monotonic)
         self.failed = False
 
     def add(self, mid: int, qos: int, loop: asyncio.AbstractEventLoop | None) -> None:
         """A QoS >= 1 message whose effects are journaled: acknowledge it after the next sync."""
+        if not self.pending:
+            self._oldest = time.monotonic()
         self.pending.append((mid, qos))
         if len(self.pending) >= self.batch:
             self.flush()
         elif self._handle is None and loop is not None:
+            self._loop = loop
             self._handle = loop.call_soon(self._scheduled)
 
     def flush(self) -> None:
         """Journal to disk, then acknowledge the messages whose effects it holds."""
+        if self._handle is not None:
+            self._handle.cancel()
+            self._handle = None
         if self.journal is not None:
             self.journal.sync()
         acker = self.acker
@@ -72,9 +94,15 @@ class GroupCommit:
         self.pending.clear()
 
     def _scheduled(self) -> None:
+        """End of a read (or the delay ran out): sync a burst now, let a lone message wait."""
         self._handle = None
         if self.failed:
             return
+        if self.pending and len(self.pending) < MIN_BURST and self._loop is not None:
+            wait = self._oldest + self.delay_s - time.monotonic()
+            if wait > 0:
+                self._handle = self._loop.call_later(wait, self._scheduled)
+                return
         try:
             self.flush()
         except Exception as exc:

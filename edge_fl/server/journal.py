@@ -28,7 +28,8 @@ cut back at once.
 
 Commit of a round, in this order: ``close_round`` -> checkpoint (atomic; ``journal_seq`` = the
 last journal record it covers, ``last_record`` = the round's record) -> metrics line -> journal
-rotated (a fresh file whose header says ``after = journal_seq``). Resume = checkpoint + the journal
+rotated once it holds :data:`ROTATE_BYTES` (a fresh file whose header says ``after = journal_seq``;
+until then the records the checkpoint covers stay in the file and are skipped). Resume = checkpoint + the journal
 records with ``s > journal_seq``; a record the checkpoint already covers is never applied twice,
 whether the crash came before or after the rotation. Noised rounds need no journal record: they are
 recorded by ``close_round`` and committed by the checkpoint that follows it synchronously; a round
@@ -67,6 +68,9 @@ JOURNAL = "journal.bin"
 FORMAT = 1
 _FRAME = struct.Struct("<II")  # body length, crc32(body)
 _MAX_BODY = 1 << 30
+#: a journal is replaced by an empty one at a round's commit once it holds this many bytes (what
+#: a resume reads at most beyond the records it replays)
+ROTATE_BYTES = 8 << 20
 
 
 def _frame(record: dict[str, Any]) -> bytes:
@@ -98,6 +102,7 @@ class Journal:
         self._size = size  # bytes on disk (what a failed write is cut back to)
         self._pending: list[bytes] = []  # appended, not yet written: one write per sync
         self._dirty = False
+        self.rotate_bytes = ROTATE_BYTES
 
     @classmethod
     def start(
@@ -177,8 +182,14 @@ class Journal:
             self._dirty = False
 
     def rotate(self) -> None:
-        """Start an empty journal after a checkpoint that covers every record so far."""
+        """After a checkpoint that covers every record so far: start an empty journal once this
+        one holds :data:`ROTATE_BYTES`. Below that the file is kept, since resuming skips the
+        records a checkpoint covers (``s <= journal_seq``) and a fresh file costs two fsyncs and
+        a rename on every round's commit, in the path of the next round."""
         self._pending.clear()  # the checkpoint holds their effects
+        self._dirty = False
+        if self._size < self.rotate_bytes:
+            return
         self.close()
         fresh = Journal.start(
             self.path.parent, job=self.job, digest=self.digest, after=self.seq, durable=self.durable
