@@ -146,3 +146,22 @@ def test_only_the_transport_adapter_touches_another_objects_private_names():
             if m.group(0) not in allowed:
                 found.append(f"{path.relative_to(SERVER.parent)}: {m.group(0)}")
     assert found == []
+
+
+def test_no_module_imports_another_modules_private_names():
+    """``from x import _name`` across modules is the same breach as ``obj._name``: a part's
+    private names are its own. Left: the privacy package's private modules, imported by that
+    package's own modules."""
+    allowed = {("privacy", "_dp"), ("privacy", "_checks")}
+    found = []
+    pattern = r"from\s+([\w.]+)\s+import\s+\(?([^)\n]*(?:\n[^)\n]*)*?)\)?\s*$"
+    for path in sorted(SERVER.parent.rglob("*.py")):
+        for m in re.finditer(pattern, path.read_text(), flags=re.M):
+            if m.group(1) == "__future__":
+                continue
+            names = [n.split(" as ")[0].strip() for n in m.group(2).replace("\n", " ").split(",")]
+            for name in names:
+                dunder = name.startswith("__") and name.endswith("__")  # __version__ is public
+                if name.startswith("_") and not dunder and (path.parent.name, name) not in allowed:
+                    found.append(f"{path.relative_to(SERVER.parent)}: {m.group(1)}.{name}")
+    assert found == []

@@ -142,7 +142,7 @@ def test_device_commands_parse(doc: str, command: str) -> None:
 def test_long_commands_parse(doc: str, command: str, tmp_path: Path, monkeypatch) -> None:
     """Option names and values parse, and the job they describe builds (dataset, model,
     calibrated mechanism): what fails first when a README flag goes stale."""
-    from edge_fl.cli import _load, _overrides, main
+    from edge_fl.cli import job_overrides, load_job_config, main
 
     readme_job_yaml(tmp_path)  # the README's job.yaml, for commands that name it
     monkeypatch.chdir(tmp_path)
@@ -153,7 +153,7 @@ def test_long_commands_parse(doc: str, command: str, tmp_path: Path, monkeypatch
     ctx = cmd.make_context(name, args[2:])
     if name == "report":
         return  # the options parsed; the runs it reads come from the simulate commands
-    cfg = _load(ctx.params.get("config"), _overrides(ctx.params))
+    cfg = load_job_config(ctx.params.get("config"), job_overrides(ctx.params))
     if cfg.data.data_dir is None:  # a user's dataset files (femnist) are not here to load
         from edge_fl.job import build_job
 

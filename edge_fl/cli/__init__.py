@@ -16,21 +16,21 @@ if TYPE_CHECKING:
     from edge_fl.config import JobConfig
 
 
-def _fail(message: str) -> NoReturn:
+def fail(message: str) -> NoReturn:
     click.echo(f"edge-fl: error: {message}", err=True)
     sys.exit(2)
 
 
-def _load(config: str | None, overrides: dict[str, Any]) -> JobConfig:
+def load_job_config(config: str | None, overrides: dict[str, Any]) -> JobConfig:
     from edge_fl.config import ConfigError, load_config
 
     try:
         return load_config(config, overrides)
     except ConfigError as exc:
-        _fail(str(exc))
+        fail(str(exc))
 
 
-def _common_job_options(f):
+def common_job_options(f):
     """Flags shared by simulate / aggregator / fleet / device; they override the config file."""
     options = [
         click.option("--config", "config", type=click.Path(dir_okay=False), help="YAML or TOML"),
@@ -113,11 +113,11 @@ def _checked_broker_url(_ctx: click.Context, _param: click.Parameter, url: str |
         try:
             parse_broker_url(url).tls_context()
         except BrokerUrlError as exc:
-            _fail(str(exc))
+            fail(str(exc))
     return url
 
 
-def _overrides(kw: dict[str, Any]) -> dict[str, Any]:
+def job_overrides(kw: dict[str, Any]) -> dict[str, Any]:
     return {
         "job": kw.get("job"),
         "seed": kw.get("seed"),
@@ -158,7 +158,7 @@ def _overrides(kw: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def _logging(verbose: int) -> None:
+def configure_logging(verbose: int) -> None:
     level = logging.WARNING - 10 * min(verbose, 2)
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if verbose < 2:  # -vv shows every repetition
@@ -209,7 +209,7 @@ class _LazyGroup(click.Group):
             problem = _operator_error(exc)
             if problem is None:
                 raise
-            _fail(str(problem))
+            fail(str(problem))
 
 
 def _shorten(text: str, limit: int) -> str:
@@ -253,7 +253,7 @@ def _missing_extra(command: str, exc: ModuleNotFoundError) -> NoReturn:
     top = (exc.name or "").split(".")[0]
     if top not in _SERVER_MODULES:
         raise exc
-    _fail(
+    fail(
         f"`edge-fl {command}` needs {top}, part of the server extra: pip install 'edge-fl[server]' "
         "(the base install is the device agent only)"
     )
@@ -313,11 +313,11 @@ def open_tracking(
         )
         return open_tracker(cfg, targets, out_dir=out, resumed=resumed)
     except TrackingError as exc:
-        _fail(str(exc))
+        fail(str(exc))
 
 
 @main.command()
-@_common_job_options
+@common_job_options
 @click.option("--out", type=click.Path(file_okay=False), help="write metrics.jsonl, summary.json")
 @click.option("--embedded-broker", type=click.Choice(["auto", "mosquitto", "amqtt"]))
 @click.option("--no-progress", is_flag=True, help="no live progress bar")
@@ -337,8 +337,8 @@ def simulate(
     **kw,
 ) -> None:
     """Run a whole federated job (broker, aggregator, fleet) on this machine."""
-    _logging(verbose)
-    cfg = _load(config, {**_overrides(kw), "broker.embedded": embedded_broker})
+    configure_logging(verbose)
+    cfg = load_job_config(config, {**job_overrides(kw), "broker.embedded": embedded_broker})
     from edge_fl.simulation import refuse_earlier_run
     from edge_fl.simulation import simulate as run
     from edge_fl.tracking import tracked
@@ -347,14 +347,14 @@ def simulate(
         try:  # the run would refuse the directory: refuse before a tracked run is opened
             refuse_earlier_run(out)
         except ValueError as exc:
-            _fail(str(exc))
+            fail(str(exc))
     tracker = open_tracking(cfg, track, tensorboard_dir, out)
     try:
         progress = not no_progress and sys.stderr.isatty()
         with tracked(tracker):
             summary = run(cfg, out, progress=progress, overwrite=overwrite)
     except (ValueError, RuntimeError, OSError) as exc:
-        _fail(str(exc))
+        fail(str(exc))
     if tracker is not None:
         tracker.finish(summary, out)
     if as_json:
@@ -393,8 +393,8 @@ def broker(port: int, bind: str, kind: str) -> None:
     except BrokerError as exc:
         text = str(exc)
         if "Address already in use" in text:
-            _fail(f"port {port} on {bind} is already in use (--port 0 picks a free one)")
-        _fail(text.splitlines()[0])
+            fail(f"port {port} on {bind} is already in use (--port 0 picks a free one)")
+        fail(text.splitlines()[0])
     click.echo(f"{b.kind} broker listening at {b.url}")
     sys.exit(b.run_forever())
 
@@ -409,7 +409,7 @@ def keygen(directory: str, force: bool) -> None:
     try:
         private, public, signer = generate_key_files(directory, overwrite=force)
     except (SigningKeyError, OSError) as exc:
-        _fail(str(exc))
+        fail(str(exc))
     click.echo(f"private key: {private}  (aggregator: security.signing_key)")
     click.echo(f"public key:  {public}")
     click.echo(f"security.public_key for devices: {signer.verifier.hex()}")

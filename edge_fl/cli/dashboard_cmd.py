@@ -6,18 +6,14 @@ import asyncio
 import contextlib
 import errno
 import signal
-import sys
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
 import click
 
+from edge_fl.cli import fail
+
 __all__ = ["dashboard"]
-
-
-def _fail(message: str) -> NoReturn:
-    click.echo(f"edge-fl: error: {message}", err=True)
-    sys.exit(2)
 
 
 def _token(path: Path | None) -> str | None:
@@ -26,9 +22,9 @@ def _token(path: Path | None) -> str | None:
     try:
         token = path.read_text(encoding="utf-8").strip()
     except OSError as exc:
-        _fail(f"--token-file {path}: {exc.strerror or exc}")
+        fail(f"--token-file {path}: {exc.strerror or exc}")
     if len(token) < 16 or any(c in token for c in " ;,\"'\\"):
-        _fail(f"--token-file {path}: the token must be 16+ characters without spaces or ;,\"'\\")
+        fail(f"--token-file {path}: the token must be 16+ characters without spaces or ;,\"'\\")
     return token
 
 
@@ -67,9 +63,9 @@ def dashboard(
     from edge_fl.dashboard import Dashboard
 
     if (run_dir is None) == (broker_url is None):
-        _fail("give either RUN_DIR or --broker URL --job ID")
+        fail("give either RUN_DIR or --broker URL --job ID")
     if not 0 < max_rate <= 60:
-        _fail(f"--max-rate {max_rate:g}: must be in (0, 60]")
+        fail(f"--max-rate {max_rate:g}: must be in (0, 60]")
     options: dict[str, Any] = {"public": public, "max_rate": max_rate}
     token = _token(token_file)
     if token is not None:
@@ -78,18 +74,18 @@ def dashboard(
         from edge_fl.transport.url import BrokerUrlError, parse_broker_url
 
         if not job:
-            _fail("--broker needs --job ID")
+            fail("--broker needs --job ID")
         try:
             parse_broker_url(broker_url).tls_context()
             board = Dashboard.live(broker_url, job, prefix, **options)
         except (BrokerUrlError, ValueError) as exc:
-            _fail(str(exc))
+            fail(str(exc))
     else:
         assert run_dir is not None
         try:
             board = Dashboard.run_dir(run_dir, **options)
         except OSError as exc:
-            _fail(str(exc))
+            fail(str(exc))
 
     async def main() -> None:
         started = asyncio.Event()
@@ -114,5 +110,5 @@ def dashboard(
         asyncio.run(main())
     except OSError as exc:
         if exc.errno == errno.EADDRINUSE:
-            _fail(f"port {port} on {bind} is already in use (--port 0 picks a free one)")
-        _fail(str(exc))
+            fail(f"port {port} on {bind} is already in use (--port 0 picks a free one)")
+        fail(str(exc))

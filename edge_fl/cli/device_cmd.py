@@ -13,7 +13,7 @@ from typing import Any
 
 import click
 
-from edge_fl.cli import _fail, _logging
+from edge_fl.cli import configure_logging, fail
 
 log = logging.getLogger("edge_fl.device")
 
@@ -28,11 +28,11 @@ def _local_settings(config: str | None, **flags: Any) -> dict[str, Any]:
         try:
             raw = read_config_file(config)
         except ConfigError as exc:
-            _fail(str(exc))
+            fail(str(exc))
         allowed = {"broker", "device", "security", "data", "job"}
         unknown = sorted(set(raw) - allowed)
         if unknown:
-            _fail(
+            fail(
                 f"{config}: {', '.join(unknown)}: not a device setting (a device takes only "
                 "broker, device, security.public_key, data.data_dir and job; everything else "
                 "comes from the aggregator's job document)"
@@ -83,7 +83,7 @@ def device(url, device_id, data_dir, public_key, job, prefix, index, config, wai
 
     Everything about the job (model, data, training, privacy) comes from the aggregator's job
     document, signed when it has a key: give --public-key to accept only that."""
-    _logging(kw["verbose"] or 1)
+    configure_logging(kw["verbose"] or 1)
     s = _local_settings(
         config,
         url=url,
@@ -95,19 +95,19 @@ def device(url, device_id, data_dir, public_key, job, prefix, index, config, wai
         index=index,
     )
     if not s["url"]:
-        _fail("a device needs --broker URL (or broker.url in --config)")
+        fail("a device needs --broker URL (or broker.url in --config)")
     if not s["id"]:
-        _fail("which device is this? give --id (its MQTT username, e.g. d00007)")
+        fail("which device is this? give --id (its MQTT username, e.g. d00007)")
     from edge_fl.identity import device_index
 
     index = s["index"] if s["index"] is not None else device_index(s["id"])
     if index is None:
-        _fail(f"device id {s['id']!r} does not end in its index: give --index")
+        fail(f"device id {s['id']!r} does not end in its index: give --index")
     s["reproducible"] = kw["reproducible"]
     try:
         sent = asyncio.run(_serve(s, index, kw["retry_forever"], wait))
     except RuntimeError as exc:
-        _fail(str(exc))
+        fail(str(exc))
     click.echo(f"device {s['id']}: {sent} updates sent", err=True)
     sys.exit(0)
 

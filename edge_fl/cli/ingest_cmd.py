@@ -24,13 +24,20 @@ import click
 
 from edge_fl.transport.broker import make_preexec
 
-from . import _common_job_options, _fail, _load, _logging, _overrides, require_server
+from . import (
+    common_job_options,
+    configure_logging,
+    fail,
+    job_overrides,
+    load_job_config,
+    require_server,
+)
 
 log = logging.getLogger("edge_fl.ingest")
 
 
 @click.command()
-@_common_job_options
+@common_job_options
 @click.option("--worker", "index", type=int, required=True, help="this worker's index I (name wI)")
 @click.option("--workers", type=int, help="how many workers the job has (ingest.workers)")
 @click.option(
@@ -58,26 +65,26 @@ def ingest(index, workers, key_file, mint, verbose, config, **kw) -> None:
         click.echo(mint_key(mint, f"w{index}"))
         return
     require_server("ingest")
-    _logging(verbose or 1)
-    overrides = _overrides(kw) | {"ingest.workers": workers}
-    cfg = _load(config, overrides)
+    configure_logging(verbose or 1)
+    overrides = job_overrides(kw) | {"ingest.workers": workers}
+    cfg = load_job_config(config, overrides)
     n = cfg.ingest.workers
     if not cfg.broker.url:
-        _fail("an ingest worker needs --broker (or broker.url in the config)")
+        fail("an ingest worker needs --broker (or broker.url in the config)")
     if n < 1 or not 0 <= index < n:
-        _fail(f"--worker {index}: need ingest.workers = N >= 1 (here {n}) and 0 <= I < N")
+        fail(f"--worker {index}: need ingest.workers = N >= 1 (here {n}) and 0 <= I < N")
     from edge_fl.job import build_job
     from edge_fl.server.ingest import IngestService
     from edge_fl.server.sharding import SECRET_ENV, IngestWorker, ShardingError, load_key
     from edge_fl.transport.url import parse_broker_url
 
     if key_file is None and not os.environ.get(SECRET_ENV):
-        _fail(f"an ingest worker needs its key: --key-file FILE (from `edge-fl ingest --worker "
+        fail(f"an ingest worker needs its key: --key-file FILE (from `edge-fl ingest --worker "
               f"{index} --mint-key SECRET`) or {SECRET_ENV}")  # fmt: skip
     try:
         key = load_key(key_file) if key_file is not None else None
     except ShardingError as exc:
-        _fail(str(exc))
+        fail(str(exc))
     job = build_job(cfg)
     worker = IngestWorker(f"w{index}", job.aggregator_core(), key=key)
     service = IngestService(
@@ -98,7 +105,7 @@ def ingest(index, workers, key_file, mint, verbose, config, **kw) -> None:
     try:
         stats = asyncio.run(run())
     except (RuntimeError, aiomqtt.MqttError, OSError) as exc:
-        _fail(str(exc))
+        fail(str(exc))
     click.echo(f"ingest worker w{index}: {stats['updates']} updates folded", err=True)
 
 
@@ -111,14 +118,14 @@ def mint_key(secret_file: str, worker: str) -> str:
         try:
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         except OSError as exc:
-            _fail(f"cannot create {secret_file}: {exc.strerror}")
+            fail(f"cannot create {secret_file}: {exc.strerror}")
         with os.fdopen(fd, "w") as fh:
             fh.write(os.urandom(32).hex() + "\n")
         click.echo(f"created the coordinator's secret {secret_file} (mode 0600)", err=True)
     try:
         return worker_key(load_key(path), worker).hex()
     except ShardingError as exc:
-        _fail(str(exc))
+        fail(str(exc))
 
 
 WORKER_PASSWORD_LABEL = b"edge-fl ingest worker "

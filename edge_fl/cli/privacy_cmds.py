@@ -465,7 +465,7 @@ def plan_cmd(config: str | None, pairs: tuple[str, ...], as_json: bool) -> None:
     per-device --budget is enforced or refused (gaussian-central: refused)."""
     import yaml
 
-    from edge_fl.cli import _fail, _load
+    from edge_fl.cli import fail, load_job_config
     from edge_fl.config import ConfigError
     from edge_fl.job import budget_refusal, build_job
     from edge_fl.privacy.accountants import best_epsilon
@@ -474,13 +474,13 @@ def plan_cmd(config: str | None, pairs: tuple[str, ...], as_json: bool) -> None:
     for pair in pairs:
         key, sep, value = pair.partition("=")
         if not sep:
-            _fail(f"--set {pair!r}: expected KEY=VALUE")
+            fail(f"--set {pair!r}: expected KEY=VALUE")
         overrides[key] = yaml.safe_load(value)
-    cfg = _load(config, overrides)
+    cfg = load_job_config(config, overrides)
     try:
         job = build_job(cfg)
     except ConfigError as exc:
-        _fail(str(exc))
+        fail(str(exc))
     mech = job.mechanism
     out: dict[str, Any] = {**mech.describe(), "warnings": job.warnings}
     refused = budget_refusal(mech)

@@ -10,11 +10,11 @@ import aiomqtt
 import click
 
 from edge_fl.cli import (
-    _common_job_options,
-    _fail,
-    _load,
-    _logging,
-    _overrides,
+    common_job_options,
+    configure_logging,
+    fail,
+    job_overrides,
+    load_job_config,
     open_tracking,
     require_server,
     tracking_options,
@@ -64,7 +64,7 @@ def _parse_shard(shard: str, n_devices: int) -> range:
 
 
 @click.command()
-@_common_job_options
+@common_job_options
 @click.option("--out", type=click.Path(file_okay=False), help="records, checkpoints, model.onnx")
 @click.option(
     "--resume", is_flag=True, help="continue from the checkpoint and journal in --out (if any)"
@@ -99,14 +99,16 @@ def aggregator(
 
     require_server("aggregator")
     signals = StopSignals().install()  # from here on, SIGTERM/SIGINT mean "stop cleanly"
-    _logging(verbose or 1)
-    cfg = _load(config, _overrides(kw) | {"ingest.workers": workers, "ingest.spawn": spawn_workers})
+    configure_logging(verbose or 1)
+    cfg = load_job_config(
+        config, job_overrides(kw) | {"ingest.workers": workers, "ingest.spawn": spawn_workers}
+    )
     if not cfg.broker.url:
-        _fail("the aggregator needs --broker (or broker.url in the config)")
+        fail("the aggregator needs --broker (or broker.url in the config)")
     if resume and not out:
-        _fail("--resume needs --out DIR (where the checkpoint is)")
+        fail("--resume needs --out DIR (where the checkpoint is)")
     if resume and overwrite:
-        _fail("--resume and --overwrite contradict each other: continue the run, or replace it")
+        fail("--resume and --overwrite contradict each other: continue the run, or replace it")
     from edge_fl.metrics import OutputError
     from edge_fl.tracking import tracked
 
@@ -116,7 +118,7 @@ def aggregator(
         try:  # refused below anyway: before a tracked run is opened
             refuse_earlier_run(out)
         except RunDirError as exc:
-            _fail(str(exc))
+            fail(str(exc))
     try:
         tracker = open_tracking(cfg, track, tensorboard_dir, out, resumed=resume)
     except SystemExit:
@@ -134,7 +136,7 @@ def aggregator(
             summary = _run_aggregator(cfg, out, resume, overwrite, signals)
         finished = True
     except OutputError as exc:  # disk full, read-only or unwritable output: one line
-        _fail(str(exc))
+        fail(str(exc))
     finally:
         signals.restore()
         if local is not None:  # after the job's end they leave by themselves; else at once
@@ -158,7 +160,7 @@ def _run_aggregator(cfg, out, resume, overwrite, signals) -> dict:
         job = build_job(cfg)
         run = open_run(job, out, resume=resume, overwrite=overwrite)
     except (RunDirError, ValueError) as exc:
-        _fail(str(exc))
+        fail(str(exc))
     for note in run.notes:
         click.echo(note)
     run.recorder.facts = job_facts(job)  # the summary names the job as simulate's does
@@ -186,7 +188,7 @@ def _run_aggregator(cfg, out, resume, overwrite, signals) -> dict:
             run.finish()  # what the run did is still worth its summary and model
         except OutputError as write_exc:
             click.echo(f"edge-fl: error: {write_exc}", err=True)
-        _fail(str(exc))
+        fail(str(exc))
     finally:
         run.close()
     if service.stopped is not None:
@@ -248,7 +250,7 @@ def _parse_indices(indices: str | None, n_devices: int) -> range:
 
 
 @click.command()
-@_common_job_options
+@common_job_options
 @click.option("--shard", default="0/1", show_default=True, help="run devices I, I+N, I+2N, ...")
 @click.option(
     "--indices",
@@ -264,8 +266,8 @@ def _parse_indices(indices: str | None, n_devices: int) -> range:
 )
 def fleet(shard, indices, credentials, verbose, config, **kw) -> None:
     """Run (a shard of) the simulated device fleet against a broker."""
-    _logging(verbose)
-    cfg = _load(config, _overrides(kw))
+    configure_logging(verbose)
+    cfg = load_job_config(config, job_overrides(kw))
     users = None
     if credentials:
         from edge_fl.transport.credentials import CredentialsError, read_credentials
@@ -273,9 +275,9 @@ def fleet(shard, indices, credentials, verbose, config, **kw) -> None:
         try:
             users = read_credentials(credentials)
         except CredentialsError as exc:
-            _fail(str(exc))
+            fail(str(exc))
     if not cfg.broker.url and not users:
-        _fail("the fleet needs --broker (or broker.url in the config, or --credentials)")
+        fail("the fleet needs --broker (or broker.url in the config, or --credentials)")
     from edge_fl.fleet.runtime import DeviceConnectError
     from edge_fl.job import build_job
     from edge_fl.transport.credentials import device_specs, without_user
@@ -284,19 +286,19 @@ def fleet(shard, indices, credentials, verbose, config, **kw) -> None:
     try:
         job = build_job(cfg)
     except ValueError as exc:  # ConfigError: a name not registered, an unsound combination
-        _fail(str(exc))
+        fail(str(exc))
     pool = _parse_indices(indices, cfg.data.devices)
     part = _parse_shard(shard, len(pool))
     selected = pool[part.start :: part.step]
     if not selected:
-        _fail(f"--shard {shard} of --indices {indices} holds no device")
+        fail(f"--shard {shard} of --indices {indices} holds no device")
     base = parse_broker_url(cfg.broker.url) if cfg.broker.url else None
     if base is not None:
         spec = base
     elif users:
         spec = without_user(next(iter(users.values())))
     else:  # refused above already; said again for the type checker's sake
-        _fail("the fleet needs --broker (or broker.url in the config, or --credentials)")
+        fail("the fleet needs --broker (or broker.url in the config, or --credentials)")
     runtime = job.fleet_runtime(
         spec, selected, prefix=f"edgefl-{cfg.job}-s{shard.replace('/', 'of')}"
     )
@@ -305,14 +307,14 @@ def fleet(shard, indices, credentials, verbose, config, **kw) -> None:
         try:
             specs = device_specs(users, runtime.agents, base, source=f"--credentials {credentials}")
         except CredentialsError as exc:
-            _fail(str(exc))
+            fail(str(exc))
         runtime.use_credentials(specs)
     try:  # a missing CA or client certificate file: one line now, not a traceback per device
         tls = {(s.tls, s.ca_file, s.cert_file, s.key_file): s for s in (spec, *specs.values())}
         for checked in tls.values():
             checked.tls_context()
     except (ValueError, OSError) as exc:
-        _fail(str(exc))
+        fail(str(exc))
     try:
         asyncio.run(runtime.run())
     except DeviceConnectError as exc:
