@@ -15,7 +15,7 @@ from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from edge_fl.server.aggregator import PARTICIPATION_FIELDS, PARTICIPATION_PREFIXES, PRIVATE_FIELDS
+from edge_fl.server.aggregator import public_fields
 
 __all__ = ["ROUND_FIELDS", "DashboardState", "DeviceView", "public_fields"]
 
@@ -56,22 +56,6 @@ ROUND_FIELDS = (
 
 #: rejection details kept per reason (the newest)
 SAMPLES_PER_REASON = 5
-
-
-def public_fields(record: dict[str, Any], poisson: bool) -> dict[str, Any]:
-    """The fields of ``record`` the aggregator would put on the metrics topic: never the
-    rejection samples (they name devices); with Poisson selection nothing that counts who took
-    part, the devices' epsilon quantiles included (the aggregator's own rule,
-    :meth:`AggregatorCore.public_record`)."""
-    hidden: tuple[str, ...] = PRIVATE_FIELDS
-    if not poisson:
-        return {k: v for k, v in record.items() if k not in hidden}
-    hidden = (*PARTICIPATION_FIELDS, *PRIVATE_FIELDS)
-    return {
-        k: v
-        for k, v in record.items()
-        if k not in hidden and not k.startswith(PARTICIPATION_PREFIXES)
-    }
 
 
 @dataclass

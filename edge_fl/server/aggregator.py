@@ -200,6 +200,20 @@ class RoundTally:
     foreign_status: int = 0  # statuses of devices outside the job's population, ignored
 
 
+def public_fields(record: dict[str, Any], poisson: bool) -> dict[str, Any]:
+    """The fields of a round's record that may go where devices (or a public page) read them:
+    never the rejection samples (they name devices); with Poisson selection nothing that counts
+    who took part, the devices' epsilon quantiles included."""
+    if not poisson:
+        return {k: v for k, v in record.items() if k not in PRIVATE_FIELDS}
+    hidden = (*PARTICIPATION_FIELDS, *PRIVATE_FIELDS)
+    return {
+        k: v
+        for k, v in record.items()
+        if k not in hidden and not k.startswith(PARTICIPATION_PREFIXES)
+    }
+
+
 class AggregatorCore:
     """The engine: fleet view, admission, ledger and round records, with the way rounds are
     run (sync, FedBuff, FedAsync) delegated to a :class:`~edge_fl.server.policy.RoundPolicy`.
@@ -778,15 +792,7 @@ class AggregatorCore:
     def public_record(self, record: dict[str, Any]) -> dict[str, Any]:
         """What may go on the metrics topic, which devices can read: without participation
         counts when amplification by Poisson sampling is claimed (they would void it)."""
-        hidden: tuple[str, ...] = PRIVATE_FIELDS
-        if self.settings.sample_rate is None:
-            return {k: v for k, v in record.items() if k not in hidden}
-        hidden = (*PARTICIPATION_FIELDS, *PRIVATE_FIELDS)
-        return {
-            k: v
-            for k, v in record.items()
-            if k not in hidden and not k.startswith(PARTICIPATION_PREFIXES)
-        }
+        return public_fields(record, poisson=self.settings.sample_rate is not None)
 
     # ----------------------------------------------------------- state
 
