@@ -297,3 +297,36 @@ def test_run_json_never_holds_the_broker_password():
     text = json.dumps(meta)
     assert "s3cret-pw" not in text
     assert meta["config"]["broker"]["url"].startswith("mqtts://aggregator:")
+
+
+def test_simulate_resume_continues_a_killed_run(tmp_path):
+    """The refusal of an unfinished run says `--resume`: `edge-fl simulate --resume` takes it,
+    keeps the rounds closed before the kill and runs the rest."""
+    import os
+    import signal
+    import time
+
+    out = tmp_path / "run"
+    args = ["simulate", "--devices", "6", "--clients-per-round", "6", "--rounds", "8",
+            "--model", "logreg", "--out", str(out), "--no-progress"]  # fmt: skip
+    proc = subprocess.Popen([*EDGE_FL, *args], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    metrics = out / "metrics.jsonl"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and proc.poll() is None:
+        if metrics.exists() and len(metrics.read_text().splitlines()) >= 2:
+            break
+        time.sleep(0.05)
+    assert proc.poll() is None, "the run ended before it could be killed"
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=30)
+    closed_before = len(metrics.read_text().splitlines())
+    assert not (out / "summary.json").exists()
+    one_line_error(run(*args), "unfinished job", "--resume")
+    done = run(*args, "--resume", timeout=180)
+    assert done.returncode == 0, done.stderr
+    rounds = [json.loads(line)["round"] for line in metrics.read_text().splitlines()]
+    assert rounds == list(range(1, 9)) and closed_before >= 2
+    statuses = [json.loads(line)["status"] for line in metrics.read_text().splitlines()]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["rounds_closed"] == statuses.count("closed") >= 7, (statuses, summary)
+    one_line_error(run(*args, "--resume", "--overwrite"), "--resume")

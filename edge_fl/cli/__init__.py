@@ -323,6 +323,7 @@ def open_tracking(
 @click.option("--no-progress", is_flag=True, help="no live progress bar")
 @click.option("--json", "as_json", is_flag=True, help="print the summary as JSON")
 @click.option("--overwrite", is_flag=True, help="start afresh over an earlier run in --out")
+@click.option("--resume", is_flag=True, help="continue the interrupted (killed) run in --out")
 @tracking_options
 def simulate(
     out,
@@ -330,6 +331,7 @@ def simulate(
     no_progress,
     as_json,
     overwrite,
+    resume,
     track,
     tensorboard_dir,
     verbose,
@@ -343,7 +345,9 @@ def simulate(
     from edge_fl.simulation import simulate as run
     from edge_fl.tracking import tracked
 
-    if out and not overwrite and (track is not None or tensorboard_dir is not None):
+    if resume and (not out or overwrite):
+        fail("--resume continues the run in --out DIR (and cannot be combined with --overwrite)")
+    if out and not overwrite and not resume and (track is not None or tensorboard_dir is not None):
         try:  # the run would refuse the directory: refuse before a tracked run is opened
             refuse_earlier_run(out)
         except ValueError as exc:
@@ -352,7 +356,7 @@ def simulate(
     try:
         progress = not no_progress and sys.stderr.isatty()
         with tracked(tracker):
-            summary = run(cfg, out, progress=progress, overwrite=overwrite)
+            summary = run(cfg, out, progress=progress, overwrite=overwrite, resume=resume)
     except (ValueError, RuntimeError, OSError) as exc:
         fail(str(exc))
     if tracker is not None:
