@@ -45,3 +45,24 @@ def real_agent(device_id: str = "d0"):
         device_id, X, y, make_model("logreg", 4, 3), LocalTraining(1, 4, 0.1),
         seeded_generator(1),
     )  # fmt: skip
+
+
+# A fleet of two tiers 50x apart in compute, always available, no dropout: the modelled times (not
+# luck) decide who is late, and async jobs with a concurrency limit send dispatch messages.
+TWO_SPEED_PROFILE = """\
+name: two-speed
+description: test fleet - fast and slow devices, always on
+tiers:
+  - name: fast
+    share: 0.5
+    compute_samples_per_s: 5000
+    uplink_mbit_s: 20
+    downlink_mbit_s: 50
+    latency_ms: 20
+  - name: slow
+    share: 0.5
+    compute_samples_per_s: 100
+    uplink_mbit_s: 2
+    downlink_mbit_s: 10
+    latency_ms: 80
+"""

@@ -7,6 +7,7 @@ import json
 import uuid
 
 import pytest
+from helpers import TWO_SPEED_PROFILE
 
 from edge_fl.config import load_config
 from edge_fl.job import build_job
@@ -16,23 +17,7 @@ pytestmark = pytest.mark.broker
 
 # Two tiers 50x apart in compute, always available, no dropout, so the modelled times (not luck)
 # decide who is late: 12 devices share digits' ~1440 training samples (IID), ~120 each.
-PROFILE = """\
-name: two-speed
-description: test fleet - fast and slow devices, always on
-tiers:
-  - name: fast
-    share: 0.5
-    compute_samples_per_s: 5000
-    uplink_mbit_s: 20
-    downlink_mbit_s: 50
-    latency_ms: 20
-  - name: slow
-    share: 0.5
-    compute_samples_per_s: 100
-    uplink_mbit_s: 2
-    downlink_mbit_s: 10
-    latency_ms: 80
-"""
+PROFILE = TWO_SPEED_PROFILE
 SLOW_SAMPLES_PER_S = 100
 TIME_SCALE = 0.5  # real s per simulated s: keeps real overheads small against modelled times
 

@@ -30,27 +30,12 @@ import paho.mqtt.client as mqtt
 import pytest
 from dp_accounting.dp_event import LaplaceDpEvent, SelfComposedDpEvent
 from dp_accounting.pld.pld_privacy_accountant import PLDAccountant
+from helpers import TWO_SPEED_PROFILE
 
 pytestmark = [pytest.mark.broker, pytest.mark.slow]
 
 EDGE_FL = str(Path(sys.executable).with_name("edge-fl"))
-TWO_SPEED = """\
-name: two-speed
-description: audit fleet - fast and slow devices, always on
-tiers:
-  - name: fast
-    share: 0.5
-    compute_samples_per_s: 5000
-    uplink_mbit_s: 20
-    downlink_mbit_s: 50
-    latency_ms: 20
-  - name: slow
-    share: 0.5
-    compute_samples_per_s: 100
-    uplink_mbit_s: 2
-    downlink_mbit_s: 10
-    latency_ms: 80
-"""
+TWO_SPEED = TWO_SPEED_PROFILE
 LAPLACE = ["--mechanism", "laplace", "--epsilon", "8", "--model", "logreg"]
 
 
