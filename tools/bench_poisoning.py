@@ -172,6 +172,13 @@ def run_sharded(attack: str | None, robust: str, rounds: int, seed: int, workers
         summary = json.loads((out / "summary.json").read_text())
         lines = (out / "metrics.jsonl").read_text().splitlines()
         records = [json.loads(line) for line in lines]
+    row = result_row(summary, records, sent, elapsed)
+    row["workers_missing"] = sum(len(r.get("workers_missing") or ()) for r in records)
+    return row
+
+
+def result_row(summary: dict, records: list[dict], sent: dict, elapsed: float) -> dict:
+    """A run's accuracy and what the aggregator counted, from its summary and records."""
     return {
         "accuracy": summary["final_accuracy"],
         "rounds_closed": summary["rounds_closed"],
@@ -180,7 +187,6 @@ def run_sharded(attack: str | None, robust: str, rounds: int, seed: int, workers
         "norm_rejected": sum(r.get("norm_rejected") or 0 for r in records),
         "capped_samples": sum(r.get("capped_samples") or 0 for r in records),
         "sample_capped": sum(r.get("max_samples_capped") or 0 for r in records),
-        "workers_missing": sum(len(r.get("workers_missing") or ()) for r in records),
         "received": sum(r.get("received") or 0 for r in records),
         "seconds": round(elapsed, 2),
     }
@@ -194,18 +200,7 @@ def run_one(attack: str | None, robust: str, rounds: int, seed: int, **extra: An
     t0 = time.perf_counter()
     result = run_simulation(build_job(cfg, device_factory=factory))
     elapsed = time.perf_counter() - t0
-    summary, records = result.summary, result.records
-    return {
-        "accuracy": summary["final_accuracy"],
-        "rounds_closed": summary["rounds_closed"],
-        "poisoned_sent": sent["poisoned"],
-        "norm_clipped": sum(r.get("norm_clipped") or 0 for r in records),
-        "norm_rejected": sum(r.get("norm_rejected") or 0 for r in records),
-        "capped_samples": sum(r.get("capped_samples") or 0 for r in records),
-        "sample_capped": sum(r.get("max_samples_capped") or 0 for r in records),
-        "received": sum(r.get("received") or 0 for r in records),
-        "seconds": round(elapsed, 2),
-    }
+    return result_row(result.summary, result.records, sent, elapsed)
 
 
 def main() -> None:
