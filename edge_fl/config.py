@@ -26,6 +26,10 @@ from pydantic import (
     model_validator,
 )
 
+from edge_fl.mechanisms import mechanism_class, registered
+from edge_fl.mechanisms.signds import MagRRSettings, SignDSSettings
+from edge_fl.protocol.codecs import build_codec
+
 
 class ConfigError(ValueError):
     """A configuration that cannot run, with one line per problem (one line in all when there
@@ -197,47 +201,6 @@ class RoundsConfig(_Section):
         return self
 
 
-class SignDSConfig(_Section):
-    """Domains exactly as the reference (MindSpore Federated); see docs/specs/signds.md section 6."""
-
-    sign_k: float = Field(0.01, description="top-k fraction, (0, 0.25]")
-    sign_eps: float = Field(100.0, description="exponential-mechanism epsilon, (0, 100]")
-    sign_thr_ratio: float = Field(0.6, description="target top-k fraction of outputs, [0.5, 1]")
-    sign_global_lr: float = Field(0.1, description="step when MagRR falls back, > 0")
-    sign_dim_out: int = Field(0, description="output dimension h, [0, 50]; 0 = optimise")
-    max_dim_out: int = Field(100, ge=1, le=100_000, description="cap on h (reference: 100)")
-
-    @model_validator(mode="after")
-    def _domains(self) -> SignDSConfig:
-        checks = [
-            ("sign_k", self.sign_k, 0 < self.sign_k <= 0.25, "(0, 0.25]"),
-            ("sign_eps", self.sign_eps, 0 < self.sign_eps <= 100, "(0, 100]"),
-            ("sign_thr_ratio", self.sign_thr_ratio, 0.5 <= self.sign_thr_ratio <= 1, "[0.5, 1]"),
-            ("sign_global_lr", self.sign_global_lr, self.sign_global_lr > 0, "(0, inf)"),
-            ("sign_dim_out", self.sign_dim_out, 0 <= self.sign_dim_out <= 50, "integer [0, 50]"),
-        ]
-        bad = [f"signds.{k} = {v!r} is out of domain {d}" for k, v, ok, d in checks if not ok]
-        if bad:
-            raise ValueError("; ".join(bad))
-        return self
-
-
-class MagRRConfigSection(_Section):
-    """MagRR step-size estimation; the reference's constants are the defaults."""
-
-    r_est0: float = Field(1e-5, gt=0, lt=1, description="the first estimate of the step ratio")
-    growth: float = Field(5.0, gt=1, description="fast phase: the estimate grows by this factor")
-    shrink: float = Field(1.5, gt=1, description="shrink phase: the estimate shrinks by this")
-    reached_threshold: int = Field(
-        10, ge=0, description="majority 'yes' rounds before the fast phase ends"
-    )
-    rr_eps: float = Field(5.0, gt=0, description="epsilon of each device's randomized-response bit")
-    step_ratio: float = Field(3.0, gt=0, description="the SignDS step is this x N x the estimate")
-    fallback_ratio: float = Field(
-        0.05, ge=0, le=1, description="the step when the estimate falls back (MagRR's rule)"
-    )
-
-
 class PrivacyConfig(_Section):
     """Local (on-device) privacy; the ledger composes every release over all rounds.
 
@@ -281,11 +244,25 @@ class PrivacyConfig(_Section):
         description="L: uploads a device's budget is split over (laplace, nbafl); default T with "
         "full participation, else the 99.9th percentile of Binomial(T, K/N)",
     )
-    signds: SignDSConfig = SignDSConfig()
-    magrr: MagRRConfigSection = MagRRConfigSection()
+    # SignDS's two sections are the SignDS mechanism's own types; they stay in every config (and
+    # so in every job document and digest) where protocol v1 put them
+    signds: SignDSSettings = Field(default_factory=SignDSSettings)
+    magrr: MagRRSettings = Field(default_factory=MagRRSettings)
     options: dict[str, Any] = Field(
-        default_factory=dict, description="settings of a mechanism without its own section"
+        default_factory=dict,
+        description="settings of a mechanism without its own section, validated by its "
+        "options model (Mechanism.options_model) when it is registered",
     )
+
+    @model_validator(mode="after")
+    def _mechanism_options(self) -> PrivacyConfig:
+        """``options`` through the model of the mechanism that owns them, defaults filled (a
+        mechanism registered after loading is checked when the job is built)."""
+        if registered(self.mechanism):
+            self.__dict__["options"] = mechanism_class(self.mechanism).validate_options(
+                self.options
+            )
+        return self
 
 
 class RobustConfig(_Section):
@@ -388,8 +365,6 @@ class CompressionConfig(_Section):
 
     def build(self) -> Any:
         """The configured uplink codec (an ``edge_fl.protocol.codecs.Codec``), or None."""
-        from edge_fl.protocol.codecs import build_codec
-
         if self.uplink is None:
             return None
         if self.uplink == "topk":

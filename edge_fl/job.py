@@ -559,7 +559,7 @@ def check_registered(cfg: JobConfig, *, dataset: bool = True, model: bool = True
 
     Names are checked here, when the job is built, rather than by the config's schema, so that a
     model, dataset, mechanism or codec registered from Python is a valid name."""
-    from edge_fl.mechanisms import check_combination, mechanism_names
+    from edge_fl.mechanisms import check_combination, mechanism_class, mechanism_names
     from edge_fl.protocol.codecs import codec_names, downlink_names
 
     checks = [
@@ -584,6 +584,14 @@ def check_registered(cfg: JobConfig, *, dataset: bool = True, model: bool = True
                 f"compression.uplink = {codec!r} is not sound with privacy.mechanism = "
                 f"{mechanism!r}: {why}"
             )
+    if not problems:  # a mechanism registered after the config was loaded: its options now
+        try:
+            options = mechanism_class(mechanism).validate_options(cfg.privacy.options)
+        except ValueError as exc:
+            problems.append(f"privacy.{exc}")
+        else:
+            if options != cfg.privacy.options:  # its defaults written in, as a load would
+                cfg.privacy.options = options
     if problems:
         raise ConfigError("invalid configuration:\n  " + "\n  ".join(problems))
 

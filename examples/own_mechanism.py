@@ -5,10 +5,11 @@ norm C and adds Laplace noise of scale 2C / eps to every coordinate. Any two cli
 device differ by at most 2C in L1, so one upload is pure eps-DP per device (replace-one
 neighbours), and the ledger composes the uploads each device made.
 
-The mechanism is one class: its public parameters (the wire schema devices check in every global
-message), the device rule, the privacy events of one upload and the guarantee. It reads its
-settings from ``privacy.options``; registering it makes ``privacy.mechanism = "local-laplace"``
-valid everywhere a mechanism is looked up by name.
+The mechanism is one class: its settings (``privacy.options``, checked by its own pydantic model
+when the config is loaded: a misspelt or out-of-range option is a one-line config error), its
+public parameters (the wire schema devices check in every global message), the device rule, the
+privacy events of one upload and the guarantee. Registering it makes ``privacy.mechanism =
+"local-laplace"`` valid everywhere a mechanism is looked up by name.
 
 Run: ``python examples/own_mechanism.py`` (starts a private Mosquitto, or set ``broker.url``).
 """
@@ -19,6 +20,7 @@ import uuid
 from typing import Any
 
 import numpy as np
+from pydantic import BaseModel, ConfigDict, Field
 
 from edge_fl.config import load_config
 from edge_fl.mechanisms import register_mechanism
@@ -27,6 +29,15 @@ from edge_fl.privacy.events import PrivacyEvent, pure_privacy_event
 from edge_fl.privacy.noise import laplace_noise
 from edge_fl.protocol.params import int_param, number_param
 from edge_fl.simulation import simulate
+
+
+class LocalLaplaceOptions(BaseModel):
+    """``privacy.options`` of local-laplace."""
+
+    model_config = ConfigDict(extra="forbid")
+    clip: float = Field(1.0, gt=0, description="L1 clip bound C of the delta")
+    eps: float = Field(1.0, gt=0, description="epsilon of one upload")
+    uploads: int | None = Field(None, ge=1, description="uploads per device; None: the job's L")
 
 
 class LocalLaplace(Mechanism):
@@ -40,14 +51,12 @@ class LocalLaplace(Mechanism):
         int_param("L", True, "uploads a device may make", 1, 2**40),
     )
 
+    options_model = LocalLaplaceOptions
+
     def __init__(self, cfg: Any, facts: Any) -> None:
-        super().__init__(cfg, facts)
-        options = cfg.options if cfg is not None else {}
-        self.clip = float(options.get("clip", 1.0))
-        self.eps = float(options.get("eps", 1.0))
-        self.uploads = int(options.get("uploads", facts.max_uploads if facts else 1))
-        if not (self.clip > 0 and self.eps > 0 and self.uploads >= 1):
-            raise ValueError("local-laplace needs privacy.options clip > 0, eps > 0, uploads >= 1")
+        super().__init__(cfg, facts)  # sets self.options, a LocalLaplaceOptions
+        self.clip, self.eps = self.options.clip, self.options.eps
+        self.uploads = self.options.uploads or (facts.max_uploads if facts else 1)
 
     def device_update(self, device: Any, msg: Any, exposure: int) -> Any:
         delta = local_update(device, msg)

@@ -28,8 +28,9 @@ DOC = Path(__file__).resolve().parent.parent / "docs" / "config.md"
 HEADER = """\
 # Configuration reference
 
-Generated from `edge_fl/config.py` by `tests/test_config_reference.py --write` (the test fails
-when this file and the code differ). One validated config, from a YAML or TOML file, then the
+Generated from `edge_fl/config.py` (`privacy.signds` and `privacy.magrr` from the SignDS
+mechanism, `edge_fl/mechanisms/signds.py`) by `tests/test_config_reference.py --write` (the test
+fails when this file and the code differ). One validated config, from a YAML or TOML file, then the
 command line's flags (`edge-fl simulate --help` names the flag of each key it has) and
 `--set key=value` overrides. Unknown keys are errors; a bad value fails before anything starts,
 naming the key, the value and the domain. Names marked *registry* (models, datasets, mechanisms,

@@ -39,6 +39,17 @@ try:
 except PayloadRejected as exc:
     assert exc.reason == "out_of_range" and exc.field == "mp.clip", exc
 assert check_combination("local-laplace", "q8") is None  # a local release: any codec
+# its options model checks privacy.options when the config is loaded, and fills the defaults in
+from edge_fl.config import ConfigError, load_config
+
+cfg = load_config(None, {"privacy.mechanism": "local-laplace", "privacy.options": {"eps": 2.0}})
+assert cfg.privacy.options == {"clip": 1.0, "eps": 2.0, "uploads": None}, cfg.privacy.options
+for bad, why in (({"eps": -1}, "options.eps = -1"), ({"epz": 1}, "options.epz = 1")):
+    try:
+        load_config(None, {"privacy.mechanism": "local-laplace", "privacy.options": bad})
+        raise AssertionError(f"options {bad} were accepted")
+    except ConfigError as exc:
+        assert why in str(exc) and len(str(exc).splitlines()) == 1, str(exc)
 # a registered cross-field check that raises something else still rejects, never crashes
 from edge_fl.protocol.params import MechanismSchema, register_schema
 

@@ -16,7 +16,7 @@ Which uplink codec is sound with which mechanism is decided here, when a job is 
 from __future__ import annotations
 
 import re
-from typing import TYPE_CHECKING
+from typing import Any
 
 from edge_fl.mechanisms.base import Device, Guarantee, JobFacts, Mechanism, Strategy
 from edge_fl.mechanisms.dpsgd import DpSgd
@@ -28,9 +28,6 @@ from edge_fl.mechanisms.none import NoPrivacy
 from edge_fl.mechanisms.signds import SignDS
 from edge_fl.protocol.codecs import codec_class, codec_tags
 from edge_fl.protocol.params import register_schema
-
-if TYPE_CHECKING:
-    from edge_fl.config import PrivacyConfig
 
 __all__ = [
     "Device",
@@ -45,6 +42,7 @@ __all__ = [
     "mechanism_class",
     "mechanism_names",
     "register_mechanism",
+    "registered",
 ]
 
 #: the names ``privacy.mechanism`` accepts (config.py's pattern)
@@ -98,8 +96,14 @@ def mechanism_class(name: str) -> type[Mechanism]:
     return cls
 
 
-def build_mechanism(cfg: PrivacyConfig, facts: JobFacts) -> Mechanism:
-    """The configured mechanism, calibrated for this job. ValueError names a bad setting."""
+def registered(name: str) -> bool:
+    """Whether a mechanism of that name is registered (a config names one before it may be)."""
+    return name in _REGISTRY
+
+
+def build_mechanism(cfg: Any, facts: JobFacts) -> Mechanism:
+    """The mechanism ``cfg`` (the job's ``privacy`` config section) names, calibrated for this
+    job. ValueError names a bad setting."""
     return mechanism_class(cfg.mechanism)(cfg, facts)
 
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 import numpy as np
+from pydantic import BaseModel, ValidationError
 
 from edge_fl.mechanisms.exact_sum import ExactSum
 from edge_fl.models.training import LocalTraining, local_sgd
@@ -24,7 +25,6 @@ from edge_fl.protocol.codecs import codec_class, codec_names
 from edge_fl.protocol.params import MechanismSchema, ParamSpec
 
 if TYPE_CHECKING:  # dp-accounting is imported only by mechanisms that account
-    from edge_fl.config import PrivacyConfig
     from edge_fl.models.base import Model
     from edge_fl.privacy.events import PrivacyEvent
 
@@ -149,12 +149,38 @@ class Mechanism:
     #: the keys of its public parameters ``mp`` besides lr, ep, bs (docs/protocol.md), as
     #: :meth:`public_extra` fills them; the wire layer validates every global message with them
     public_schema: ClassVar[tuple[ParamSpec, ...]] = ()
+    #: the model of this mechanism's ``privacy.options`` (a pydantic model; ``extra="forbid"``
+    #: makes a misspelt option an error), or None: options are taken as given. The config
+    #: validates them through it and writes the defaults in, so the digest and the job
+    #: document carry every value.
+    options_model: ClassVar[type[BaseModel] | None] = None
 
-    def __init__(self, cfg: PrivacyConfig | None, facts: JobFacts | None) -> None:
-        """``None``/``None`` only for the device half of plain FedAvg (no server, no ledger)."""
+    def __init__(self, cfg: Any, facts: JobFacts | None) -> None:
+        """``cfg``: the job's ``privacy`` config section (``edge_fl.config.PrivacyConfig``);
+        ``None``/``None`` only for the device half of plain FedAvg (no server, no ledger)."""
         self.cfg: Any = cfg
         self.facts: Any = facts
         self.notes: list[str] = []
+        #: ``privacy.options`` as an instance of :attr:`options_model` (None without a model)
+        self.options: Any = None
+        if self.options_model is not None:
+            raw = cfg.options if cfg is not None else {}
+            self.options = self.options_model.model_validate(raw)
+
+    @classmethod
+    def validate_options(cls, options: Mapping[str, Any]) -> dict[str, Any]:
+        """``privacy.options`` checked by :attr:`options_model`, defaults filled in; as given
+        without a model. ValueError names the option and its domain."""
+        if cls.options_model is None:
+            return dict(options)
+        try:
+            return cls.options_model.model_validate(options).model_dump()
+        except ValidationError as exc:
+            lines = []
+            for err in exc.errors():
+                key = ".".join(["options", *(str(p) for p in err["loc"])])
+                lines.append(f"{key} = {err.get('input')!r}: {err['msg']}")
+            raise ValueError("; ".join(lines)) from None
 
     # --- device half ---------------------------------------------------------------------
     def device_update(self, device: Device, msg: GlobalModel, exposure: int) -> Update:
