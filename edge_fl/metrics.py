@@ -16,89 +16,21 @@ each record right after its line is durable, so what they show never runs ahead 
 from __future__ import annotations
 
 import contextlib
-import errno
 import json
 import logging
-import math
 import os
 from collections.abc import Iterator
 from contextvars import ContextVar
 from pathlib import Path
 from typing import Any, Protocol
 
+from edge_fl.storage import OutputError, atomic_write, dumps_record, write_json
+
 log = logging.getLogger("edge_fl.metrics")
 
 # Per-round wire byte fields summed into the summary (see edge_fl.transport.wire): MQTT-layer
 # bytes of every device's session, and the link model's IP-level estimate (TLS, TCP/IP).
 WIRE_TOTALS = ("wire_up", "wire_down", "wire_up_ip", "wire_down_ip")
-
-
-class OutputError(RuntimeError):
-    """An output file could not be written: disk full, read-only or unwritable directory."""
-
-    def __init__(self, path: str | os.PathLike[str], exc: OSError) -> None:
-        self.path = Path(path)
-        self.errno = exc.errno
-        reason = exc.strerror or str(exc) or type(exc).__name__
-        super().__init__(f"cannot write {self.path}: {reason}")
-
-
-def _clean(value: Any) -> Any:
-    """JSON has no inf/nan: write them as null rather than as invalid JSON."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if isinstance(value, dict):
-        return {k: _clean(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [_clean(v) for v in value]
-    return value
-
-
-def _default(value: Any) -> Any:
-    """numpy scalars and anything else a record may carry."""
-    if hasattr(value, "item"):
-        return _clean(value.item())
-    return str(value)
-
-
-def dumps_record(record: dict[str, Any]) -> str:
-    """One record as one line of strict JSON (also what checkpoints store)."""
-    return json.dumps(_clean(record), allow_nan=False, default=_default)
-
-
-def fsync_dir(directory: Path) -> None:
-    """Make a rename or a new file in ``directory`` durable (best effort where unsupported)."""
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        with contextlib.suppress(OSError):
-            os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def atomic_write(path: Path, data: bytes) -> None:
-    """Write ``path`` whole or not at all (temp file, fsync, rename); OutputError on failure."""
-    tmp = path.with_name(path.name + ".tmp")
-    try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except OSError as exc:
-        with contextlib.suppress(OSError):
-            tmp.unlink(missing_ok=True)  # give back the space a partial temp file holds
-        raise OutputError(path, exc) from None
-    fsync_dir(path.parent)
-
-
-def write_json(path: Path, obj: Any) -> None:
-    """Standard JSON (no Infinity/NaN tokens: they become null), written atomically."""
-    text = json.dumps(_clean(obj), indent=2, allow_nan=False, default=_default) + "\n"
-    atomic_write(Path(path), text.encode())
 
 
 def _read_records(path: Path) -> tuple[list[dict[str, Any]], int, int]:
@@ -120,39 +52,6 @@ def _read_records(path: Path) -> tuple[list[dict[str, Any]], int, int]:
         records.append(obj)
         good += len(line)
     return records, good, len(data)
-
-
-LOCK_FILE = ".edge-fl.lock"
-
-
-def lock_run_dir(out_dir: str | Path | None) -> Any:
-    """Hold ``out_dir`` for this process (an open file with an exclusive flock; released when the
-    process ends): two runs writing one directory interleave their ``metrics.jsonl`` into garbage.
-    OutputError names the holder when another process has it."""
-    if out_dir is None:
-        return None
-    import fcntl
-
-    path = Path(out_dir) / LOCK_FILE
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        handle = path.open("a+")
-    except OSError as exc:
-        raise OutputError(getattr(exc, "filename", None) or path, exc) from None
-    try:
-        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        handle.seek(0)
-        holder = handle.read().strip() or "?"
-        handle.close()
-        raise OutputError(
-            Path(out_dir), OSError(errno.EBUSY, f"in use by another edge-fl run (pid {holder})")
-        ) from None
-    handle.seek(0)
-    handle.truncate()
-    handle.write(str(os.getpid()))
-    handle.flush()
-    return handle
 
 
 class RecordSink(Protocol):

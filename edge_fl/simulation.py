@@ -33,9 +33,10 @@ import numpy as np
 
 from edge_fl.config import JobConfig
 from edge_fl.job import Job, build_job
-from edge_fl.metrics import OutputError, RunRecorder, lock_run_dir, write_json
+from edge_fl.metrics import RunRecorder
 from edge_fl.server.service import AggregatorService
 from edge_fl.server.signals import StopSignals
+from edge_fl.storage import OutputError, lock_run_dir, write_json
 from edge_fl.transport.url import BrokerSpec, parse_broker_url
 from edge_fl.transport.wire import DEFAULT_LINK, LinkModel
 

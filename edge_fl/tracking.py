@@ -324,7 +324,7 @@ class Tracker:
         return next((b.run_id for b in self.backends if isinstance(b, _MlflowRun)), None)
 
     def record(self, record: dict[str, Any]) -> None:
-        from edge_fl.metrics import dumps_record
+        from edge_fl.storage import dumps_record
 
         plain = json.loads(dumps_record(record))  # a copy, numpy scalars and NaN made plain
         self.last, self.count = plain, self.count + 1
@@ -367,7 +367,7 @@ class Tracker:
             return
         self._join()
         summary = summary or {}
-        from edge_fl.metrics import OutputError
+        from edge_fl.storage import OutputError
 
         try:
             with tempfile.TemporaryDirectory(prefix="edge-fl-tracking-") as tmp:
@@ -410,7 +410,7 @@ def _artifacts(
 ) -> tuple[list[Path], list[Path]]:
     """(files, plots) to log: the run directory's files (run.json without the broker password)
     or, without one, summary.json and metrics.jsonl made here; plots drawn into ``tmp``."""
-    from edge_fl.metrics import dumps_record, write_json
+    from edge_fl.storage import dumps_record, write_json
 
     run_dir = Path(out_dir) if out_dir is not None else None
     if run_dir is None or not (run_dir / "metrics.jsonl").exists():

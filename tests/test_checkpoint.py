@@ -108,7 +108,7 @@ def test_disk_full_leaves_the_previous_checkpoint(tmp_path, monkeypatch):
     import errno
     import os
 
-    from edge_fl.metrics import OutputError
+    from edge_fl.storage import OutputError
 
     _, core = signds_core()
     play_round(core, 0.0)

@@ -79,7 +79,7 @@ def test_a_closed_loop_in_an_abandoned_clients_destructor_is_not_a_traceback():
 
 def test_a_run_directory_in_use_by_another_run_is_refused(tmp_path):
     """Two runs writing one --out interleave metrics.jsonl into garbage: the second is refused."""
-    from edge_fl.metrics import lock_run_dir
+    from edge_fl.storage import lock_run_dir
 
     held = lock_run_dir(tmp_path / "run")  # this process plays the first run
     done = run("simulate", "--rounds", "1", "--out", str(tmp_path / "run"), "--no-progress")

@@ -11,12 +11,12 @@ import numpy as np
 import paho.mqtt.client as paho
 import pytest
 
-from edge_fl.metrics import OutputError
 from edge_fl.privacy.rng import seeded_generator
 from edge_fl.protocol import DenseUpdate, Status, Topics, UpdateLimits, encode_status, encode_update
 from edge_fl.server import journal as journal_module
 from edge_fl.server.aggregator import AggregatorCore, AggregatorSettings
 from edge_fl.server.service import AggregatorService, IngestTap
+from edge_fl.storage import OutputError
 from edge_fl.transport.broker import EmbeddedBroker
 
 NONCE = bytes(range(16))

@@ -23,11 +23,12 @@ import pytest
 
 from edge_fl.config import load_config
 from edge_fl.job import build_job
-from edge_fl.metrics import OutputError, RunRecorder
+from edge_fl.metrics import RunRecorder
 from edge_fl.protocol import DenseUpdate, SignDSUpdate, Status, encode_status, encode_update
 from edge_fl.server import checkpoint as checkpoint_module
 from edge_fl.server.journal import JOURNAL, Journal, read_journal, resume
 from edge_fl.server.service import AggregatorService
+from edge_fl.storage import OutputError
 from edge_fl.transport.url import parse_broker_url
 
 OVERRIDES = {

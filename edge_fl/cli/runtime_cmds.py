@@ -109,7 +109,7 @@ def aggregator(
         fail("--resume needs --out DIR (where the checkpoint is)")
     if resume and overwrite:
         fail("--resume and --overwrite contradict each other: continue the run, or replace it")
-    from edge_fl.metrics import OutputError
+    from edge_fl.storage import OutputError
     from edge_fl.tracking import tracked
 
     if out and not resume and not overwrite and (track or tensorboard_dir):
@@ -149,9 +149,10 @@ def _run_aggregator(cfg, out, resume, overwrite, signals) -> dict:
     from dataclasses import replace
 
     from edge_fl.job import build_job
-    from edge_fl.metrics import OutputError, job_facts
+    from edge_fl.metrics import job_facts
     from edge_fl.protocol.jobdoc import encode_job_document
     from edge_fl.simulation import RunDirError, open_run, refuse_earlier_run
+    from edge_fl.storage import OutputError
     from edge_fl.transport.url import parse_broker_url
 
     try:

@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from edge_fl.metrics import OutputError, atomic_write, dumps_record
+from edge_fl.storage import OutputError, atomic_write, dumps_record
 
 from .aggregator import AggregatorCore, fleet_view
 from .policy import field_values, round_fields

@@ -56,8 +56,8 @@ from typing import Any
 
 import msgpack
 
-from edge_fl.metrics import OutputError, fsync_dir
 from edge_fl.protocol import GlobalModel
+from edge_fl.storage import OutputError, fsync_dir
 
 from .aggregator import AggregatorCore, DeviceRecord, fleet_view
 from .checkpoint import has_checkpoint, load_checkpoint
