@@ -10,10 +10,10 @@ round with edge-fl's model code in both. Only the framework differs.
 Runtimes, one run of each per repetition, in this order:
 
 - `edge-fl simulate --out DIR`: embedded Mosquitto, 50 MQTT sessions, the aggregator, one process.
-- Flower Deployment Engine: `flower-superlink`, 50 `flower-supernode` processes on loopback and
-  `flwr run --stream` (the like-for-like comparison: every update crosses a socket).
 - Flower Simulation Engine: `flower-superlink --simulation` and `flwr run --stream` with
   `num-supernodes=50` (Ray, Flower's default client resources).
+- Flower Deployment Engine: `flower-superlink`, 50 `flower-supernode` processes on loopback and
+  `flwr run --stream` (the like-for-like comparison: every update crosses a socket).
 
 Flower runs in its own interpreter (`--flower-python`, a venv with flwr 1.42 and edge-fl
 installed; flwr is never a dependency of edge-fl):
@@ -55,7 +55,7 @@ import edge_fl
 
 APP_DIR = Path(__file__).with_name("flower_app")
 EDGE_FL = str(Path(sys.executable).with_name("edge-fl"))
-RUNTIMES = ("edge-fl", "flower-deployment", "flower-simulation")
+RUNTIMES = ("edge-fl", "flower-simulation", "flower-deployment")
 #: accuracies further apart than this make the comparison void
 ACCURACY_RANGE = 0.03
 RUN_TIMEOUT_S = 1800.0
@@ -78,6 +78,9 @@ class Results:
 
     def add(self, runtime: str, run: Run) -> None:
         self.runs.setdefault(runtime, []).append(run)
+
+    def count(self) -> int:
+        return sum(len(runs) for runs in self.runs.values())
 
     def median(self, runtime: str, attr: str) -> float:
         return statistics.median(getattr(r, attr) for r in self.runs[runtime])
@@ -279,9 +282,11 @@ class Flower:
                 submitted = self._flwr_run(cmd, env, logs)
                 flwr_run = time.perf_counter() - t_run
             finally:
-                stop(procs[1:])  # the SuperNodes first, then the SuperLink
-                stop(procs[:1])
-                killed = reap_all()
+                try:
+                    stop(procs[1:])  # the SuperNodes first, then the SuperLink
+                finally:
+                    stop(procs[:1])
+                    killed = reap_all()
             wall = time.perf_counter() - t
             cpu = children_cpu() - c
             if killed and self.verbose:
@@ -353,6 +358,11 @@ def load() -> str:
     return "load average " + " ".join(f"{x:.2f}" for x in os.getloadavg())
 
 
+def on_sigterm(*_: object) -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # once: the cleanup must not be interrupted
+    sys.exit(143)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--flower-python", required=True, help="the interpreter of a flwr 1.42 venv")
@@ -374,21 +384,26 @@ def main() -> None:
         raise SystemExit(f"bench_flower: unknown runtimes {sorted(unknown)}; known: {RUNTIMES}")
     become_subreaper()
     # a SIGTERM unwinds like Ctrl-C, so every process a run started is stopped and reaped
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    signal.signal(signal.SIGTERM, on_sigterm)
     print(f"edge-fl {edge_fl.__version__} ({EDGE_FL}); {flower_version(args.flower_python)}")
     print(f"before: {load()}", flush=True)
     results = Results()
     with tempfile.TemporaryDirectory(prefix="bench-flower-data-") as data_dir:
         flower = Flower(args.flower_python, write_job_data(Path(data_dir), overrides), args.verbose)
-        for i in range(args.repeats):
-            for name in runtimes:
-                if name == "edge-fl":
-                    run = run_edge_fl(flags)
-                else:
-                    run = flower.run(simulation=name == "flower-simulation")
-                results.add(name, run)
-                if args.verbose:
-                    print(f"  [{i + 1}/{args.repeats}] {name}: {run}", flush=True)
+        try:
+            for i in range(args.repeats):
+                for name in runtimes:
+                    if name == "edge-fl":
+                        run = run_edge_fl(flags)
+                    else:
+                        run = flower.run(simulation=name == "flower-simulation")
+                    results.add(name, run)
+                    if args.verbose:
+                        print(f"  [{i + 1}/{args.repeats}] {name}: {run}", flush=True)
+        except (KeyboardInterrupt, SystemExit) as stopped:  # report what finished
+            print(f"stopped ({type(stopped).__name__}) after {results.count()} runs", flush=True)
+            if not results.runs:
+                raise
     print(f"after: {load()}")
     report(results, args.repeats)
 
