@@ -28,6 +28,9 @@ _EXPORTS = {
     "register_model": "edge_fl.models",
     "known_models": "edge_fl.models",
     "TorchModule": "edge_fl.models.torch_module",
+    "LocalTraining": "edge_fl.models.training",
+    "local_sgd": "edge_fl.models.training",
+    "evaluate": "edge_fl.models",
     "DeviceAgent": "edge_fl.device.agent",
     "register_mechanism": "edge_fl.mechanisms",
     "register_codec": "edge_fl.protocol.codecs",
@@ -46,14 +49,17 @@ __all__ = [
     "FederatedDataset",
     "Job",
     "JobConfig",
+    "LocalTraining",
     "Model",
     "SimulationResult",
     "TorchModule",
     "__version__",
     "build_job",
+    "evaluate",
     "known_datasets",
     "known_models",
     "load_config",
+    "local_sgd",
     "register_codec",
     "register_dataset",
     "register_mechanism",
@@ -69,9 +75,10 @@ if TYPE_CHECKING:
     from edge_fl.device.agent import DeviceAgent
     from edge_fl.job import Job, build_job
     from edge_fl.mechanisms import register_mechanism
-    from edge_fl.models import known_models, register_model
+    from edge_fl.models import evaluate, known_models, register_model
     from edge_fl.models.base import Model
     from edge_fl.models.torch_module import TorchModule
+    from edge_fl.models.training import LocalTraining, local_sgd
     from edge_fl.protocol.codecs import register_codec
     from edge_fl.simulation import (
         AggregatorRun,
