@@ -281,7 +281,7 @@ class Fleet:
         async with gate:  # Mosquitto's listen backlog is 100: pace the connects
             client = self._client(agent)
             try:
-                await client.__aenter__()
+                await client_adapter.connect(client)  # aiomqtt's __aenter__ minus a thread hop
             except aiomqtt.MqttError as exc:
                 if not self.device_specs:
                     raise
