@@ -60,6 +60,7 @@ def main() -> None:
     ap.add_argument("--clients-per-round", type=int, default=1000)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--mode", default="sync")
+    ap.add_argument("--dataset", default="synthetic", help="synthetic | synthetic-iid (learns)")
     ap.add_argument("--out", default="runs/scale")
     args = ap.parse_args()
 
@@ -78,7 +79,7 @@ def main() -> None:
         None,
         {
             "data.devices": args.devices,
-            "data.dataset": "synthetic",
+            "data.dataset": args.dataset,
             "model.name": "logreg",
             "rounds.rounds": args.rounds,
             "rounds.clients_per_round": args.clients_per_round,
@@ -107,7 +108,9 @@ def main() -> None:
     result = {
         "devices": args.devices,
         "clients_per_round": args.clients_per_round,
+        "dataset": args.dataset,
         "rounds_closed": summary["rounds_closed"],
+        "accuracy_per_round": [r["accuracy"] for r in records],
         "received_per_round": [r["received"] for r in records],
         "online_at_end": records[-1]["online"] if records else None,
         "connect_all_s": summary["timings"]["fleet_connected_s"],
