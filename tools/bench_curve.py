@@ -170,7 +170,8 @@ def plot(points: list[dict[str, Any]], out: Path) -> None:
     for ax, (title, key) in zip(axes.flat, panels, strict=True):
         ax.set_title(title, fontsize=10)
         ax.set_xlabel("sessions online")
-        ax.grid(alpha=0.3)
+        ax.set_xscale("log")
+        ax.grid(alpha=0.3, which="both")
         for layout in layouts:
             style = styles.get(layout, "^:")
             if key is not None:

@@ -18,34 +18,33 @@ from pathlib import Path
 
 #: (row, substrings: any of them in the stack puts the sample in the row), first match wins
 ROWS: list[tuple[str, tuple[str, ...]]] = [
-    (
-        "build: imports, data, agents",
-        ("build_job", "_find_and_load", "make_synthetic", "Population"),
-    ),
+    ("build: imports, data, agents", ("build_job", "_find_and_load", "make_synthetic")),
     ("device training (worker thread)", ("on_global", "local_sgd", "sgd (edge_fl/models")),
-    ("keepalive timer (loop_misc)", ("keepalive.py", "_misc_loop", "loop_misc")),
+    ("keepalive timer (PINGREQs)", ("keepalive.py", "_misc_loop", "loop_misc")),
     ("leave: offline status + DISCONNECT", ("disconnect_all", "leave (edge_fl/fleet")),
-    (
-        "client objects (aiomqtt + paho __init__)",
-        ("__init__ (aiomqtt/client.py", "_client (edge_fl"),
-    ),
-    (
-        "connect: paho connect (socket, CONNECT)",
-        ("_client_connect", "reconnect (paho", "connect (paho"),
-    ),
+    ("client objects (aiomqtt + paho __init__)", ("__init__ (aiomqtt/client", "_client (edge")),
+    ("connect: TCP + paho connect (CONNECT)", ("_client_connect", "sock_connect", "_route")),
     ("connect: rest (CONNACK, retained status)", ("_connect (edge_fl/fleet", "connect_all")),
-    ("aggregator: journal fsync (group commit)", ("group_commit", "fsync")),
-    ("aggregator: rounds, ingest, records", ("edge_fl/server", "edge_fl/simulation")),
-    ("fleet: hand-out, upload and status tasks", ("edge_fl/fleet", "edge_fl/device")),
-    (
-        "MQTT socket read/write callbacks",
-        ("loop_read", "loop_write", "_packet_read", "_packet_write"),
-    ),
+    ("aggregator: waiting for devices (start-up)", ("_wait_for_devices",)),
+    ("fleet: session watcher (a scan every 1 s)", ("_watch_sessions",)),
+    ("aggregator: journal fsync", ("group_commit", "fsync", "Journal.sync")),
+    ("aggregator: round commit (checkpoint, line)", ("_commit (edge_fl/server",)),
+    ("aggregator: ingest (tap, decode, fold)", ("IngestTap", "_on_publish", "on_update")),
+    ("aggregator: rounds, records", ("AggregatorService", "AggregatorCore")),
+    ("fleet: hand-out, upload and status tasks", ("Fleet.", "edge_fl/device")),
+    ("MQTT socket read/write callbacks", ("loop_read", "loop_write", "_packet_re", "_packet_wr")),
     ("thread-pool hand-offs", ("concurrent/futures", "threading.py")),
     ("event loop, futures, other", ("",)),
 ]
 
-IDLE = ("epoll.poll", "select (", "_wait_for_tstate_lock", "wait (threading.py")
+IDLE = (
+    "epoll.poll",
+    "select (",
+    "_wait_for_tstate_lock",
+    "wait (threading.py",
+    "Condition.wait (threading.py",
+    "Event.wait (threading.py",
+)
 
 
 def read(path: Path) -> list[tuple[str, int]]:
