@@ -109,9 +109,8 @@ class GroupCommit:
     def _background(self) -> bool:
         """Sync the waiting group on the syncer thread (False: not possible, flush instead)."""
         journal, loop = self.journal, self._loop
-        if journal is None or loop is None or self.acker is None:
-            return False
-        if not hasattr(journal, "fsync_written"):
+        fsync_written = getattr(journal, "fsync_written", None)  # a journal that can split
+        if fsync_written is None or loop is None or self.acker is None:
             return False
         if self._inflight:
             return True  # the group in flight schedules the next one when it is done
@@ -121,7 +120,7 @@ class GroupCommit:
             self._syncer = concurrent.futures.ThreadPoolExecutor(1, "journal-fsync")
         self._inflight = True
         generation = self._generation
-        done = loop.run_in_executor(self._syncer, journal.fsync_written)
+        done = loop.run_in_executor(self._syncer, fsync_written)
         done.add_done_callback(lambda f: self._synced(f, group, generation))
         return True
 

@@ -208,7 +208,6 @@ async def connect(client: aiomqtt.Client) -> None:
     same session. TLS, websockets, unix sockets and proxies take aiomqtt's own path (paho's TLS
     handshake blocks)."""
     import aiomqtt
-    from aiomqtt.client import _set_client_socket_defaults
 
     pc = paho_client(client)
     try:
@@ -239,7 +238,8 @@ async def connect(client: aiomqtt.Client) -> None:
             client._client_connect()
         finally:
             del pc._create_socket_connection  # the class's method again, for any reconnect
-        _set_client_socket_defaults(pc.socket(), client._socket_options)
+        for option in client._socket_options:  # what aiomqtt sets on the socket it connects
+            opened.setsockopt(*option)
     except (OSError, paho.WebsocketConnectionError) as exc:
         if sock is not None and pc.socket() is not sock:
             sock.close()
