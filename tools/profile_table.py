@@ -22,7 +22,7 @@ ROWS: list[tuple[str, tuple[str, ...]]] = [
     ("device training (worker thread)", ("on_global", "local_sgd", "sgd (edge_fl/models")),
     ("keepalive timer (PINGREQs)", ("keepalive.py", "_misc_loop", "loop_misc")),
     ("leave: offline status + DISCONNECT", ("disconnect_all", "leave (edge_fl/fleet")),
-    ("client objects (aiomqtt + paho __init__)", ("__init__ (aiomqtt/client", "_client (edge")),
+    ("client objects (aiomqtt + paho __init__)", ("__init__ (aiomqtt/client", "Fleet._client (")),
     ("connect: TCP + paho connect (CONNECT)", ("_client_connect", "sock_connect", "_route")),
     ("connect: rest (CONNACK, retained status)", ("_connect (edge_fl/fleet", "connect_all")),
     ("aggregator: waiting for devices (start-up)", ("_wait_for_devices",)),
