@@ -141,7 +141,7 @@ def sharded(n: int, rounds: int, shards: int, population: int | None) -> dict[st
     }
 
 
-def plot(points: list[dict[str, Any]], out: Path) -> None:
+def plot(points: list[dict[str, Any]], out: Path, note: str = "") -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -198,7 +198,7 @@ def plot(points: list[dict[str, Any]], out: Path) -> None:
         ax.legend(fontsize=7)
     fig.suptitle(
         "edge-fl on a 2-core machine: 1/10 of the sessions report per round (logreg, synthetic); "
-        "tools/bench_curve.py",
+        f"tools/bench_curve.py{note}",
         fontsize=11,
     )
     fig.tight_layout()
@@ -218,9 +218,10 @@ def main() -> None:
     ap.add_argument("--json", help="write (and extend) the points here")
     ap.add_argument("--plot", help="plot the points of this JSON file")
     ap.add_argument("--out", default="docs/img/scaling.png")
+    ap.add_argument("--note", default="", help="a line for the plot's title (the conditions)")
     args = ap.parse_args()
     if args.plot:
-        plot(json.loads(Path(args.plot).read_text()), Path(args.out))
+        plot(json.loads(Path(args.plot).read_text()), Path(args.out), args.note)
         return
     points: list[dict[str, Any]] = []
     if args.json and Path(args.json).exists():
