@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 
 from edge_fl.server.group_commit import ACK_DELAY_S, MIN_BURST, GroupCommit
 
@@ -94,3 +95,82 @@ def test_a_lone_message_is_not_acknowledged_before_its_sync():
     before, after = asyncio.run(main())
     assert before.events == []  # waiting for company, neither synced nor acknowledged
     assert after.events == [("sync", 1), ("ack", 1)]
+
+
+class HeldJournal:
+    """A real journal whose background fsync waits until the test lets it go."""
+
+    def __init__(self, directory) -> None:
+        from edge_fl.server.journal import Journal
+
+        self.inner = Journal.start(directory, job="j", digest="d")
+        self.release = threading.Event()
+        self.fsynced = threading.Event()
+
+    def append(self) -> None:
+        self.inner.append("release", d="d00000", r=1, n=1)
+
+    def sync(self) -> None:
+        self.inner.sync()
+
+    def write_now(self) -> None:
+        self.inner.write_now()
+
+    def fsync_written(self) -> None:
+        self.release.wait(10)
+        self.inner.fsync_written()
+        self.fsynced.set()
+
+
+def test_a_group_synced_on_the_syncer_thread_is_acknowledged_after_its_fsync(tmp_path):
+    """The fsync runs off the event loop; its group's acknowledgements wait for it, and the
+    messages that arrive meanwhile wait for the next fsync."""
+
+    async def main() -> tuple[list[int], list[int], list[int], bool]:
+        loop = asyncio.get_running_loop()
+        journal = HeldJournal(tmp_path)
+        acks: list[int] = []
+        commit = GroupCommit(journal, delay_s=60.0)
+        commit.acker = lambda mid, qos: acks.append(mid)
+        for mid in range(1, MIN_BURST + 1):
+            journal.append()
+            commit.add(mid, 1, loop)
+        for _ in range(5):
+            await asyncio.sleep(0)  # the loop runs on while the fsync waits
+        during = list(acks)
+        journal.append()
+        commit.add(99, 1, loop)  # arrives while the first group's fsync is in flight
+        journal.release.set()
+        while len(acks) < MIN_BURST:
+            await asyncio.sleep(0.001)
+        first = list(acks)
+        commit.flush()  # a round's commit: synchronous, everything durable and acknowledged
+        return during, first, list(acks), journal.fsynced.is_set()
+
+    during, first, after, fsynced = asyncio.run(main())
+    assert during == []
+    assert fsynced
+    assert first == list(range(1, MIN_BURST + 1))
+    assert after == [*range(1, MIN_BURST + 1), 99]
+
+
+def test_a_group_in_flight_when_the_connection_changes_is_not_acknowledged(tmp_path):
+    async def main() -> list[int]:
+        loop = asyncio.get_running_loop()
+        journal = HeldJournal(tmp_path)
+        acks: list[int] = []
+        commit = GroupCommit(journal, delay_s=60.0)
+        commit.acker = lambda mid, qos: acks.append(mid)
+        for mid in range(1, MIN_BURST + 1):
+            journal.append()
+            commit.add(mid, 1, loop)
+        await asyncio.sleep(0)
+        commit.forget()  # a new connection: those ids mean nothing on it
+        journal.release.set()
+        while not journal.fsynced.is_set():
+            await asyncio.sleep(0.001)
+        for _ in range(5):
+            await asyncio.sleep(0)
+        return acks
+
+    assert asyncio.run(main()) == []

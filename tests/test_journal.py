@@ -515,3 +515,31 @@ def test_rotation_waits_until_the_journal_is_large(tmp_path):
     got = read_journal(path)
     assert got.header["after"] == 3 and got.records == []
     j.close()
+
+
+def test_records_written_for_a_background_fsync_are_durable_only_through_one(tmp_path):
+    """``write_now`` + ``fsync_written`` (the group commit's syncer thread): the fsync is
+    counted once; a ``sync`` in between covers them; a journal closed before the fsync refuses
+    to call them durable; a checkpoint (``rotate``) covers them."""
+    j = Journal.start(tmp_path, job="j", digest="d")
+    j.append("release", d="d00000", r=1, n=1)
+    j.write_now()
+    assert [r["k"] for r in read_journal(tmp_path / JOURNAL).records] == ["release"]
+    j.fsync_written()
+    j.fsync_written()  # nothing new: no second fsync
+    assert j.syncs == 1
+    j.append("release", d="d00001", r=1, n=1)
+    j.write_now()
+    j.sync()  # covers them
+    j.fsync_written()
+    assert j.syncs == 2
+    j.append("release", d="d00002", r=1, n=1)
+    j.write_now()
+    j.rotate()  # the checkpoint holds their effects
+    j.fsync_written()
+    assert j.syncs == 2
+    j.append("release", d="d00003", r=1, n=1)
+    j.write_now()
+    j.close()
+    with pytest.raises(OutputError):
+        j.fsync_written()

@@ -5,6 +5,7 @@ a lost update or a wrong byte count somewhere in a job."""
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import shutil
 import socket
@@ -329,3 +330,65 @@ def test_tls_is_configured_once_and_seen_per_packet(tls_broker):
     assert own.sent_packets[0] == (mqtt_packet_bytes("connect", client_id=identifier), True, True)
     assert all(tls for _, tls, _ in own.sent_packets)
     assert all(tls for _, tls in own.received_packets)
+
+
+class NoThreads(concurrent.futures.ThreadPoolExecutor):
+    """A default executor that fails any job: proves a connect made no thread hop."""
+
+    def submit(self, *args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("a job went to the default executor")
+
+
+def test_connect_without_a_thread_opens_the_same_session(mosquitto):
+    """``connect``: the session aiomqtt's ``__aenter__`` would open (CONNECT with the client's
+    will, CONNACK awaited, publishes acknowledged, ``__aexit__`` leaves with a DISCONNECT), from a
+    socket the event loop connected; paho's own socket factory is back afterwards, and a crash
+    still makes the broker publish the will."""
+    topic = unique("adapter/inline")
+
+    async def scenario() -> None:
+        inbox = Inbox()
+        async with client(mosquitto.spec) as watcher:
+            client_adapter.manual_acks(watcher, inbox)
+            await watcher.subscribe(f"{topic}/#", qos=1)
+            asyncio.get_running_loop().set_default_executor(NoThreads())
+            c = client(mosquitto.spec, will=aiomqtt.Will(f"{topic}/will", b"gone", qos=1))
+            await client_adapter.connect(c)
+            pc = client_adapter.paho_client(c)
+            assert client_adapter.is_connected(c)
+            assert "_create_socket_connection" not in vars(pc)  # paho's own method again
+            await c.publish(f"{topic}/up", b"one", qos=1)  # PUBACK awaited
+            await inbox.until(lambda m: len(m) == 1)
+            await c.__aexit__(None, None, None)  # a clean leave: no will
+            assert not client_adapter.is_connected(c)
+            doomed = client(mosquitto.spec, will=aiomqtt.Will(f"{topic}/will", b"gone", qos=1))
+            await client_adapter.connect(doomed)
+            client_adapter.raw_socket(doomed).shutdown(socket.SHUT_RDWR)
+            await inbox.until(lambda m: len(m) == 2)
+            assert inbox.payloads() == [b"one", b"gone"]
+            for m in inbox.messages:
+                client_adapter.ack(watcher, m.mid, 1)
+            with contextlib.suppress(aiomqtt.MqttError):
+                await doomed.__aexit__(None, None, None)
+
+    run(scenario)
+
+
+def test_connect_to_no_broker_raises_mqtt_error_and_can_be_retried(mosquitto):
+    """``connect``: a refused TCP connection is an ``aiomqtt.MqttError`` (as ``__aenter__``
+    raises), and the client is left free to try again."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        closed_port = s.getsockname()[1]  # nothing listens once it is closed
+
+    async def scenario() -> None:
+        c = aiomqtt.Client(hostname="127.0.0.1", port=closed_port)
+        with pytest.raises(aiomqtt.MqttError):
+            await client_adapter.connect(c)
+        c2 = client(mosquitto.spec)
+        await client_adapter.connect(c2)
+        await c2.__aexit__(None, None, None)
+        with pytest.raises(aiomqtt.MqttError):
+            await client_adapter.connect(c)  # the lock was released: a second try runs
+
+    run(scenario)

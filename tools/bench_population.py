@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import os
 import subprocess
@@ -106,6 +107,8 @@ def role_aggregator(config: str, launched: float) -> None:
             selected=r["selected"],
             online=r["online"],
             wall_time_s=round(r["wall_time_s"], 3),
+            bytes_up=r.get("bytes_up"),
+            bytes_down=r.get("bytes_down"),
         )
 
     service = AggregatorService(
@@ -200,7 +203,9 @@ def one_run(args: argparse.Namespace, population: bool, work: Path) -> dict[str,
             sampler.pids[name] = p.pid
         events: dict[str, list[dict[str, Any]]] = {}
         readers = [
-            threading.Thread(target=_read, args=(p, events.setdefault(n, [])), daemon=True)
+            threading.Thread(
+                target=_read, args=(p, events.setdefault(n, []), sampler.pids), daemon=True
+            )
             for n, p in procs.items()
         ]
         for r in readers:
@@ -240,6 +245,9 @@ def one_run(args: argparse.Namespace, population: bool, work: Path) -> dict[str,
         "peak_rss_mb": {k: round(v / 1024, 1) for k, v in sampler.peak_kb.items()},
         "peak_rss_sum_mb": round(sampler.peak_total_kb / 1024, 1),
         "cpu_s": {k: round(v, 1) for k, v in sampler.cpu_s.items()},
+        **per_round_cpu(rounds),
+        "bytes_up": [e.get("bytes_up") for e in rounds],
+        "bytes_down": [e.get("bytes_down") for e in rounds],
         "load_1min_before_after": [round(load_before, 2), round(os.getloadavg()[0], 2)],
     }
 
@@ -248,13 +256,33 @@ def _pipes() -> dict[str, Any]:
     return {"stdout": subprocess.PIPE, "stderr": subprocess.DEVNULL, "text": True, "cwd": ROOT}
 
 
-def _read(proc: subprocess.Popen, out: list[dict[str, Any]]) -> None:
+def _read(proc: subprocess.Popen, out: list[dict[str, Any]], pids: dict[str, int]) -> None:
+    """Events of one role; a round's record also takes every process's CPU seconds and the
+    time as it arrives, so CPU per round and per process can be told apart."""
     assert proc.stdout is not None
     for line in proc.stdout:
         try:
-            out.append(json.loads(line))
+            event = json.loads(line)
         except json.JSONDecodeError:
             continue
+        if event.get("event") == "round":
+            event["at"] = time.time()
+            event["cpu_at"] = {name: _cpu_s(pid) for name, pid in list(pids.items())}
+        out.append(event)
+
+
+def per_round_cpu(rounds: list[dict[str, Any]]) -> dict[str, Any]:
+    """CPU seconds per round and per process between consecutive records (round 1's record
+    also holds start-up), and the cores each process kept busy then (CPU s / wall s)."""
+    cpu: dict[str, list[float]] = {}
+    busy: dict[str, list[float]] = {}
+    for a, b in itertools.pairwise(rounds):
+        wall = b["at"] - a["at"]
+        for name, value in b["cpu_at"].items():
+            used = value - a["cpu_at"].get(name, 0.0)
+            cpu.setdefault(name, []).append(round(used, 2))
+            busy.setdefault(name, []).append(round(used / wall, 2) if wall > 0 else 0.0)
+    return {"cpu_s_per_round": cpu, "cores_busy_per_round": busy}
 
 
 def table(runs: list[dict[str, Any]]) -> str:
@@ -296,6 +324,7 @@ def main() -> None:
     ap.add_argument("--shards", type=int, default=2, help="fleet processes (<= ~15,000 each)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-baseline", action="store_true")
+    ap.add_argument("--no-population", action="store_true", help="the baseline alone")
     ap.add_argument("--timeout", type=float, default=1800)
     ap.add_argument("--json", help="also write the results here")
     ap.add_argument("--role", choices=["aggregator", "fleet"], help=argparse.SUPPRESS)
@@ -312,8 +341,9 @@ def main() -> None:
         if not args.no_baseline:
             runs.append(one_run(args, population=False, work=Path(tmp)))
             print(json.dumps(runs[-1], indent=2), flush=True)
-        runs.append(one_run(args, population=True, work=Path(tmp)))
-        print(json.dumps(runs[-1], indent=2), flush=True)
+        if not args.no_population:
+            runs.append(one_run(args, population=True, work=Path(tmp)))
+            print(json.dumps(runs[-1], indent=2), flush=True)
     print(table(runs))
     if args.json:
         Path(args.json).write_text(json.dumps(runs, indent=2))

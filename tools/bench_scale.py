@@ -60,6 +60,7 @@ def main() -> None:
     ap.add_argument("--clients-per-round", type=int, default=1000)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--mode", default="sync")
+    ap.add_argument("--dataset", default="synthetic", help="synthetic | synthetic-iid (learns)")
     ap.add_argument("--out", default="runs/scale")
     args = ap.parse_args()
 
@@ -78,7 +79,7 @@ def main() -> None:
         None,
         {
             "data.devices": args.devices,
-            "data.dataset": "synthetic",
+            "data.dataset": args.dataset,
             "model.name": "logreg",
             "rounds.rounds": args.rounds,
             "rounds.clients_per_round": args.clients_per_round,
@@ -88,10 +89,15 @@ def main() -> None:
         },
     )
     cpu_at_record: list[tuple[float, float]] = []  # (simulation, broker) at each record
+    at_record: list[float] = []  # wall clock at each record
+    connect_s: list[float] = []
 
     def on_record(record: dict, fleet: object) -> None:
-        del record, fleet
+        del record
         cpu_at_record.append((cpu_s(), cpu_s(broker_pid())))
+        at_record.append(time.perf_counter())
+        if not connect_s:
+            connect_s.append(getattr(fleet, "connect_s", float("nan")))
 
     t0 = time.perf_counter()
     cpu0 = cpu_s()
@@ -107,10 +113,13 @@ def main() -> None:
     result = {
         "devices": args.devices,
         "clients_per_round": args.clients_per_round,
+        "dataset": args.dataset,
         "rounds_closed": summary["rounds_closed"],
+        "accuracy_per_round": [r["accuracy"] for r in records],
         "received_per_round": [r["received"] for r in records],
         "online_at_end": records[-1]["online"] if records else None,
-        "connect_all_s": summary["timings"]["fleet_connected_s"],
+        "sessions_connected_s": round(connect_s[0], 2) if connect_s else None,
+        "fleet_connected_since_start_s": summary["timings"]["fleet_connected_s"],
         "first_round_s": summary["timings"]["first_round_s"],
         "round_wall_s": [round(r["wall_time_s"], 3) for r in records],
         "total_s": round(wall, 2),
@@ -122,9 +131,27 @@ def main() -> None:
             round(b[0] - a[0], 2) for a, b in itertools.pairwise(cpu_at_record)
         ],
         "cpu_s_total_simulation": round(cpu_s() - cpu0, 2),
+        "cores_busy_per_round": {
+            "simulation": [
+                round((b[0] - a[0]) / (tb - ta), 2)
+                for (a, b), (ta, tb) in zip(
+                    itertools.pairwise(cpu_at_record), itertools.pairwise(at_record), strict=True
+                )
+            ],
+            "mosquitto": [
+                round((b[1] - a[1]) / (tb - ta), 2)
+                for (a, b), (ta, tb) in zip(
+                    itertools.pairwise(cpu_at_record), itertools.pairwise(at_record), strict=True
+                )
+            ],
+        },
         "peak_rss_simulation_mb": round(own_peak_mb, 1),
         "peak_rss_broker_mb": round(broker_peak["kb"] / 1024, 1),
+        "bytes_up_per_round": [r["bytes_up"] for r in records],
         "bytes_down_per_round": [r["bytes_down"] for r in records],
+        "wire_up_per_round": [r.get("wire_up") for r in records],
+        "wire_down_per_round": [r.get("wire_down") for r in records],
+        "load_1min_at_end": round(os.getloadavg()[0], 2),
     }
     print(json.dumps(result, indent=2))
 

@@ -44,7 +44,7 @@ def common_job_options(f):
         click.option("--devices", type=int, help="number of devices in the fleet"),
         click.option("--rounds", type=int, help="number of rounds"),
         click.option("--clients-per-round", type=float, help="count, or a fraction in (0, 1)"),
-        click.option("--dataset", help="digits | synthetic | femnist | mnist"),
+        click.option("--dataset", help="digits | synthetic | synthetic-iid | femnist | mnist"),
         click.option("--data-dir", type=click.Path(file_okay=False), help="for femnist/mnist"),
         click.option("--model", "model_name", help="logreg | mlp | lenet | cnn"),
         click.option("--partition", help="iid | dirichlet"),

@@ -6,10 +6,10 @@ and is registered under a name. Data generation and splitting use seeded numpy g
 decide the experiment, not privacy, and must be reproducible across runs and machines.
 
 Partitions: ``partition=None`` means the dataset's own default. digits and mnist take "iid"
-(default) | "dirichlet" (with ``alpha`` and option ``min_size``). synthetic and femnist have a
-natural partition (one distribution / one writer per device): they take "natural" (default) and
-also "iid", the generic default of job configs, meaning "no re-partitioning"; "dirichlet" is
-rejected.
+(default) | "dirichlet" (with ``alpha`` and option ``min_size``). synthetic, synthetic-iid and
+femnist have a natural partition (one distribution / one writer per device; synthetic-iid one
+distribution for every device): they take "natural" (default) and also "iid", the generic default
+of job configs, meaning "no re-partitioning"; "dirichlet" is rejected.
 
 Options: the job-level knobs in :data:`SHARED_OPTIONS` (``data_dir``, ``samples_per_device``) are
 passed only to loaders that take them, so one job config can drive every dataset; any other option a
@@ -24,7 +24,11 @@ from collections.abc import Callable
 from edge_fl.data.base import FederatedDataset
 from edge_fl.data.digits import load_digits_federated
 from edge_fl.data.partition import TooManyDevicesError, partition_dirichlet, partition_iid
-from edge_fl.data.synthetic import load_synthetic_federated, make_synthetic
+from edge_fl.data.synthetic import (
+    load_synthetic_federated,
+    load_synthetic_iid_federated,
+    make_synthetic,
+)
 
 __all__ = [
     "SHARED_OPTIONS",
@@ -86,6 +90,7 @@ def _load_femnist(
 _LOADERS: dict[str, DatasetLoader] = {
     "digits": load_digits_federated,
     "synthetic": load_synthetic_federated,
+    "synthetic-iid": load_synthetic_iid_federated,
     "mnist": _load_mnist,
     "femnist": _load_femnist,
 }

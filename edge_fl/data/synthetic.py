@@ -61,6 +61,14 @@ def _fill(
     X = rng.standard_normal((total, sd.size), dtype=np.float32)
     X *= sd
     y = np.empty(total, dtype=np.int64)
+    if W.shape[0] == 1:  # one model and one input distribution for every device
+        X += v[0]
+        for s in range(0, total, chunk_rows):
+            e = min(s + chunk_rows, total)
+            z = X[s:e] @ W[0]
+            z += b[0]
+            y[s:e] = z.argmax(axis=1)
+        return X, y
     owner = np.repeat(np.arange(n_rows.size), n_rows)
     for s in range(0, total, chunk_rows):
         e = min(s + chunk_rows, total)
@@ -102,8 +110,13 @@ def make_synthetic(
     n_features: int = N_FEATURES,
     n_classes: int = N_CLASSES,
     chunk_rows: int = 4096,
+    shared: bool = False,
 ) -> FederatedDataset:
     """Generate Synthetic(alpha, beta) for ``n_devices`` devices (natural partition).
+
+    ``shared=True`` is FedProx's *Synthetic IID* instead: one W, b ~ N(0, 1) and inputs
+    x ~ N(0, Sigma) for every device (alpha and beta do not apply), so one global logistic
+    regression can fit every device's labels; only the device sizes still differ.
 
     ``standardize`` rescales every feature to zero mean / unit variance using training-set
     statistics (applied to the test set too): Sigma_jj = j^-1.2 spans two orders of magnitude, which
@@ -138,14 +151,19 @@ def make_synthetic(
             "raise test_fraction or min_samples"
         )
 
-    u = rng.normal(0.0, alpha, K).astype(np.float32)
-    B = rng.normal(0.0, beta, K).astype(np.float32)
-    v = rng.standard_normal((K, d), dtype=np.float32)
-    v += B[:, None]
-    W = rng.standard_normal((K, d, C), dtype=np.float32)
-    W += u[:, None, None]
-    b = rng.standard_normal((K, C), dtype=np.float32)
-    b += u[:, None]
+    if shared:
+        v = np.zeros((1, d), dtype=np.float32)
+        W = rng.standard_normal((1, d, C), dtype=np.float32)
+        b = rng.standard_normal((1, C), dtype=np.float32)
+    else:
+        u = rng.normal(0.0, alpha, K).astype(np.float32)
+        B = rng.normal(0.0, beta, K).astype(np.float32)
+        v = rng.standard_normal((K, d), dtype=np.float32)
+        v += B[:, None]
+        W = rng.standard_normal((K, d, C), dtype=np.float32)
+        W += u[:, None, None]
+        b = rng.standard_normal((K, C), dtype=np.float32)
+        b += u[:, None]
     sd = np.sqrt(np.arange(1, d + 1, dtype=np.float64) ** -1.2).astype(np.float32)
 
     X_tr, y_tr = _fill(n_train, v, W, b, sd, rng, int(chunk_rows))
@@ -161,7 +179,7 @@ def make_synthetic(
     cuts = np.cumsum(n_train)[:-1]
     parts = tuple(np.split(np.arange(int(n_train.sum()), dtype=np.int64), cuts))
     return FederatedDataset(
-        name="synthetic",
+        name="synthetic-iid" if shared else "synthetic",
         X_train=X_tr,
         y_train=y_tr,
         X_test=X_te,
@@ -210,4 +228,39 @@ def load_synthetic_federated(
         sigma=sigma,
         test_fraction=test_fraction,
         standardize=standardize,
+    )
+
+
+def load_synthetic_iid_federated(
+    n_devices: int,
+    *,
+    partition: str | None = None,
+    alpha: float = 0.5,
+    seed: int = 0,
+    samples_per_device: float = 50.0,
+    min_samples: int = 10,
+    sigma: float = 1.0,
+    test_fraction: float = 0.2,
+    standardize: bool = True,
+) -> FederatedDataset:
+    """FedProx's Synthetic IID (``make_synthetic(..., shared=True)``): every device draws its
+    samples from one distribution labelled by one model, so FedAvg of a logistic regression learns
+    it with any number of devices; the dataset ``synthetic-iid`` (the scale example's). Partitions
+    as for :func:`load_synthetic_federated`; ``alpha`` (Dirichlet) does not apply."""
+    del alpha
+    if partition not in (None, "natural", "iid"):
+        raise ValueError(
+            f"partition={partition!r} for synthetic-iid; each device keeps its own draws "
+            "(pass 'natural' or 'iid', or omit it)"
+        )
+    rng = np.random.default_rng(np.random.SeedSequence([seed, 3]))
+    return make_synthetic(
+        n_devices,
+        rng,
+        mean_samples=samples_per_device,
+        min_samples=min_samples,
+        sigma=sigma,
+        test_fraction=test_fraction,
+        standardize=standardize,
+        shared=True,
     )

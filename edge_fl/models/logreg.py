@@ -135,15 +135,36 @@ class LogisticRegression:
         n_w = self._n_w
         lr = np.float32(training.lr)
         n = len(y)
-        rows = np.arange(min(n, training.batch_size))
+        size = training.batch_size
+        rows = np.arange(min(n, size))
         maximum, add, exp, log = np.maximum.reduce, np.add.reduce, np.exp, np.log
+        subtract, multiply = np.subtract, np.multiply
         for _ in range(training.epochs):
             order = rng.permutation(n)
-            for start in range(0, n, training.batch_size):
-                batch = order[start : start + training.batch_size]
+            if wc is w:
+                # the epoch's rows gathered once (each batch a contiguous slice holding the rows
+                # Xc[batch] would copy), and every step's temporaries written in place: the same
+                # operations on the same values, fewer calls and allocations per minibatch
+                Xo, yo = Xc[order], y[order]
+                for start in range(0, n, size):
+                    Xb = Xo[start : start + size]
+                    m = Xb.shape[0]
+                    z = Xb @ W
+                    z += b
+                    subtract(z, maximum(z, axis=1, keepdims=True), out=z)  # shifted
+                    dz = exp(z)
+                    subtract(z, log(add(dz, axis=1, keepdims=True)), out=z)
+                    exp(z, out=dz)
+                    dz[rows[:m], yo[start : start + size]] -= 1
+                    dz /= m
+                    g = Xb.T @ dz
+                    W -= multiply(lr, g, out=g)
+                    b -= lr * add(dz, axis=0)
+                continue
+            for start in range(0, n, size):
+                batch = order[start : start + size]
                 Xb = Xc[batch]
-                if wc is not w:  # float64 data: the model is cast anew each step, as grad does
-                    W, b = self._unpack(w.astype(dt))
+                W, b = self._unpack(w.astype(dt))  # float64 data: cast anew each step, as grad
                 # softmax_minus_onehot(Xb @ W + b, y[batch]) / batch, its very operations (the
                 # ufuncs' reductions that ndarray.max and .sum call)
                 z = Xb @ W + b
@@ -151,14 +172,10 @@ class LogisticRegression:
                 dz = exp(shifted - log(add(exp(shifted), axis=1, keepdims=True)))
                 dz[rows[: len(batch)], y[batch]] -= 1
                 dz /= Xb.shape[0]
-                if wc is w:  # W and b are views of w: the step updates them in place
-                    W -= lr * (Xb.T @ dz)
-                    b -= lr * add(dz, axis=0)
-                else:
-                    g = np.empty(self.n_params, dtype=dt)
-                    g[:n_w] = (Xb.T @ dz).ravel()
-                    g[n_w:] = add(dz, axis=0)
-                    w -= lr * g.astype(np.float32, copy=False)
+                g = np.empty(self.n_params, dtype=dt)
+                g[:n_w] = (Xb.T @ dz).ravel()
+                g[n_w:] = add(dz, axis=0)
+                w -= lr * g.astype(np.float32, copy=False)
         return w
 
     def per_sample_grads(self, params: np.ndarray, X: np.ndarray, y: np.ndarray) -> np.ndarray:

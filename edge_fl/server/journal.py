@@ -49,6 +49,7 @@ import contextlib
 import logging
 import os
 import struct
+import threading
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -103,6 +104,10 @@ class Journal:
         self._pending: list[bytes] = []  # appended, not yet written: one write per sync
         self._dirty = False
         self.rotate_bytes = ROTATE_BYTES
+        # write_now's bytes, not yet fsynced; fsync_written (another thread) and everything that
+        # closes or replaces the descriptor hold the lock, so no fsync meets a closed descriptor
+        self._written = False
+        self._fsync_lock = threading.Lock()
 
     @classmethod
     def start(
@@ -171,15 +176,43 @@ class Journal:
     def sync(self) -> None:
         """Write and make durable every appended record (one write and one fsync for however
         many were appended). On a failed write nothing of them is on disk."""
+        if (self._dirty or self._written) and self._fd is not None:
+            self._write_pending()
+            with self._fsync_lock:
+                if self.durable:
+                    try:
+                        os.fsync(self._fd)
+                    except OSError as exc:
+                        raise OutputError(self.path, exc) from None
+                    self.syncs += 1
+                self._written = False
+            self._dirty = False
+
+    def write_now(self) -> None:
+        """Write every appended record now (one write), for :meth:`fsync_written` to make
+        durable on another thread while the caller's event loop goes on."""
         if self._dirty and self._fd is not None:
             self._write_pending()
+            self._dirty = False
+            with self._fsync_lock:
+                self._written = True
+
+    def fsync_written(self) -> None:
+        """Make what :meth:`write_now` wrote durable (any thread; one fsync). Nothing to do when
+        a :meth:`sync` or a checkpoint (:meth:`rotate`) has covered it since. Raises OutputError
+        if it cannot be made durable (the journal was closed with it unsynced, or fsync failed)."""
+        with self._fsync_lock:
+            if not self._written:
+                return
+            if self._fd is None:
+                raise OutputError(self.path, OSError("journal closed before its fsync"))
             if self.durable:
                 try:
                     os.fsync(self._fd)
                 except OSError as exc:
                     raise OutputError(self.path, exc) from None
                 self.syncs += 1
-            self._dirty = False
+            self._written = False
 
     def rotate(self) -> None:
         """After a checkpoint that covers every record so far: start an empty journal once this
@@ -188,6 +221,8 @@ class Journal:
         a rename on every round's commit, in the path of the next round."""
         self._pending.clear()  # the checkpoint holds their effects
         self._dirty = False
+        with self._fsync_lock:
+            self._written = False  # written ones too: an fsync in flight has nothing to add
         if self._size < self.rotate_bytes:
             return
         self.close()
@@ -202,8 +237,9 @@ class Journal:
         if self._fd is not None:
             with contextlib.suppress(OutputError):  # unacknowledged: the broker has them
                 self._write_pending()
-            os.close(self._fd)
-            self._fd = None
+            with self._fsync_lock:  # an fsync in flight finishes first
+                os.close(self._fd)
+                self._fd = None
 
 
 @dataclass

@@ -416,6 +416,11 @@ class AggregatorService:
                 1 for d, r in self.core.devices.items() if r.online or d in self._live_status
             )
 
+        def all_reported() -> bool:
+            # O(1) while devices are still missing: a scan of every record on each status that
+            # woke this loop was 5% of a 10,000-device simulation's samples (while connecting)
+            return len(self.core.devices) >= want and reported() >= want
+
         log.info(
             "waiting up to %.0fs for %d devices to report on %s (a round needs %d)",
             self.wait_for_devices_s,
@@ -427,9 +432,9 @@ class AggregatorService:
         while (
             self.stopped is None
             and self._now() < until
-            and (reported() < want or len(self.core.available()) < need)
+            and (not all_reported() or len(self.core.available()) < need)
         ):
-            if reported() >= want and len(self.core.available()) >= max(
+            if all_reported() and len(self.core.available()) >= max(
                 1, self.core.settings.min_updates
             ):
                 break  # everyone reported; fewer are available than we would like: go

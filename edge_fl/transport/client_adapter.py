@@ -12,7 +12,11 @@ paho client, or only as its private attributes:
   (``_ssl_context``: paho refuses a second ``tls_set_context``);
 * per-packet byte counts: paho has no hook for them, so :func:`install_packet_hooks` wraps two
   methods of paho's ``Client`` class, ``_sock_send`` (each write of MQTT bytes) and
-  ``_packet_handle`` (each whole packet read; ``_in_packet`` holds its length fields).
+  ``_packet_handle`` (each whole packet read; ``_in_packet`` holds its length fields);
+* connecting without aiomqtt's thread hop (:func:`connect`): aiomqtt runs paho's blocking
+  ``connect`` in the loop's default executor, one thread-pool job per session (its lock,
+  ``_client_connect``, ``_connected``/``_disconnected`` futures, ``_wait_for`` and socket
+  options), and paho opens the TCP connection in ``_create_socket_connection``.
 
 Everything else in edge-fl calls the functions below and names no private attribute of either
 library. ``tests/test_transport_adapter.py`` checks each behaviour relied on here against a real
@@ -21,8 +25,11 @@ Mosquitto, so an upgrade of paho-mqtt or aiomqtt that breaks one fails there, by
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import socket
 import threading
+import time
 from collections.abc import Callable, Coroutine
 from typing import TYPE_CHECKING, Any, Protocol, TypeAlias
 
@@ -37,6 +44,7 @@ if TYPE_CHECKING:
 __all__ = [
     "PacketListener",
     "ack",
+    "connect",
     "install_packet_hooks",
     "is_connected",
     "is_mqtt5",
@@ -148,6 +156,110 @@ def replace_misc_loop(
     client._misc_loop = lambda: misc(pc)  # type: ignore[method-assign]
 
 
+# ------------------------------------------------------------------------ connecting
+
+#: how to reach a broker, (host, port) -> (expiry, family, sockaddr), or (expiry, None, None)
+#: when paho would go through a proxy: a fleet connecting 10,000 sessions to one broker resolved
+#: its name and scanned the environment for proxies 10,000 times (getaddrinfo alone was 5% of the
+#: connect phase's samples); an entry lives ADDRESS_TTL_S, so a changed DNS record is seen
+ADDRESS_TTL_S = 60.0
+_routes: dict[tuple[str, int], tuple[float, int | None, Any]] = {}
+
+
+def _numeric(host: str) -> int | None:
+    """The address family of an IP literal (no resolver needed), else None."""
+    for family in (socket.AF_INET, socket.AF_INET6):
+        try:
+            socket.inet_pton(family, host)
+        except OSError:
+            continue
+        return family
+    return None
+
+
+async def _route(pc: paho.Client, host: str, port: int) -> tuple[int, Any] | None:
+    """The family and address to connect to, or None when paho uses a proxy for ``host``."""
+    now = time.monotonic()
+    hit = _routes.get((host, port))
+    if hit is None or hit[0] <= now:
+        if pc._get_proxy():
+            hit = (now + ADDRESS_TTL_S, None, None)
+        elif _numeric(host) is not None:
+            hit = (now + ADDRESS_TTL_S, _numeric(host), (host, port))
+        else:
+            loop = asyncio.get_running_loop()
+            infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+            family, _, _, _, sockaddr = infos[0]
+            hit = (now + ADDRESS_TTL_S, family, sockaddr)
+        _routes[(host, port)] = hit
+    return None if hit[1] is None else (hit[1], hit[2])
+
+
+async def connect(client: aiomqtt.Client) -> None:
+    """Connect ``client`` as ``async with client`` / ``await client.__aenter__()`` does (leave
+    with ``client.__aexit__``), without a thread per connect.
+
+    aiomqtt hands paho's blocking ``connect`` to the default executor: for a fleet that is one
+    thread-pool job, two cross-thread wake-ups and the GIL passed back and forth per session
+    (a sixth of the connect phase's samples, docs/bench/profile-10k.md). Here the TCP connection
+    is opened by the event loop (``sock_connect``, non-blocking; the broker's address resolved
+    once a minute), handed to paho as the socket it would have opened, and paho's ``connect``
+    (which then only writes CONNECT into its queue) runs on the loop's thread. Same packets,
+    same session. TLS, websockets, unix sockets and proxies take aiomqtt's own path (paho's TLS
+    handshake blocks)."""
+    import aiomqtt
+
+    pc = paho_client(client)
+    try:
+        route = None
+        if not pc._ssl and pc._transport == "tcp" and not pc._proxy:
+            route = await _route(pc, client._hostname, client._port)
+    except OSError as exc:  # the name does not resolve
+        raise aiomqtt.MqttError(str(exc)) from None
+    if route is None:
+        await client.__aenter__()
+        return
+    if client._lock.locked():
+        raise aiomqtt.MqttReentrantError(
+            "The client context manager is reusable, but not reentrant"
+        )
+    await client._lock.acquire()
+    sock: socket.socket | None = None
+    try:
+        family, sockaddr = route
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setblocking(False)
+        if client._bind_address or client._bind_port:
+            sock.bind((client._bind_address, client._bind_port))
+        await asyncio.get_running_loop().sock_connect(sock, sockaddr)
+        opened = sock
+        pc._create_socket_connection = lambda: opened  # type: ignore[method-assign]
+        try:
+            client._client_connect()
+        finally:
+            del pc._create_socket_connection  # the class's method again, for any reconnect
+        for option in client._socket_options:  # what aiomqtt sets on the socket it connects
+            opened.setsockopt(*option)
+    except (OSError, paho.WebsocketConnectionError) as exc:
+        if sock is not None and pc.socket() is not sock:
+            sock.close()
+        client._lock.release()
+        raise aiomqtt.MqttError(str(exc)) from None
+    except BaseException:
+        if sock is not None and pc.socket() is not sock:
+            sock.close()
+        client._lock.release()
+        raise
+    try:
+        await client._wait_for(client._connected, timeout=None)
+    except aiomqtt.MqttError:
+        client._lock.release()
+        client._connected = asyncio.Future()
+        raise
+    if client._disconnected.done():
+        client._disconnected = asyncio.Future()
+
+
 # ------------------------------------------------------------------------ losing the broker
 
 
@@ -167,6 +279,18 @@ class _LoopGuard:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._loop, name)
+
+    def call_soon_threadsafe(self, callback: Callable[..., Any], *args: Any) -> Any:
+        """aiomqtt schedules every socket registration this way, also from the loop's own
+        thread (a connect made there, every publish): there a plain ``call_soon`` runs it at the
+        same point without writing to the loop's self-pipe and waking it once more."""
+        try:
+            running: Any = asyncio.get_running_loop()
+        except RuntimeError:  # another thread (paho's blocking connect in aiomqtt's executor)
+            running = None
+        if running is not None and running is self._loop:
+            return running.call_soon(callback, *args)
+        return self._loop.call_soon_threadsafe(callback, *args)
 
     def _current(self, fd: int) -> bool:
         sock = self._pc.socket()

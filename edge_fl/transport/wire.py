@@ -33,6 +33,7 @@ Validated against a packet capture on loopback and the broker's ``$SYS`` counter
 from __future__ import annotations
 
 import math
+import operator
 import threading
 from dataclasses import dataclass
 from typing import Any
@@ -216,7 +217,7 @@ class WireCounter:
         self.link = link or DEFAULT_LINK
         for name in self.FIELDS:
             setattr(self, name, 0)
-        self._mark = dict.fromkeys(self.FIELDS, 0)
+        self._mark: tuple[int, ...] = (0,) * len(self.FIELDS)
         self._lock = threading.Lock()  # paho may run in a thread (the PROCESS counter)
 
     # -- what the hooks call
@@ -256,14 +257,28 @@ class WireCounter:
 
     # -- reading
 
-    def totals(self) -> dict[str, int]:
+    def _now(self) -> tuple[int, ...]:
+        """The counts in :attr:`FIELDS` order (one tuple: a fleet reads 10,000 counters a round)."""
         with self._lock:
-            return {name: getattr(self, name) for name in self.FIELDS}
+            return (
+                self.up,
+                self.down,
+                self.up_packets,
+                self.down_packets,
+                self.up_tcp,
+                self.down_tcp,
+                self.up_segments,
+                self.down_segments,
+                self.connections,
+            )
+
+    def totals(self) -> dict[str, int]:
+        return dict(zip(self.FIELDS, self._now(), strict=True))
 
     def take(self) -> dict[str, int]:
         """Counts since the previous ``take()``."""
-        now = self.totals()
-        delta = {k: now[k] - self._mark[k] for k in self.FIELDS}
+        now = self._now()
+        delta = dict(zip(self.FIELDS, map(operator.sub, now, self._mark), strict=True))
         self._mark = now
         return delta
 
