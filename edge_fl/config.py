@@ -420,8 +420,18 @@ class FleetConfig(_Section):
         "profile other than homogeneous is named, else wall (nothing modelled)",
     )
 
+    sim_hours: float | None = Field(
+        None,
+        gt=0,
+        description="virtual time: end the job (a clean stop: the open round decided, every "
+        "file written) once this many simulated hours have passed; None = when its rounds are "
+        "done",
+    )
+
     @model_validator(mode="after")
     def _clock_and_scale(self) -> FleetConfig:
+        if self.sim_hours is not None and not self.virtual:
+            raise ValueError("sim_hours needs virtual time (clock = 'virtual')")
         if self.clock == "virtual" and self.time_scale is not None:
             raise ValueError(
                 "clock = 'virtual' runs as fast as events allow: drop time_scale (or use "

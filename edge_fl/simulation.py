@@ -182,6 +182,7 @@ class AggregatorRun:
             on_finish=self._finish_before_done if finish_before_done else None,
             resumed_payload=self.resumed.open_payload if self.resumed else None,
             virtual_time=cfg.fleet.virtual,
+            virtual_limit_s=None if cfg.fleet.sim_hours is None else cfg.fleet.sim_hours * 3600,
             **({"acks": cfg.security.acks, "signer": job.signer} | options),
         )
         return self.service

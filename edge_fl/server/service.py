@@ -125,6 +125,7 @@ class AggregatorService:
         job_document: bytes | None = None,  # retained on <prefix>/<job>/job while the job runs
         sharding: Any = None,  # edge_fl.server.sharding.Coordinator: ingest by workers
         virtual_time: bool = False,  # simulated time in lock-step with one fleet (clocksync)
+        virtual_limit_s: float | None = None,  # virtual time: stop after this many simulated s
     ) -> None:
         if virtual_time and sharding is not None:
             raise ValueError("virtual time runs without ingest workers (ingest.workers = 0)")
@@ -140,6 +141,8 @@ class AggregatorService:
         self._vt_event = asyncio.Event()
         self._clock_in = clock_topic(topics.base, "fleet")
         self._clock_out = clock_topic(topics.base, "agg")
+        self._vt_limit_s = virtual_limit_s
+        self._vt_end = math.inf  # the simulated time the limit ends the job at
         self._open_control: bytes | None = None  # the open round's message to the workers
         self.signer = signer
         self.job_document = job_document
@@ -412,6 +415,8 @@ class AggregatorService:
         r = self._vt_ready
         assert r is not None
         vc.start(r.t, r.next, r.n)
+        if self._vt_limit_s is not None:
+            self._vt_end = r.t + self._vt_limit_s
         log.info("virtual time starts at %.3f s (%d statuses counted)", r.t, r.n)
 
     async def _vt_step(self, deadline: float | None) -> None:
@@ -420,7 +425,10 @@ class AggregatorService:
         vc = self.vclock
         client = self._client
         assert vc is not None and vc.now is not None
-        own = math.inf if deadline is None else deadline
+        own = min(math.inf if deadline is None else deadline, self._vt_end)
+        if vc.now >= self._vt_end:
+            self.request_stop(f"the simulated time limit ({self._vt_limit_s:g} s)")
+            return
         if self._wake.is_set():
             self._wake.clear()
             return
@@ -603,6 +611,10 @@ class AggregatorService:
             return
         want = self.expected_devices or self.core.settings.n_select
         need = min(want, self.core.settings.n_select)
+        if self.vclock is not None:
+            # virtual time about to start: every device's status is what is waited for here;
+            # availability (a fleet that starts at night) is waited for in simulated time
+            need = 0
         until = self._now() + self.wait_for_devices_s
 
         def reported() -> int:
@@ -623,8 +635,8 @@ class AggregatorService:
             and self._now() < until
             and (reported() < want or len(self.core.available()) < need)
         ):
-            if reported() >= want and len(self.core.available()) >= max(
-                1, self.core.settings.min_updates
+            if reported() >= want and len(self.core.available()) >= min(
+                need, max(1, self.core.settings.min_updates)
             ):
                 break  # everyone reported; fewer are available than we would like: go
             if self._now() >= next_note:
@@ -637,7 +649,8 @@ class AggregatorService:
                     until - self._now(),
                 )
             await self._sleep_until(min(until, next_note))
-        if self.stopped is None and len(self.core.available()) < self.core.settings.min_updates:
+        short = len(self.core.available()) < self.core.settings.min_updates
+        if self.stopped is None and short and self.vclock is None:
             raise RuntimeError(
                 f"only {len(self.core.available())} devices online after "
                 f"{self.wait_for_devices_s:.0f}s; a round needs at least "
