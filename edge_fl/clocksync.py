@@ -49,6 +49,12 @@ class TimerQueue:
             raise ValueError("a timer at NaN")
         heapq.heappush(self._heap, (t, key, next(self._seq), item))
 
+    def entries(self) -> Iterable[tuple[float, Any, Any]]:
+        """(time, item's bound, item) of every pending entry whose item is a (value, bound)
+        pair, in no particular order."""
+        for t, _key, _seq, item in self._heap:
+            yield t, item[1], item
+
     def next_time(self, alive: Any = None) -> float:
         """The earliest pending time (inf: none); ``alive(item)`` False drops an entry."""
         while self._heap and alive is not None and not alive(self._heap[0][3]):

@@ -48,11 +48,11 @@ class SimClock:
     def to_wall(self, sim_seconds: float) -> float:
         return sim_seconds * self.time_scale if self.time_scale else sim_seconds
 
-    async def sleep(self, sim_seconds: float, key: Hashable = ()) -> None:
+    async def sleep(self, sim_seconds: float, key: Hashable = (), lead: float = 0.0) -> None:
         if self.time_scale is not None and sim_seconds > 0:
             await asyncio.sleep(sim_seconds * self.time_scale)
 
-    async def sleep_until(self, sim_t: float, key: Hashable = ()) -> None:
+    async def sleep_until(self, sim_t: float, key: Hashable = (), lead: float = 0.0) -> None:
         if sim_t == float("inf"):
             await asyncio.Event().wait()  # forever (cancelled at the end of the job)
         await self.sleep(max(0.0, sim_t - self.now()))
@@ -63,7 +63,10 @@ class VirtualClock:
 
     ``sleep``/``sleep_until`` register a timer (with a ``key``: same-time timers fire in key
     order) and wait for it; ``waiting`` counts the coroutines blocked on a timer, so the fleet
-    can tell when every device task is blocked on the clock (quiescent)."""
+    can tell when every device task is blocked on the clock (quiescent). ``lead``: how long
+    after the timer, at the earliest, what it wakes can publish anything (a download's end
+    leads to a publication no sooner than the compute and the upload's latency later), so
+    :meth:`next_output` can promise the aggregator more than the next timer."""
 
     virtual = True
     time_scale = None
@@ -93,13 +96,14 @@ class VirtualClock:
     def to_wall(self, sim_seconds: float) -> float:
         return sim_seconds  # deadlines are in simulated seconds on the aggregator's clock too
 
-    async def sleep(self, sim_seconds: float, key: Hashable = ()) -> None:
-        await self.sleep_until(self.t + max(0.0, sim_seconds), key)
+    async def sleep(self, sim_seconds: float, key: Hashable = (), lead: float = 0.0) -> None:
+        await self.sleep_until(self.t + max(0.0, sim_seconds), key, lead)
 
-    async def sleep_until(self, sim_t: float, key: Hashable = ()) -> None:
+    async def sleep_until(self, sim_t: float, key: Hashable = (), lead: float = 0.0) -> None:
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         if not math.isinf(sim_t):
-            self.queue.push(max(sim_t, self.t), fut, key)
+            t = max(sim_t, self.t)
+            self.queue.push(t, (fut, t + max(0.0, lead)), key)
         self.waiting += 1
         self.changed.set()
         try:
@@ -112,6 +116,11 @@ class VirtualClock:
         """The earliest pending timer (inf: none)."""
         return self.queue.next_time(_alive)
 
+    def next_output(self) -> float:
+        """The earliest simulated time anything waiting on this clock can publish (inf: none),
+        unless something from outside (a model, a dispatch) sets new work off first."""
+        return min((b for t, b, item in self.queue.entries() if _alive(item)), default=math.inf)
+
     def fire_due(self, until: float) -> bool:
         """Wake every timer at the earliest pending time if it is <= ``until`` (the clock moves
         there); False if none is due."""
@@ -119,7 +128,7 @@ class VirtualClock:
         if not due:
             return False
         self.t = max(self.t, t)
-        for fut in due:
+        for fut, _bound in due:
             self.waiting -= 1
             self.fired += 1
             fut.set_result(None)
@@ -131,5 +140,5 @@ class VirtualClock:
         self.t = t
 
 
-def _alive(fut: asyncio.Future) -> bool:
-    return not fut.done()
+def _alive(item: tuple[asyncio.Future, float]) -> bool:
+    return not item[0].done()

@@ -414,7 +414,10 @@ class Fleet:
         device = agent.device_id
         profile = self.profiles.get(device)
         if profile is not None:
-            await self.clock.sleep(profile.download_time(model_bytes), key=(device, 1))
+            # nothing is published before the compute and the upload's latency are over
+            lead = profile.compute_time(agent.n_samples, agent.training.epochs)
+            lead += profile.upload_time(0)
+            await self.clock.sleep(profile.download_time(model_bytes), key=(device, 1), lead=lead)
         if device in self.unavailable or device in self.crashed:
             return Trained(msg, None)  # gone before it could train: the round stays unanswered
         loop = asyncio.get_running_loop()
@@ -436,7 +439,9 @@ class Fleet:
         profile = self.profiles.get(device)
         if profile is not None:
             await self.clock.sleep(
-                profile.compute_time(agent.n_samples, agent.training.epochs), key=(device, 1)
+                profile.compute_time(agent.n_samples, agent.training.epochs),
+                key=(device, 1),
+                lead=profile.upload_time(0),  # the upload's latency, at least, comes next
             )
         if self._drops(agent, profile) or device in self.unavailable:
             self.dropouts += 1
@@ -703,7 +708,7 @@ class Fleet:
             g=g,
             t=t,
             n=self.vt_published,
-            next=self.clock.next_time(),
+            next=self.clock.next_output(),
             seen=self.vt_seen,
         ).encode()
 

@@ -12,7 +12,8 @@ still send. Two topics, QoS 1, never retained, JSON objects:
 * ``<prefix>/<job>/clock/fleet`` (fleet -> aggregator), a **report**: ``{"v": 1, "k": "report",
   "g": G, "t": T, "next": X, "n": N, "seen": S}``: the fleet has done everything up to T (its
   answer to grant G; ``"k": "ready"`` with ``g`` 0 once, when its devices are connected and its
-  downlink subscribed), its earliest pending event is at X (``null``: none), its devices have
+  downlink subscribed), none of its devices publishes before X unless an aggregator message
+  sets new work off (``null``: nothing pending), its devices have
   published N updates and statuses since they connected, and it has received S of the
   aggregator's messages. ``"k": "gone"`` (the fleet's last will, or its leaving) ends virtual time.
 
