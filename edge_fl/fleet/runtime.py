@@ -744,6 +744,7 @@ class Fleet:
         out = clock_topic(self.topics.base, "fleet")
         await self._downlink_subscribed.wait()
         await client.publish(out, self._report("ready", 0, self.clock.now()), qos=1)
+        answered, report = 0, b""
         async for message in client.messages:
             payload = message.payload
             if not isinstance(payload, bytes | bytearray):
@@ -753,13 +754,18 @@ class Fleet:
             except ClockMessageError as exc:
                 log.warning("fleet: clock message ignored: %s", exc)
                 continue
-            if grant.kind != "grant":
+            if grant.kind != "grant" or grant.g < answered:
+                continue
+            if grant.g == answered:  # published again: the aggregator missed the report
+                task = asyncio.create_task(client.publish(out, report, qos=1))
+                task.add_done_callback(_retrieved)
                 continue
             await self._await_seen(grant.n)
             await self.advance_to(grant.t)
             self.vt_cycles += 1
             # not awaited: its PUBACK would cost a broker round trip per step (QoS 1 all the same)
             report = self._report("report", grant.g, grant.t)
+            answered = grant.g
             task = asyncio.create_task(client.publish(out, report, qos=1))
             task.add_done_callback(_retrieved)
 

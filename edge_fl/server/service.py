@@ -81,6 +81,9 @@ SHARD_ANSWER_S = 10.0
 STOP_GRACE_S = 1.0
 #: virtual time: how often (real seconds) a wait for the fleet's clock report says it still waits
 VT_NOTE_S = 30.0
+#: virtual time: a grant unanswered for this long (real seconds) is published again (the fleet
+#: answers a repeated grant with its report again): a lost clock message must not stall the run
+VT_RESEND_S = 5.0
 
 
 class NothingPending(RuntimeError):
@@ -381,18 +384,27 @@ class AggregatorService:
             self._vt_released = asyncio.get_running_loop().time()
             self._vt_take_held()
 
-    async def _vt_wait(self, done: Callable[[], bool], what: str) -> bool:
-        """Until ``done()``; False when a stop or the fleet's leaving came first."""
+    async def _vt_wait(
+        self, done: Callable[[], bool], what: str, again: Callable[[], None] | None = None
+    ) -> bool:
+        """Until ``done()``; False when a stop or the fleet's leaving came first. ``again``:
+        called every :data:`VT_RESEND_S` of waiting (the grant is published again)."""
         loop = asyncio.get_running_loop()
         note = loop.time() + VT_NOTE_S
+        resend = loop.time() + VT_RESEND_S
         while not done():
             if self.stopped is not None or self._vt_gone:
                 return False
             self._vt_event.clear()
             if done():
                 break
+            wake = min(note, resend) if again is not None else note
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._vt_event.wait(), max(0.0, note - loop.time()))
+                await asyncio.wait_for(self._vt_event.wait(), max(0.0, wake - loop.time()))
+            if again is not None and loop.time() >= resend and not done():
+                resend = loop.time() + VT_RESEND_S
+                self.stats["clock_resent"] += 1
+                again()
             if loop.time() >= note:
                 note = loop.time() + VT_NOTE_S
                 log.warning("virtual time: still waiting for %s", what)
@@ -442,14 +454,21 @@ class AggregatorService:
             )
         if client is None:
             raise aiomqtt.MqttError("no connection to send the clock grant on")
-        msg = ClockMessage("grant", g=grant.g, t=grant.t, n=grant.n)
-        # not awaited (its PUBACK is a broker round trip on every step): the report answers it
-        task = asyncio.get_running_loop().create_task(
-            client.publish(self._clock_out, msg.encode(), qos=1)
-        )
-        task.add_done_callback(_retrieved)
+        msg = ClockMessage("grant", g=grant.g, t=grant.t, n=grant.n).encode()
+
+        def publish() -> None:
+            # not awaited (its PUBACK is a broker round trip on every step): the report
+            # answers it
+            task = asyncio.get_running_loop().create_task(
+                client.publish(self._clock_out, msg, qos=1)
+            )
+            task.add_done_callback(_retrieved)
+
+        publish()
         answered = await self._vt_wait(
-            lambda: vc.ready, f"the fleet's report for t = {grant.t:.3f} s (grant {grant.g})"
+            lambda: vc.ready,
+            f"the fleet's report for t = {grant.t:.3f} s (grant {grant.g})",
+            again=publish,
         )
         if not answered:
             self._vt_release("stopped" if self.stopped is not None else "the fleet left")
