@@ -386,6 +386,40 @@ class FleetConfig(_Section):
         None, ge=0, lt=1, description="per-round dropout probability (overrides the profile)"
     )
     train_workers: int = Field(1, ge=1, le=64, description="threads training devices")
+    clock: Literal["auto", "virtual", "wall"] = Field(
+        "auto",
+        description="simulated time: virtual (device durations from the profile, the aggregator "
+        "and fleet in conservative lock-step over the broker; machine load cannot change a "
+        "result, idle time costs nothing), wall (time_scale real s per simulated s; without "
+        "a scale nothing is modelled), auto = wall with a time_scale, else virtual when a "
+        "profile other than homogeneous is named, else wall (nothing modelled)",
+    )
+
+    sim_hours: float | None = Field(
+        None,
+        gt=0,
+        description="virtual time: end the job (a clean stop: the open round decided, every "
+        "file written) once this many simulated hours have passed; None = when its rounds are "
+        "done",
+    )
+
+    @model_validator(mode="after")
+    def _clock_and_scale(self) -> FleetConfig:
+        if self.sim_hours is not None and not self.virtual:
+            raise ValueError("sim_hours needs virtual time (clock = 'virtual')")
+        if self.clock == "virtual" and self.time_scale is not None:
+            raise ValueError(
+                "clock = 'virtual' runs as fast as events allow: drop time_scale (or use "
+                "clock = 'wall' for a demonstration in real time)"
+            )
+        return self
+
+    @property
+    def virtual(self) -> bool:
+        """Whether simulated time is virtual (see ``clock``)."""
+        if self.clock == "auto":
+            return self.time_scale is None and self.profile != "homogeneous"
+        return self.clock == "virtual"
 
 
 class PopulationConfig(_Section):

@@ -20,7 +20,7 @@ from edge_fl.config import ConfigError, JobConfig, set_path, validate_config
 from edge_fl.data import known_datasets, load_federated, reads_files
 from edge_fl.data.base import FederatedDataset
 from edge_fl.device.agent import DeviceAgent, DeviceBudget
-from edge_fl.fleet.clock import SimClock
+from edge_fl.fleet.clock import SimClock, VirtualClock
 from edge_fl.identity import (
     STREAM_DEVICE,
     STREAM_INIT,
@@ -265,9 +265,12 @@ class Job:
         return True
 
     @cached_property
-    def clock(self) -> SimClock:
-        """Simulated time shared by the fleet and the aggregator's deadlines and records."""
+    def clock(self) -> SimClock | VirtualClock:
+        """Simulated time shared by the fleet and the aggregator's deadlines and records: the
+        fleet's virtual clock under ``fleet.clock`` virtual (edge_fl.fleet.clock)."""
         f = self.cfg.fleet
+        if f.virtual:
+            return VirtualClock(start_s=f.start_hour * 3600.0)
         return SimClock(f.time_scale, start_s=f.start_hour * 3600.0)
 
     def profiles(self, indices: range | None = None) -> dict:

@@ -111,6 +111,12 @@ class AggregatorRun:
         self.service: AggregatorService | None = None
         self.summary: dict[str, Any] | None = None
         self.lock: Any = None  # the output directory's lock, held until close()
+        if resume and job.cfg.fleet.virtual:
+            raise RunDirError(
+                "--resume is not supported under virtual time (fleet.clock): the fleet's "
+                "device timers are not checkpointed; run the job again (with --reproducible it "
+                "gives the same records), or use fleet.clock: wall"
+            )
         if resume:
             self._resume()
         if self.out_dir is not None:
@@ -176,6 +182,8 @@ class AggregatorRun:
             journal=self.journal,
             on_finish=self._finish_before_done if finish_before_done else None,
             resumed_payload=self.resumed.open_payload if self.resumed else None,
+            virtual_time=cfg.fleet.virtual,
+            virtual_limit_s=None if cfg.fleet.sim_hours is None else cfg.fleet.sim_hours * 3600,
             **({"acks": cfg.security.acks, "signer": job.signer} | options),
         )
         return self.service
@@ -391,7 +399,8 @@ async def _run_with_fleet(
 
     def annotate(record: dict[str, Any]) -> None:
         record["elapsed_s"] = round(time.perf_counter() - t0, 4)
-        record["sim_time_s"] = round(job.clock.now() - job.clock.start_s, 3)
+        now = service.sim_now() if service.vclock is not None else job.clock.now()
+        record["sim_time_s"] = round(now - job.clock.start_s, 3)
         record["dropouts"] = fleet.dropouts
         record.update(fleet.wire_round())
         if "first_round_s" not in timings:
@@ -458,9 +467,27 @@ async def _run_with_fleet(
             "fleet_published": fleet.published,
             "fleet_publish_failures": fleet.publish_failures,
             "stopped_devices": sum(1 for a in fleet.agents.values() if a.state.stopped_reason),
+            **_virtual_time_summary(service, fleet, job.clock.start_s),
             **wire,
         }
     )
+
+
+def _virtual_time_summary(service: AggregatorService, fleet: Any, start_s: float) -> dict:
+    """Under virtual time: how far it went and what it cost (grants, the wall time devices
+    spent training while the clock waited for them)."""
+    vc = service.vclock
+    if vc is None:
+        return {}
+    return {
+        "virtual_time": {
+            "sim_end_s": None if vc.now is None else round(vc.now - start_s, 3),
+            "grants": vc.grants,
+            "same_time_grants": vc.same_time,
+            "fleet_published": vc.fleet_published,
+            "train_wall_s": round(fleet.vt_train_s, 3),
+        }
+    }
 
 
 def _wire_summary(recorder: RunRecorder, fleet: Any) -> dict[str, Any]:

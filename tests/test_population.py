@@ -220,7 +220,8 @@ def test_a_population_runs_with_only_its_online_devices_as_sessions(mosquitto) -
     from edge_fl.server.service import AggregatorService
     from edge_fl.transport.url import parse_broker_url
 
-    extra = {"rounds.rounds": 2, "job": "pop-e2e", "fleet.dropout": 0.0}
+    # wall clock: this aggregator is built here without virtual time (and two fleet shards)
+    extra = {"rounds.rounds": 2, "job": "pop-e2e", "fleet.dropout": 0.0, "fleet.clock": "wall"}
     cfg = _population_cfg(1_000, 50, 10, **extra)
     job = build_job(cfg)
     spec = parse_broker_url(mosquitto.url)

@@ -60,14 +60,21 @@ ROOT = Path(__file__).resolve().parents[1]
 EDGE_FL = ROOT / ".venv" / "bin" / "edge-fl"
 
 
-def base_config(seed: int, time_scale: float) -> dict[str, Any]:
+def base_config(seed: int, time_scale: float | None) -> dict[str, Any]:
+    """The job; ``time_scale`` None: virtual time (``fleet.clock: virtual``), else scaled wall
+    time."""
+    fleet: dict[str, Any] = {"profile": "phone-fleet", "dropout": 0.2}
+    if time_scale is None:
+        fleet["clock"] = "virtual"
+    else:
+        fleet |= {"clock": "wall", "time_scale": time_scale}
     return {
         "job": f"bench-async-{seed}",
         "seed": seed,
         "data": {"dataset": "digits", "devices": 100, "partition": "dirichlet", "alpha": 0.3},
         "model": {"name": "mlp", "hidden": 64},
         "training": {"epochs": 5, "batch_size": 8, "lr": 0.3},
-        "fleet": {"profile": "phone-fleet", "time_scale": time_scale, "dropout": 0.2},
+        "fleet": fleet,
         "rounds": {"wait_for_devices_s": 120.0},
     }
 
@@ -154,10 +161,13 @@ def run(cfg: dict[str, Any], out: Path, timeout_s: float, reuse: bool = False) -
     return {"records": records, "summary": summary, "wall_s": wall, "command": shown}
 
 
-def analyse(result: dict[str, Any], time_scale: float) -> dict[str, Any]:
+def analyse(result: dict[str, Any], time_scale: float | None) -> dict[str, Any]:
     recs = result["records"]
-    # simulated time from the first broadcast: round 1 opened wall_time_s (real) before its record
-    offset = recs[0]["sim_time_s"] - recs[0]["wall_time_s"] / time_scale
+    # simulated time from the first broadcast: round 1 opened wall_time_s (real) before its
+    # record; under virtual time it opened at simulated time 0
+    offset = (
+        0.0 if time_scale is None else recs[0]["sim_time_s"] - recs[0]["wall_time_s"] / time_scale
+    )
     closed = [r for r in recs if r["status"] == "closed"]
     curve, applied = [], 0  # (simulated s, accuracy, updates applied so far) per record
     work = []  # device work so far per record: updates that reached the aggregator + dropouts
@@ -474,7 +484,15 @@ def main() -> None:
         default=1.0,
         help="the -C modes apply this many times sync's updates",
     )
-    ap.add_argument("--time-scale", type=float, default=1.0, help="real s per simulated s")
+    ap.add_argument(
+        "--time-scale",
+        type=float,
+        default=None,
+        help="real s per simulated s (scaled wall time); default: virtual time",
+    )
+    ap.add_argument(
+        "--reproducible", action="store_true", help="seeded randomness (identical reruns)"
+    )
     ap.add_argument("--sync-rounds", type=int, default=30)
     ap.add_argument("--deadline", type=float, default=4.0, help="sync deadline, simulated s")
     ap.add_argument("--wide-clients", type=int, default=60, help="sync-wide: devices per round")
@@ -515,6 +533,8 @@ def main() -> None:
         budget = args.budget
         for mode in args.modes:
             cfg = base_config(seed, args.time_scale)
+            if args.reproducible:
+                cfg["reproducible"] = True
             cfg["rounds"].update(mode_rounds(args, mode, budget, per_mode))
             print(f"seed {seed} {mode}: {cfg['rounds']}", flush=True)
             result = run(cfg, args.out / f"{mode}-seed{seed}", args.timeout, args.reuse)

@@ -88,7 +88,17 @@ def common_job_options(f):
         click.option(
             "--profile", help="fleet profile: homogeneous | phone-fleet | raspberry-pi | PATH"
         ),
-        click.option("--time-scale", type=float, help="real seconds per simulated second"),
+        click.option(
+            "--time-scale",
+            type=float,
+            help="real seconds per simulated second (scaled wall time, for demonstrations)",
+        ),
+        click.option(
+            "--clock",
+            type=click.Choice(["auto", "virtual", "wall"]),
+            help="simulated time: virtual (from the profiles, deterministic, idle time free), "
+            "wall (--time-scale); auto: virtual with a --profile other than homogeneous",
+        ),
         click.option("--dropout", type=float, help="per-round device dropout probability"),
         click.option("--seed", type=int),
         click.option(
@@ -143,6 +153,7 @@ def job_overrides(kw: dict[str, Any]) -> dict[str, Any]:
         "rounds.concurrency": kw.get("concurrency"),
         "fleet.profile": kw.get("profile"),
         "fleet.time_scale": kw.get("time_scale"),
+        "fleet.clock": kw.get("clock"),
         "fleet.dropout": kw.get("dropout"),
         "privacy.mechanism": kw.get("mechanism"),
         "privacy.epsilon": kw.get("epsilon"),

@@ -290,6 +290,11 @@ def fleet(shard, indices, credentials, verbose, config, **kw) -> None:
         fail(str(exc))
     pool = _parse_indices(indices, cfg.data.devices)
     part = _parse_shard(shard, len(pool))
+    if cfg.fleet.virtual and part.step > 1:
+        fail(
+            f"--shard {shard}: virtual time (fleet.clock) keeps one fleet process in lock-step "
+            "with the aggregator; run the fleet unsharded, or use fleet.clock: wall"
+        )
     selected = pool[part.start :: part.step]
     if not selected:
         fail(f"--shard {shard} of --indices {indices} holds no device")
@@ -303,6 +308,8 @@ def fleet(shard, indices, credentials, verbose, config, **kw) -> None:
     runtime = job.fleet_runtime(
         spec, selected, prefix=f"edgefl-{cfg.job}-s{shard.replace('/', 'of')}"
     )
+    # virtual time: connect once the aggregator has subscribed (it counts every status live)
+    runtime.wait_for_aggregator = cfg.fleet.virtual
     specs = {}
     if users:
         try:

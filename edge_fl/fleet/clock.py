@@ -1,17 +1,31 @@
-"""Simulated time: modelled compute and transfer durations become real sleeps, scaled.
+"""Simulated time for the fleet: scaled wall time (``SimClock``) or virtual time
+(``VirtualClock``).
 
-``time_scale`` is real seconds per simulated second (0.01 runs a simulated hour in 36 s). Without
-a scale nothing is modelled: devices run as fast as the machine allows and simulated time is wall
-time. Real CPU time spent training also passes on the clock, so it adds to the modelled time.
+``SimClock``: ``time_scale`` is real seconds per simulated second (0.01 runs a simulated hour in
+36 s); modelled compute and transfer durations become real sleeps, scaled. Without a scale nothing
+is modelled: devices run as fast as the machine allows and simulated time is wall time. Real CPU
+time spent training also passes on this clock, so it adds to the modelled time (results depend on
+the machine's load: use it for demonstrations in real time).
+
+``VirtualClock``: simulated time moves only when the fleet is told it may
+(:meth:`VirtualClock.fire_until`, driven by the aggregator's grants, ``edge_fl.clocksync``):
+a device's sleep is a timer, and the machine's time never enters. Idle simulated time costs
+nothing.
 """
 
 from __future__ import annotations
 
 import asyncio
+import math
 import time
+from collections.abc import Hashable
+
+from edge_fl.clocksync import TimerQueue
 
 
 class SimClock:
+    virtual = False
+
     def __init__(self, time_scale: float | None, start_s: float = 0.0) -> None:
         if time_scale is not None and not time_scale > 0:
             raise ValueError(f"time_scale = {time_scale!r} must be > 0 (or None: no modelling)")
@@ -34,11 +48,97 @@ class SimClock:
     def to_wall(self, sim_seconds: float) -> float:
         return sim_seconds * self.time_scale if self.time_scale else sim_seconds
 
-    async def sleep(self, sim_seconds: float) -> None:
+    async def sleep(self, sim_seconds: float, key: Hashable = (), lead: float = 0.0) -> None:
         if self.time_scale is not None and sim_seconds > 0:
             await asyncio.sleep(sim_seconds * self.time_scale)
 
-    async def sleep_until(self, sim_t: float) -> None:
+    async def sleep_until(self, sim_t: float, key: Hashable = (), lead: float = 0.0) -> None:
         if sim_t == float("inf"):
             await asyncio.Event().wait()  # forever (cancelled at the end of the job)
         await self.sleep(max(0.0, sim_t - self.now()))
+
+
+class VirtualClock:
+    """Simulated time that advances only through :meth:`fire_until`.
+
+    ``sleep``/``sleep_until`` register a timer (with a ``key``: same-time timers fire in key
+    order) and wait for it; ``waiting`` counts the coroutines blocked on a timer, so the fleet
+    can tell when every device task is blocked on the clock (quiescent). ``lead``: how long
+    after the timer, at the earliest, what it wakes can publish anything (a download's end
+    leads to a publication no sooner than the compute and the upload's latency later), so
+    :meth:`next_output` can promise the aggregator more than the next timer."""
+
+    virtual = True
+    time_scale = None
+    modelled = True
+
+    def __init__(self, start_s: float = 0.0) -> None:
+        self.start_s = start_s
+        self.t = start_s
+        self.queue = TimerQueue()
+        self.waiting = 0  # coroutines blocked on a timer (or forever)
+        self.fired = 0
+        self._changed: asyncio.Event | None = None
+
+    @property
+    def changed(self) -> asyncio.Event:
+        """Set whenever a coroutine starts waiting on the clock (quiescence may have come)."""
+        if self._changed is None:
+            self._changed = asyncio.Event()
+        return self._changed
+
+    def reset(self) -> None:
+        """(Scaled clocks restart at the fleet's start; virtual time starts where it is.)"""
+
+    def now(self) -> float:
+        return self.t
+
+    def to_wall(self, sim_seconds: float) -> float:
+        return sim_seconds  # deadlines are in simulated seconds on the aggregator's clock too
+
+    async def sleep(self, sim_seconds: float, key: Hashable = (), lead: float = 0.0) -> None:
+        await self.sleep_until(self.t + max(0.0, sim_seconds), key, lead)
+
+    async def sleep_until(self, sim_t: float, key: Hashable = (), lead: float = 0.0) -> None:
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        if not math.isinf(sim_t):
+            t = max(sim_t, self.t)
+            self.queue.push(t, (fut, t + max(0.0, lead)), key)
+        self.waiting += 1
+        self.changed.set()
+        try:
+            await fut
+        finally:
+            if not fut.done() or fut.cancelled():
+                self.waiting -= 1  # cancelled while waiting (the end of the job)
+
+    def next_time(self) -> float:
+        """The earliest pending timer (inf: none)."""
+        return self.queue.next_time(_alive)
+
+    def next_output(self) -> float:
+        """The earliest simulated time anything waiting on this clock can publish (inf: none),
+        unless something from outside (a model, a dispatch) sets new work off first."""
+        return min((b for t, b, item in self.queue.entries() if _alive(item)), default=math.inf)
+
+    def fire_due(self, until: float) -> bool:
+        """Wake every timer at the earliest pending time if it is <= ``until`` (the clock moves
+        there); False if none is due."""
+        t, due = self.queue.pop_due(until, _alive)
+        if not due:
+            return False
+        self.t = max(self.t, t)
+        for fut, _bound in due:
+            self.waiting -= 1
+            self.fired += 1
+            fut.set_result(None)
+        return True
+
+    def move_to(self, t: float) -> None:
+        if t < self.t:
+            raise ValueError(f"virtual time cannot go back from {self.t} to {t}")
+        self.t = t
+
+
+def _alive(item: tuple[asyncio.Future, float]) -> bool:
+    return not item[0].done()

@@ -63,10 +63,11 @@ from edge_fl.device.policy import (
     Uploaded,
 )
 from edge_fl.device.trust import Trust
-from edge_fl.fleet.clock import SimClock
+from edge_fl.fleet.clock import SimClock, VirtualClock
 from edge_fl.fleet.keepalive import SharedKeepalive
 from edge_fl.fleet.profiles import AlwaysAvailable, DeviceProfile
 from edge_fl.protocol import GlobalModel, Topics
+from edge_fl.protocol.clock import ClockMessage, ClockMessageError, clock_topic, decode_clock
 from edge_fl.protocol.messages import Dispatch
 from edge_fl.transport import client_adapter
 from edge_fl.transport.limits import ensure_open_files
@@ -83,6 +84,9 @@ from edge_fl.transport.wire import (
 )
 
 log = logging.getLogger("edge_fl.fleet")
+
+#: MQTT's largest keepalive (a 16-bit count of seconds): device sessions under virtual time
+MAX_KEEPALIVE_S = 65535
 
 # Refusals that retrying cannot fix (MQTT CONNACK reasons and TLS failures, as paho words them).
 _FATAL = ("not authori", "bad user name or password", "certificate verify failed")
@@ -117,7 +121,7 @@ class Fleet:
         keepalive_s: int = 60,
         client_prefix: str | None = None,
         profiles: dict[str, DeviceProfile] | None = None,
-        clock: SimClock | None = None,
+        clock: SimClock | VirtualClock | None = None,
         dropout: float | None = None,
         digest: str = "",
         trust: Trust | None = None,
@@ -144,7 +148,13 @@ class Fleet:
         self.device_errors = 0
         self.connected = asyncio.Event()
         self.profiles = profiles or {}
-        self.clock = clock or SimClock(None)
+        self.clock: SimClock | VirtualClock = clock or SimClock(None)
+        if isinstance(self.clock, VirtualClock):
+            # Keepalive PINGs follow real time, which virtual time must not let into any record
+            # (the wire counters would depend on the machine's speed): the longest keepalive
+            # MQTT allows, so no device session pings during a run; keepalive traffic (4 bytes
+            # per idle keepalive period) is left out of the wire counts under virtual time.
+            self.keepalive_s = keepalive_s = MAX_KEEPALIVE_S
         self.dropout = dropout  # overrides the profiles' training dropout when set
         self.dropouts = 0
         self.unavailable: set[str] = set()  # devices outside their availability window
@@ -179,6 +189,22 @@ class Fleet:
         #: an asynchronous model was seen: the downlink (and every device's own subscription, as
         #: charged or with ``device_downlink``) takes the ``dispatch`` topic too
         self.asynchronous = False
+        # Virtual time (``VirtualClock``): the aggregator's grants move the clock
+        # (``_clock_driver``); models and dispatches wait for the grant that covers them.
+        self.virtual = isinstance(self.clock, VirtualClock)
+        #: updates and statuses the devices' sessions published (the connect statuses included)
+        self.vt_published = 0
+        #: the aggregator's global and dispatch messages received live since the clock started
+        self.vt_seen = 0
+        self.vt_cycles = 0  # grants answered
+        self.vt_train_s = 0.0  # wall time training blocked the clock (devices in the pool)
+        #: ``edge-fl fleet``: before connecting, wait until the aggregator is subscribed (its
+        #: retained job document), so it receives every status live and can count it
+        self.wait_for_aggregator = False
+        self._vt_deliveries: list[tuple[str, object, int]] = []  # (kind, message, model bytes)
+        self._vt_seen_changed = asyncio.Event()
+        self._downlink_subscribed = asyncio.Event()
+        self._clocked: set[asyncio.Task] = set()  # availability loops (blocked on the clock)
 
     def use_credentials(self, device_specs: dict[str, BrokerSpec]) -> None:
         """Connect each device with its own spec (its MQTT user); before `run`."""
@@ -351,6 +377,7 @@ class Fleet:
             task = asyncio.create_task(self._carry_out(agent, deque(effects), model_bytes))
             self._work.add(task)
             task.add_done_callback(self._work.discard)
+            task.add_done_callback(self._poke)
 
     async def settled(self) -> None:
         """Wait until no device is downloading, training or uploading."""
@@ -391,12 +418,17 @@ class Fleet:
         device = agent.device_id
         profile = self.profiles.get(device)
         if profile is not None:
-            await self.clock.sleep(profile.download_time(model_bytes))
+            # nothing is published before the compute and the upload's latency are over
+            lead = profile.compute_time(agent.n_samples, agent.training.epochs)
+            lead += profile.upload_time(0)
+            await self.clock.sleep(profile.download_time(model_bytes), key=(device, 1), lead=lead)
         if device in self.unavailable or device in self.crashed:
             return Trained(msg, None)  # gone before it could train: the round stays unanswered
         loop = asyncio.get_running_loop()
+        t0 = loop.time()
         try:
             payload = await loop.run_in_executor(self._pool, agent.on_global, msg)
+            self.vt_train_s += loop.time() - t0
         except Exception:
             self.device_errors += 1
             log.exception("device %s failed in round %d", device, msg.round)
@@ -410,12 +442,16 @@ class Fleet:
         device = agent.device_id
         profile = self.profiles.get(device)
         if profile is not None:
-            await self.clock.sleep(profile.compute_time(agent.n_samples, agent.training.epochs))
+            await self.clock.sleep(
+                profile.compute_time(agent.n_samples, agent.training.epochs),
+                key=(device, 1),
+                lead=profile.upload_time(0),  # the upload's latency, at least, comes next
+            )
         if self._drops(agent, profile) or device in self.unavailable:
             self.dropouts += 1
             return Uploaded(effect.round, dropped=True)
         if profile is not None:
-            await self.clock.sleep(profile.upload_time(len(effect.payload)))
+            await self.clock.sleep(profile.upload_time(len(effect.payload)), key=(device, 1))
         if device in self.crashed:
             return Uploaded(effect.round, dropped=True)
         client = self.clients.get(device)
@@ -423,6 +459,7 @@ class Fleet:
             self._session_lost.set()
             return Uploaded(effect.round)
         await client.publish(self.topics.update(device), effect.payload, qos=1)
+        self.vt_published += 1
         self._delivered(device, effect.round)
         return Uploaded(effect.round)
 
@@ -434,6 +471,7 @@ class Fleet:
         if client is None or device in self.crashed or device in self.unavailable:
             return
         await client.publish(self.topics.update(agent.device_id), effect.payload, qos=1)
+        self.vt_published += 1
         self.resent += 1
         self._delivered(agent.device_id, effect.round)
 
@@ -450,6 +488,7 @@ class Fleet:
             return
         status = agent.status(online)
         await client.publish(self.topics.status(agent.device_id), status, qos=1, retain=True)
+        self.vt_published += 1
 
     def _spawn(self, coro) -> None:
         task = asyncio.create_task(coro)
@@ -471,7 +510,8 @@ class Fleet:
         """The job is asynchronous: take ``dispatch`` on the downlink, and charge (or, with
         ``device_downlink``, make) each device's own subscription to it."""
         self.asynchronous = True
-        await downlink.subscribe(self.topics.dispatch, qos=0)
+        if not self.virtual:  # virtual time subscribed to it from the start
+            await downlink.subscribe(self.topics.dispatch, qos=0)
         for device, client in list(self.clients.items()):
             if device == self.downlink_device or device in self.crashed:
                 continue
@@ -514,9 +554,11 @@ class Fleet:
                 try:
                     if client is not None:
                         await client.publish(topic, agent.status(available), qos=1, retain=True)
+                        self.vt_published += 1
                 except aiomqtt.MqttError:
                     self._session_lost.set()
-            await self.clock.sleep_until(model.next_change(t))
+            # key: a device's availability change comes before its own work at the same time
+            await self.clock.sleep_until(model.next_change(t), key=(agent.device_id, 0))
 
     def _start_availability(self) -> None:
         if not self.clock.modelled:
@@ -527,7 +569,10 @@ class Fleet:
                     self.unavailable.add(device)
                 task = asyncio.create_task(self._availability(self.agents[device], profile))
                 self._tasks.add(task)
+                self._clocked.add(task)
                 task.add_done_callback(self._tasks.discard)
+                task.add_done_callback(self._clocked.discard)
+                task.add_done_callback(self._poke)
 
     async def _downlink(self) -> bool:
         """One downlink session; True when the job is done."""
@@ -548,10 +593,13 @@ class Fleet:
 
     async def _serve_downlink(self, downlink: aiomqtt.Client) -> bool:
         """Receive global models on ``downlink`` and hand them out; True when the job is done."""
-        if self.asynchronous:
+        if self.virtual:  # both from the start: every message the aggregator counts comes live
+            await downlink.subscribe([(self.topics.global_model, 0), (self.topics.dispatch, 0)])
+        elif self.asynchronous:
             await downlink.subscribe([(t, 0) for t in self._downlink_topics()])
         else:
             await downlink.subscribe(self.topics.global_model, qos=0)
+        self._downlink_subscribed.set()
         self.trust.window.rejoin()  # rounds may have passed while the downlink was away
         self.reconnect_attempt = 0
         self._downlink_up = True
@@ -567,10 +615,15 @@ class Fleet:
             payload = message.payload
             if not isinstance(payload, bytes | bytearray) or not payload:
                 continue  # cleared retained message: no model yet
+            if self.virtual:
+                if message.retain:
+                    continue  # an earlier run's: this run's messages all come live
+                self.vt_seen += 1  # counted whatever becomes of it: the aggregator counts it
+                self._vt_seen_changed.set()
             if message.topic.matches(self.topics.dispatch):
                 asked = receive_dispatch(self.trust, bytes(payload), self.topics)
                 if asked is not None:
-                    self.hand_dispatch(asked.dispatch)
+                    self._deliver("dispatch", asked.dispatch, 0)
                 continue
             event = self.trust.receive(
                 bytes(payload),
@@ -585,8 +638,140 @@ class Fleet:
                 return True  # every device says offline when the fleet leaves
             if event.msg.mode != "sync" and not self.asynchronous:
                 await self._listen_for_dispatch(downlink)
-            self.hand_out(event.msg, len(payload))
+            self._deliver("model", event.msg, len(payload))
         return False
+
+    def _deliver(self, kind: str, msg: object, model_bytes: int) -> None:
+        """Hand a model or dispatch to the devices now, or (virtual time) at the simulated time
+        of the grant that counts it."""
+        if self.virtual:
+            self._vt_deliveries.append((kind, msg, model_bytes))
+            return
+        if kind == "model":
+            assert isinstance(msg, GlobalModel)
+            self.hand_out(msg, model_bytes)
+        else:
+            assert isinstance(msg, Dispatch)
+            self.hand_dispatch(msg)
+
+    # ------------------------------------------------------------ virtual time
+
+    def _poke(self, _task: object = None) -> None:
+        if self.virtual:
+            assert isinstance(self.clock, VirtualClock)
+            self.clock.changed.set()
+
+    def quiescent(self) -> bool:
+        """Every device task (download, training, upload, availability) is blocked on the
+        virtual clock: nothing more happens until the clock moves."""
+        assert isinstance(self.clock, VirtualClock)
+        live = sum(1 for t in self._work if not t.done()) + sum(
+            1 for t in self._clocked if not t.done()
+        )
+        return self.clock.waiting >= live
+
+    async def _quiet(self) -> None:
+        assert isinstance(self.clock, VirtualClock)
+        changed = self.clock.changed
+        while True:
+            changed.clear()
+            if self.quiescent():
+                return
+            await changed.wait()
+
+    async def advance_to(self, t: float) -> None:
+        """Carry out every device event up to simulated time ``t``: timers in time order (each
+        time until quiescent), the aggregator's messages counted by the grant at ``t`` (after
+        the fleet's own events of that time), then what they set off at ``t``."""
+        clock = self.clock
+        assert isinstance(clock, VirtualClock)
+        await self._quiet()
+        while True:
+            if clock.fire_due(t):
+                await self._quiet()
+                continue
+            if self._vt_deliveries:
+                clock.move_to(t)
+                deliveries, self._vt_deliveries = self._vt_deliveries, []
+                for kind, msg, model_bytes in deliveries:
+                    if kind == "model":
+                        assert isinstance(msg, GlobalModel)
+                        self.hand_out(msg, model_bytes)
+                    else:
+                        assert isinstance(msg, Dispatch)
+                        self.hand_dispatch(msg)
+                await self._quiet()
+                continue
+            break
+        clock.move_to(t)
+
+    def _report(self, kind: str, g: int, t: float) -> bytes:
+        assert isinstance(self.clock, VirtualClock)
+        return ClockMessage(
+            kind,
+            g=g,
+            t=t,
+            n=self.vt_published,
+            next=self.clock.next_output(),
+            seen=self.vt_seen,
+        ).encode()
+
+    async def _await_seen(self, n: int) -> None:
+        while self.vt_seen < n:
+            self._vt_seen_changed.clear()
+            if self.vt_seen >= n:
+                return
+            await self._vt_seen_changed.wait()
+
+    def _clock_client(self) -> aiomqtt.Client:
+        gone = ClockMessage("gone").encode()
+        return aiomqtt.Client(
+            **self.spec.aiomqtt_kwargs(),
+            identifier=f"{self.client_prefix}-clock",
+            will=aiomqtt.Will(clock_topic(self.topics.base, "fleet"), gone, qos=1),
+            clean_session=True,
+            keepalive=self.keepalive_s,
+        )
+
+    async def _await_aggregator(self, client: aiomqtt.Client) -> None:
+        """Until the job's retained document is there: the aggregator publishes it once it has
+        subscribed to statuses and updates (``edge-fl fleet`` under virtual time)."""
+        await client.subscribe(self.topics.job_document, qos=1)
+        async for message in client.messages:
+            if message.topic.matches(self.topics.job_document) and message.payload:
+                break
+        await client.unsubscribe(self.topics.job_document)
+
+    async def _clock_driver(self, client: aiomqtt.Client) -> None:
+        """Virtual time, the fleet's side: say ready, then answer each grant (wait for the
+        aggregator's messages it counts, carry out every event up to its time, report)."""
+        out = clock_topic(self.topics.base, "fleet")
+        await self._downlink_subscribed.wait()
+        await client.publish(out, self._report("ready", 0, self.clock.now()), qos=1)
+        answered, report = 0, b""
+        async for message in client.messages:
+            payload = message.payload
+            if not isinstance(payload, bytes | bytearray):
+                continue
+            try:
+                grant = decode_clock(bytes(payload))
+            except ClockMessageError as exc:
+                log.warning("fleet: clock message ignored: %s", exc)
+                continue
+            if grant.kind != "grant" or grant.g < answered:
+                continue
+            if grant.g == answered:  # published again: the aggregator missed the report
+                task = asyncio.create_task(client.publish(out, report, qos=1))
+                task.add_done_callback(_retrieved)
+                continue
+            await self._await_seen(grant.n)
+            await self.advance_to(grant.t)
+            self.vt_cycles += 1
+            # not awaited: its PUBACK would cost a broker round trip per step (QoS 1 all the same)
+            report = self._report("report", grant.g, grant.t)
+            answered = grant.g
+            task = asyncio.create_task(client.publish(out, report, qos=1))
+            task.add_done_callback(_retrieved)
 
     async def _reconnect_devices(self) -> None:
         """Re-open the sessions the broker dropped (their wills marked them offline)."""
@@ -675,10 +860,26 @@ class Fleet:
 
         If the broker goes away, the fleet reconnects (downlink first, then every dropped device
         session) with exponential backoff, up to ``max_reconnects`` attempts in a row."""
+        clock_client: aiomqtt.Client | None = None
+        driver: asyncio.Task | None = None
         try:
+            if self.virtual:
+                clock_client = self._clock_client()
+                await clock_client.__aenter__()
+                client_adapter.no_delay(clock_client)
+                await clock_client.subscribe(clock_topic(self.topics.base, "agg"), qos=1)
+                if self.wait_for_aggregator:
+                    await self._await_aggregator(clock_client)
             await self.connect_all()
+            if self.virtual:
+                self.vt_published += len(self.clients)  # each session announced its status
+                for client in self.clients.values():  # updates are on the clock's critical path
+                    client_adapter.no_delay(client)
             self._start_availability()
             self._spawn(self._watch_sessions())
+            if clock_client is not None:
+                driver = asyncio.create_task(self._clock_driver(clock_client), name="fleet-clock")
+                driver.add_done_callback(_report_driver_end)
             self.reconnect_attempt = 0
             while True:
                 try:
@@ -704,6 +905,25 @@ class Fleet:
                 task.cancel()  # availability loops and stragglers: the job is over
         finally:
             self._closing = True
+            if driver is not None:
+                driver.cancel()
+            if clock_client is not None:
+                with contextlib.suppress(Exception):
+                    gone = ClockMessage("gone").encode()
+                    await clock_client.publish(clock_topic(self.topics.base, "fleet"), gone, qos=1)
+                    await clock_client.__aexit__(None, None, None)
             await self.disconnect_all()
             await self.keepalive.close()
             self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _retrieved(task: asyncio.Task) -> None:
+    if not task.cancelled():
+        task.exception()  # a lost broker is reported by the sessions, not per clock message
+
+
+def _report_driver_end(task: asyncio.Task) -> None:
+    """The fleet's clock driver only ends with the fleet (cancelled); anything else stalls
+    virtual time, so it is said at once."""
+    if not task.cancelled() and task.exception() is not None:
+        log.error("fleet: virtual-time driver failed: %r", task.exception())

@@ -42,7 +42,9 @@ from typing import TYPE_CHECKING, Any
 
 import aiomqtt
 
+from edge_fl.clocksync import AggregatorClock, arrival_order
 from edge_fl.protocol import Reject, Topics, encode_global
+from edge_fl.protocol.clock import ClockMessage, ClockMessageError, clock_topic, decode_clock
 from edge_fl.protocol.dispatch import encode_dispatch
 from edge_fl.protocol.messages import Dispatch
 from edge_fl.transport import client_adapter
@@ -77,6 +79,16 @@ SHARD_ANSWER_S = 10.0
 #: on a stop, after the done marker: how long the service still listens for updates devices
 #: had already sent (each is a release to charge); a fleet that leaves ends it at once
 STOP_GRACE_S = 1.0
+#: virtual time: how often (real seconds) a wait for the fleet's clock report says it still waits
+VT_NOTE_S = 30.0
+#: virtual time: a grant unanswered for this long (real seconds) is published again (the fleet
+#: answers a repeated grant with its report again): a lost clock message must not stall the run
+VT_RESEND_S = 5.0
+
+
+class NothingPending(RuntimeError):
+    """Virtual time: neither the aggregator nor the fleet has any event left, so nothing the
+    job waits for can ever happen (no device will become available, no deadline is set)."""
 
 
 def _retrieved(task: asyncio.Task) -> None:
@@ -115,8 +127,25 @@ class AggregatorService:
         acks: str = "off",  # off | rejections | all: replies on ack/<device>
         job_document: bytes | None = None,  # retained on <prefix>/<job>/job while the job runs
         sharding: Any = None,  # edge_fl.server.sharding.Coordinator: ingest by workers
+        virtual_time: bool = False,  # simulated time in lock-step with one fleet (clocksync)
+        virtual_limit_s: float | None = None,  # virtual time: stop after this many simulated s
     ) -> None:
+        if virtual_time and sharding is not None:
+            raise ValueError("virtual time runs without ingest workers (ingest.workers = 0)")
+        if virtual_time and core.current is not None:
+            raise ValueError("virtual time cannot resume an open round (run it again instead)")
         self.sharding = sharding
+        #: virtual time (``edge_fl.clocksync``): None = the event loop's clock
+        self.vclock: AggregatorClock | None = AggregatorClock() if virtual_time else None
+        self._vt_held: list[tuple[str, bytes, int, int, bool]] = []  # until their report
+        self._vt_ready: ClockMessage | None = None
+        self._vt_gone = False
+        self._vt_released: float | None = None  # loop time virtual time gave way to real time
+        self._vt_event = asyncio.Event()
+        self._clock_in = clock_topic(topics.base, "fleet")
+        self._clock_out = clock_topic(topics.base, "agg")
+        self._vt_limit_s = virtual_limit_s
+        self._vt_end = math.inf  # the simulated time the limit ends the job at
         self._open_control: bytes | None = None  # the open round's message to the workers
         self.signer = signer
         self.job_document = job_document
@@ -164,6 +193,7 @@ class AggregatorService:
             log.warning("%s: deciding the open round and stopping", reason)
             self.stopped = reason
         self._wake.set()
+        self._vt_event.set()
 
     def _ack(self, device: str, payload: bytes, reason: Reject | str | None, held: bool) -> None:
         """Tell the device what became of its update (docs/protocol.md, Ack), as the
@@ -232,6 +262,8 @@ class AggregatorService:
             if not retain:
                 self._live_status.add(device)  # said during this run, not left by an earlier one
             self._wake.set()
+        elif self.vclock is not None and topic == self._clock_in:
+            self._on_clock(bytes(payload))
         elif self.sharding is not None:
             self._from_worker(topic, bytes(payload))
 
@@ -273,13 +305,190 @@ class AggregatorService:
             if qos and not self.ack_after_processing and self._paho is not None:
                 client_adapter.ack(self._paho, mid, 1)  # the chaos tool's ack-on-receipt
                 qos = 0
-            if self._settled and self.topics.device_of(topic, "up") is not None:
-                return  # settled: not taken, not acknowledged (a resume gets it)
-            self._ingest(topic, payload, retain)
-            if qos > 0:
-                self.commit.add(mid, qos, self._loop)
+            if self.vclock is not None and self._vt_hold(topic, payload, mid, qos, retain):
+                return
+            self._take(topic, payload, mid, qos, retain)
         except Exception as exc:  # handed to the reader task, which raises it
             self._fail(exc)
+
+    def _take(
+        self, topic: str, payload: bytes, mid: int, qos: int, retain: bool, acked: bool = False
+    ) -> None:
+        if self._settled and self.topics.device_of(topic, "up") is not None:
+            return  # settled: not taken, not acknowledged (a resume gets it)
+        self._ingest(topic, payload, retain)
+        if qos > 0 and not acked:
+            self.commit.add(mid, qos, self._loop)
+
+    # ---------------------------------------------------------------- virtual time
+
+    def _vt_hold(self, topic: str, payload: bytes, mid: int, qos: int, retain: bool) -> bool:
+        """Virtual time: count every live update and status from the fleet's devices and, once
+        the clock runs, hold it until the report that covers it (True: held)."""
+        vc = self.vclock
+        assert vc is not None
+        topics = self.topics
+        if topics.device_of(topic, "up") is None and topics.device_of(topic, "status") is None:
+            return False
+        if retain:
+            return False  # delivered on subscribing: state left before this run's clock
+        vc.received_one()
+        self._vt_event.set()
+        if not vc.started or self._vt_released is not None:
+            return False
+        self._vt_held.append((topic, payload, mid, qos, retain))
+        if qos > 0:
+            # acknowledged now, not after it is journaled: the broker sends a session only so
+            # many unacknowledged QoS 1 messages, and the report that releases what is held
+            # queues behind them (a deadlock at ~100 statuses in one step). Virtual time does
+            # not resume (--resume is refused), so no journal replay depends on the later ack.
+            self.commit.add(mid, qos, self._loop)
+        return True
+
+    def _vt_take_held(self) -> None:
+        """Hand what arrived for the time just reached to the engine: by device, each device's
+        own messages in their order (``arrival_order``), never in the order sessions raced."""
+        held, self._vt_held = self._vt_held, []
+
+        def device(m: tuple[str, bytes, int, int, bool]) -> str:
+            topics = self.topics
+            return topics.device_of(m[0], "up") or topics.device_of(m[0], "status") or ""
+
+        for topic, payload, mid, qos, retain in arrival_order(held, device):
+            self._take(topic, payload, mid, qos, retain, acked=True)
+
+    def _on_clock(self, payload: bytes) -> None:
+        try:
+            msg = decode_clock(payload)
+        except ClockMessageError as exc:
+            log.warning("clock message ignored: %s", exc)
+            return
+        vc = self.vclock
+        if vc is None:
+            return
+        if msg.kind == "ready" and self._vt_ready is None:
+            self._vt_ready = msg
+        elif msg.kind == "report":
+            vc.on_report(msg.g, msg.t, msg.next, msg.n)
+        elif msg.kind == "gone":
+            self._vt_gone = True
+        self._vt_event.set()
+
+    @property
+    def virtual(self) -> bool:
+        """Simulated time is virtual and still in lock-step with the fleet."""
+        vc = self.vclock
+        return vc is not None and vc.started and self._vt_released is None
+
+    def sim_now(self) -> float:
+        """The aggregator's time: simulated seconds (virtual time), else the loop's clock."""
+        return self._now()
+
+    def _vt_release(self, why: str) -> None:
+        """Virtual time ends (a stop, the fleet left): from here on time passes in real
+        seconds from the simulated time reached, and what is held is taken."""
+        if self.virtual:
+            log.info("virtual time ends at %.3f s: %s", self._now(), why)
+            self._vt_released = asyncio.get_running_loop().time()
+            self._vt_take_held()
+
+    async def _vt_wait(
+        self, done: Callable[[], bool], what: str, again: Callable[[], None] | None = None
+    ) -> bool:
+        """Until ``done()``; False when a stop or the fleet's leaving came first. ``again``:
+        called every :data:`VT_RESEND_S` of waiting (the grant is published again)."""
+        loop = asyncio.get_running_loop()
+        note = loop.time() + VT_NOTE_S
+        resend = loop.time() + VT_RESEND_S
+        while not done():
+            if self.stopped is not None or self._vt_gone:
+                return False
+            self._vt_event.clear()
+            if done():
+                break
+            wake = min(note, resend) if again is not None else note
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._vt_event.wait(), max(0.0, wake - loop.time()))
+            if again is not None and loop.time() >= resend and not done():
+                resend = loop.time() + VT_RESEND_S
+                self.stats["clock_resent"] += 1
+                again()
+            if loop.time() >= note:
+                note = loop.time() + VT_NOTE_S
+                log.warning("virtual time: still waiting for %s", what)
+        return True
+
+    async def _vt_start(self) -> None:
+        """Virtual time starts when the fleet says ready and every status it counts is here."""
+        vc = self.vclock
+        if vc is None or vc.started:
+            return
+
+        def ready() -> bool:
+            r = self._vt_ready
+            return r is not None and vc.received >= r.n
+
+        if not await self._vt_wait(ready, "the fleet to say ready on " + self._clock_in):
+            if self._vt_gone:
+                raise RuntimeError("virtual time: the fleet left before it was ready")
+            return
+        r = self._vt_ready
+        assert r is not None
+        vc.start(r.t, r.next, r.n)
+        if self._vt_limit_s is not None:
+            self._vt_end = r.t + self._vt_limit_s
+        log.info("virtual time starts at %.3f s (%d statuses counted)", r.t, r.n)
+
+    async def _vt_step(self, deadline: float | None) -> None:
+        """One step of virtual time towards ``deadline`` (None: the next event anywhere):
+        grant, wait for the fleet's report and everything it counts, move, take it."""
+        vc = self.vclock
+        client = self._client
+        assert vc is not None and vc.now is not None
+        own = min(math.inf if deadline is None else deadline, self._vt_end)
+        if vc.now >= self._vt_end:
+            self.request_stop(f"the simulated time limit ({self._vt_limit_s:g} s)")
+            return
+        if self._wake.is_set():
+            self._wake.clear()
+            return
+        if not vc.must_exchange() and own <= vc.now:
+            return  # already due
+        grant = vc.grant(own)
+        if grant is None:
+            raise NothingPending(
+                f"virtual time {vc.now:.1f} s: nothing is pending on either side (no device "
+                "can become available and no deadline is set): nothing more can happen"
+            )
+        if client is None:
+            raise aiomqtt.MqttError("no connection to send the clock grant on")
+        msg = ClockMessage("grant", g=grant.g, t=grant.t, n=grant.n).encode()
+
+        def publish() -> None:
+            # not awaited (its PUBACK is a broker round trip on every step): the report
+            # answers it
+            task = asyncio.get_running_loop().create_task(
+                client.publish(self._clock_out, msg, qos=1)
+            )
+            task.add_done_callback(_retrieved)
+
+        publish()
+        answered = await self._vt_wait(
+            lambda: vc.ready,
+            f"the fleet's report for t = {grant.t:.3f} s (grant {grant.g})",
+            again=publish,
+        )
+        if not answered:
+            self._vt_release("stopped" if self.stopped is not None else "the fleet left")
+            return
+        vc.advance()
+        self._vt_take_held()
+        self._wake.clear()
+
+    def _vt_published(self) -> None:
+        if self.virtual:
+            assert self.vclock is not None
+            self.vclock.published_one()
 
     def _on_paho_message(self, message: paho.MQTTMessage) -> None:
         """paho's callback, for the packets the tap leaves to paho (and without a tap)."""
@@ -349,6 +558,7 @@ class AggregatorService:
                 self._open_control = self.sharding.open_message(self._global_payload)
             await client.publish(self.topics.ingest_control, self._open_control, 1, retain=True)
         await client.publish(self.topics.global_model, self._global_payload, qos=1, retain=True)
+        self._vt_published()
 
     async def _collect_shares(self, client: aiomqtt.Client | None) -> None:
         """Sharded ingest: freeze the round on every worker, then commit it (with what each
@@ -391,13 +601,27 @@ class AggregatorService:
 
         A wake-up that came since the last one was consumed (e.g. a stop signal during the
         global publish, before this sleep began) returns at once: the event is cleared when it
-        is consumed, never before waiting, so none is lost; every caller re-checks its state."""
+        is consumed, never before waiting, so none is lost; every caller re-checks its state.
+
+        Under virtual time: one step of the clock (``_vt_step``); a stop or the fleet's leaving
+        turns virtual time into real time from the simulated time reached."""
+        if self.virtual:
+            if self.stopped is not None or self._vt_gone:
+                self._vt_release("stopped" if self.stopped is not None else "the fleet left")
+            else:
+                await self._vt_step(deadline)
+                return
         timeout = None if deadline is None else max(0.0, deadline - self._now())
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._wake.wait(), timeout)
         self._wake.clear()
 
     def _now(self) -> float:
+        vc = self.vclock
+        if vc is not None and vc.now is not None:
+            if self._vt_released is None:
+                return vc.now
+            return vc.now + (asyncio.get_running_loop().time() - self._vt_released)
         return asyncio.get_running_loop().time()
 
     # ---------------------------------------------------------------- rounds
@@ -407,8 +631,17 @@ class AggregatorService:
         after the wait with whoever is there. A retained OFFLINE status may be an earlier run's
         last will (the same job id): it does not count as reported until this run confirms it
         live, so a fleet still connecting is waited for instead of running round 1 short."""
+        if self.virtual:
+            # between rounds, too few devices available (a night): the next event anywhere,
+            # however far in simulated time; the caller tries to open the round again
+            await self._sleep_until(None)
+            return
         want = self.expected_devices or self.core.settings.n_select
         need = min(want, self.core.settings.n_select)
+        if self.vclock is not None:
+            # virtual time about to start: every device's status is what is waited for here;
+            # availability (a fleet that starts at night) is waited for in simulated time
+            need = 0
         until = self._now() + self.wait_for_devices_s
 
         def reported() -> int:
@@ -434,8 +667,8 @@ class AggregatorService:
             and self._now() < until
             and (not all_reported() or len(self.core.available()) < need)
         ):
-            if all_reported() and len(self.core.available()) >= max(
-                1, self.core.settings.min_updates
+            if all_reported() and len(self.core.available()) >= min(
+                need, max(1, self.core.settings.min_updates)
             ):
                 break  # everyone reported; fewer are available than we would like: go
             if self._now() >= next_note:
@@ -448,7 +681,8 @@ class AggregatorService:
                     until - self._now(),
                 )
             await self._sleep_until(min(until, next_note))
-        if self.stopped is None and len(self.core.available()) < self.core.settings.min_updates:
+        short = len(self.core.available()) < self.core.settings.min_updates
+        if self.stopped is None and short and self.vclock is None:
             raise RuntimeError(
                 f"only {len(self.core.available())} devices online after "
                 f"{self.wait_for_devices_s:.0f}s; a round needs at least "
@@ -677,6 +911,7 @@ class AggregatorService:
             self.journal.sync()
         self._dispatch_payload = payload
         await client.publish(self.topics.dispatch, payload, qos=1, retain=True)
+        self._vt_published()
         self.core.tally.bytes_down += len(payload) * self.core.online_count
 
     def _early(self, core: AggregatorCore) -> bool:
@@ -708,6 +943,11 @@ class AggregatorService:
             self._flush()  # what arrived while connecting (the persistent session's queue)
             self._settle_until = None
             if self._ever_connected:  # a reconnect: the devices' statuses are stale for a while
+                if self.vclock is not None and self.vclock.started:
+                    raise RuntimeError(
+                        "virtual time cannot continue after the broker was lost: messages "
+                        "counted by the clock may be gone (run the simulation again)"
+                    )
                 self._grace_until = self._now() + RECONNECT_SETTLE_S
             if self.core.round_number == 0 and self.core.current is None:
                 # forget the retained model of an earlier run of this job id
@@ -716,16 +956,21 @@ class AggregatorService:
                     await client.publish(self.topics.dispatch, b"", qos=1, retain=True)
                 if self.sharding is not None:  # and its last round's open, for the workers
                     await client.publish(self.topics.ingest_control, b"", qos=1, retain=True)
-            if self.job_document is not None and not self.core.finished:
-                await client.publish(
-                    self.topics.job_document, self.job_document, qos=1, retain=True
-                )
+            if self.vclock is not None:
+                client_adapter.no_delay(client)  # every step is a round trip through the broker
+                await client.subscribe(self._clock_in, qos=1)
             await client.subscribe(self.topics.all_status, qos=1)
             if self.sharding is None:
                 await client.subscribe(self.topics.all_updates, qos=1)
             else:  # the workers take the updates; their answers and liveness come here
                 for kind in ("progress", "partial", "worker"):
                     await client.subscribe(self.topics.all_ingest(kind), qos=1)
+            # after the subscriptions: a fleet under virtual time waits for the document, so
+            # every status it publishes reaches this session live (and is counted)
+            if self.job_document is not None and not self.core.finished:
+                await client.publish(
+                    self.topics.job_document, self.job_document, qos=1, retain=True
+                )
             self.connected.set()
             self._ever_connected = True
             self._attempt = 0
@@ -759,6 +1004,7 @@ class AggregatorService:
                 elif not self.core.finished:
                     await self._wait_for_workers()
                     await self._wait_for_devices()
+                    await self._vt_start()
                 runner = asyncio.create_task(self._run_rounds(client))
                 done, _ = await asyncio.wait({reader, runner}, return_when=asyncio.FIRST_COMPLETED)
                 for task in done:

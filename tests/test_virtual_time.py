@@ -1,0 +1,101 @@
+"""Virtual time end to end over a real Mosquitto: the same async job gives the same metrics
+sequence twice, the second time beside a CPU-bound process; a stop ends it cleanly; resume is
+refused with a reason."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import uuid
+
+import pytest
+from helpers import TWO_SPEED_PROFILE
+
+from edge_fl.clocksync import first_difference
+from edge_fl.config import load_config
+from edge_fl.job import build_job
+from edge_fl.simulation import RunDirError, open_run, run_simulation
+
+pytestmark = pytest.mark.broker
+
+#: the fields of a record that measure the machine, not the simulation
+WALL_FIELDS = ("wall_time_s", "elapsed_s")
+
+
+@pytest.fixture(scope="module")
+def profile_path(tmp_path_factory):
+    path = tmp_path_factory.mktemp("profiles") / "two-speed.yaml"
+    path.write_text(TWO_SPEED_PROFILE)
+    return path
+
+
+def config(profile_path, **overrides):
+    base = {
+        "job": f"vt-{uuid.uuid4().hex[:6]}",
+        "seed": 5,
+        "reproducible": True,
+        "data.dataset": "digits",
+        "data.devices": 12,
+        "data.partition": "dirichlet",
+        "model.name": "logreg",
+        "training.epochs": 2,
+        "rounds.mode": "fedbuff",
+        "rounds.buffer_size": 3,
+        "rounds.concurrency": 5,
+        "rounds.dispatch_timeout_s": 3.0,
+        "rounds.rounds": 8,
+        "rounds.deadline_s": 30.0,  # simulated seconds
+        "rounds.wait_for_devices_s": 30.0,
+        "fleet.profile": str(profile_path),
+        "fleet.clock": "virtual",
+        "fleet.dropout": 0.2,
+    }
+    return load_config(None, {**base, **overrides})
+
+
+def records(out) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_the_same_job_gives_the_same_records_with_and_without_a_cpu_hog(profile_path, tmp_path):
+    cfg = config(profile_path)
+    first = run_simulation(cfg, tmp_path / "quiet")
+    hog = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        second = run_simulation(cfg, tmp_path / "loaded")
+    finally:
+        hog.kill()
+        hog.wait()
+    a, b = records(tmp_path / "quiet"), records(tmp_path / "loaded")
+    assert len(a) == 8 and first.summary["rounds_closed"] == 8
+    assert first_difference(a, b, WALL_FIELDS) is None
+    assert (first.params == second.params).all()
+    vt = {k: v for k, v in first.summary["virtual_time"].items() if k != "train_wall_s"}
+    assert vt["grants"] > 8
+    assert vt == {k: v for k, v in second.summary["virtual_time"].items() if k != "train_wall_s"}
+    # simulated time only from the profile: slow devices need >1 simulated s for a window
+    sim = [r["sim_time_s"] for r in a]
+    assert sim == sorted(sim) and sim[-1] > 1.0
+
+
+def test_a_stop_under_virtual_time_decides_the_round_and_ends(profile_path, tmp_path):
+    cfg = config(profile_path, **{"rounds.rounds": 50})
+
+    def stop_after_two(record: dict) -> None:
+        if record["round"] == 2:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    result = run_simulation(cfg, tmp_path, handle_signals=True, on_record=stop_after_two)
+    assert result.summary["stopped"] == "SIGTERM"
+    recs = records(tmp_path)
+    assert 2 <= len(recs) < 50
+    assert (tmp_path / "summary.json").exists() and (tmp_path / "model.onnx").exists()
+
+
+def test_resume_is_refused_under_virtual_time(profile_path, tmp_path):
+    job = build_job(config(profile_path))
+    with pytest.raises(RunDirError, match="not supported under virtual time"):
+        open_run(job, tmp_path, resume=True)
