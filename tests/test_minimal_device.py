@@ -264,7 +264,7 @@ def digits_share(path: Path, part: slice) -> Path:
     return path
 
 
-def config_digest(run_json: Path, agg: subprocess.Popen, timeout: float = 30.0) -> str:
+def config_digest(run_json: Path, agg: subprocess.Popen, timeout: float = 180.0) -> str:
     """What an operator provisions devices with: `config_digest` from the aggregator's run.json."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline and agg.poll() is None:
