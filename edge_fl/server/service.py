@@ -428,7 +428,11 @@ class AggregatorService:
             r = self._vt_ready
             return r is not None and vc.received >= r.n
 
-        if not await self._vt_wait(ready, "the fleet to say ready on " + self._clock_in):
+        what = (
+            f"the fleet to say ready on {self._clock_in} (fleet.clock is virtual: a simulated "
+            "fleet keeps the time; devices in real time need --clock wall)"
+        )
+        if not await self._vt_wait(ready, what):
             if self._vt_gone:
                 raise RuntimeError("virtual time: the fleet left before it was ready")
             return
