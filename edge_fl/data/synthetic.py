@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import math
 from numbers import Integral, Real
+from typing import Any
 
 import numpy as np
 
@@ -189,6 +190,16 @@ def make_synthetic(
     )
 
 
+def _natural_only(name: str, partition: str | None) -> None:
+    """Synthetic data has only its natural partition (each device keeps its own draws): None,
+    "natural" or "iid" (the generic default of job configs) all mean that."""
+    if partition not in (None, "natural", "iid"):
+        raise ValueError(
+            f"partition={partition!r} for {name}; each device keeps its own draws "
+            "(it has only the natural partition: pass 'natural' or 'iid', or omit it)"
+        )
+
+
 def load_synthetic_federated(
     n_devices: int,
     *,
@@ -202,22 +213,18 @@ def load_synthetic_federated(
     sigma: float = 1.0,
     test_fraction: float = 0.2,
     standardize: bool = True,
+    shared: bool = False,
 ) -> FederatedDataset:
     """Uniform-loader wrapper around :func:`make_synthetic` (``samples_per_device`` is the mean).
 
-    Only the natural partition exists: ``partition`` may be None or "natural", or "iid" (the generic
-    default of job configs), all meaning "each device keeps its own samples", which are i.i.d. draws
-    from that device's distribution. "dirichlet" is rejected: re-dealing rows would erase the
-    per-device models that define the benchmark. ``alpha`` (the Dirichlet concentration) does not
-    apply and is ignored; the generator's own alpha/beta are ``alpha_syn``/``beta_syn``.
+    Only the natural partition exists (:func:`_natural_only`): "dirichlet" is rejected, since
+    re-dealing rows would erase the per-device models that define the benchmark. ``alpha`` (the
+    Dirichlet concentration) does not apply and is ignored; the generator's own alpha/beta are
+    ``alpha_syn``/``beta_syn``. ``shared``: one model labels every device (Synthetic IID).
     """
     del alpha
-    if partition not in (None, "natural", "iid"):
-        raise ValueError(
-            f"partition={partition!r} for synthetic; it has only the natural partition "
-            "(pass 'natural' or omit it)"
-        )
-    rng = np.random.default_rng(np.random.SeedSequence([seed, 2]))
+    _natural_only("synthetic-iid" if shared else "synthetic", partition)
+    rng = np.random.default_rng(np.random.SeedSequence([seed, 3 if shared else 2]))
     return make_synthetic(
         n_devices,
         rng,
@@ -228,39 +235,12 @@ def load_synthetic_federated(
         sigma=sigma,
         test_fraction=test_fraction,
         standardize=standardize,
+        shared=shared,
     )
 
 
-def load_synthetic_iid_federated(
-    n_devices: int,
-    *,
-    partition: str | None = None,
-    alpha: float = 0.5,
-    seed: int = 0,
-    samples_per_device: float = 50.0,
-    min_samples: int = 10,
-    sigma: float = 1.0,
-    test_fraction: float = 0.2,
-    standardize: bool = True,
-) -> FederatedDataset:
+def load_synthetic_iid_federated(n_devices: int, **options: Any) -> FederatedDataset:
     """FedProx's Synthetic IID (``make_synthetic(..., shared=True)``): every device draws its
     samples from one distribution labelled by one model, so FedAvg of a logistic regression learns
-    it with any number of devices; the dataset ``synthetic-iid`` (the scale example's). Partitions
-    as for :func:`load_synthetic_federated`; ``alpha`` (Dirichlet) does not apply."""
-    del alpha
-    if partition not in (None, "natural", "iid"):
-        raise ValueError(
-            f"partition={partition!r} for synthetic-iid; each device keeps its own draws "
-            "(pass 'natural' or 'iid', or omit it)"
-        )
-    rng = np.random.default_rng(np.random.SeedSequence([seed, 3]))
-    return make_synthetic(
-        n_devices,
-        rng,
-        mean_samples=samples_per_device,
-        min_samples=min_samples,
-        sigma=sigma,
-        test_fraction=test_fraction,
-        standardize=standardize,
-        shared=True,
-    )
+    it with any number of devices; the dataset ``synthetic-iid`` (the scale example's)."""
+    return load_synthetic_federated(n_devices, **options, shared=True)
