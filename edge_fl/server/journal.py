@@ -179,13 +179,7 @@ class Journal:
         if (self._dirty or self._written) and self._fd is not None:
             self._write_pending()
             with self._fsync_lock:
-                if self.durable:
-                    try:
-                        os.fsync(self._fd)
-                    except OSError as exc:
-                        raise OutputError(self.path, exc) from None
-                    self.syncs += 1
-                self._written = False
+                self._fsync_held()
             self._dirty = False
 
     def write_now(self) -> None:
@@ -206,13 +200,18 @@ class Journal:
                 return
             if self._fd is None:
                 raise OutputError(self.path, OSError("journal closed before its fsync"))
-            if self.durable:
-                try:
-                    os.fsync(self._fd)
-                except OSError as exc:
-                    raise OutputError(self.path, exc) from None
-                self.syncs += 1
-            self._written = False
+            self._fsync_held()
+
+    def _fsync_held(self) -> None:
+        """One fsync of the open file (the caller holds ``_fsync_lock``): what was written is
+        durable, or OutputError."""
+        if self.durable and self._fd is not None:
+            try:
+                os.fsync(self._fd)
+            except OSError as exc:
+                raise OutputError(self.path, exc) from None
+            self.syncs += 1
+        self._written = False
 
     def rotate(self) -> None:
         """After a checkpoint that covers every record so far: start an empty journal once this
