@@ -111,12 +111,6 @@ class AggregatorRun:
         self.service: AggregatorService | None = None
         self.summary: dict[str, Any] | None = None
         self.lock: Any = None  # the output directory's lock, held until close()
-        if resume and job.cfg.fleet.virtual:
-            raise RunDirError(
-                "--resume is not supported under virtual time (fleet.clock): the fleet's "
-                "device timers are not checkpointed; run the job again (with --reproducible it "
-                "gives the same records), or use fleet.clock: wall"
-            )
         if resume:
             self._resume()
         if self.out_dir is not None:
@@ -253,6 +247,8 @@ def open_run(
     job's metadata) becomes run.json, kept as it was when a run is resumed."""
     if out_dir is not None and not resume and not overwrite:
         refuse_earlier_run(out_dir)
+    if resume:
+        refuse_resume(job, out_dir)
     lock = lock_run_dir(out_dir)
     try:
         if out_dir is not None and overwrite and not resume:
@@ -283,6 +279,29 @@ def _run_files() -> tuple[str, ...]:
     from edge_fl.server.journal import JOURNAL
 
     return ("metrics.jsonl", "summary.json", "model.onnx", "run.json", STATE, JOURNAL)
+
+
+def refuse_resume(job: Job, out_dir: str | Path | None) -> None:
+    """RunDirError, before anything is written, when ``out_dir`` cannot be resumed: under virtual
+    time, or a job that ran to its end (a summary without a stop: resuming would only rewrite
+    it). A run stopped by a signal can be continued."""
+    if job.cfg.fleet.virtual:
+        raise RunDirError(
+            "--resume is not supported under virtual time (fleet.clock): the fleet's "
+            "device timers are not checkpointed; run the job again (with --reproducible it "
+            "gives the same records), or use fleet.clock: wall"
+        )
+    summary = None if out_dir is None else Path(out_dir) / "summary.json"
+    if summary is not None and summary.exists():
+        try:
+            stopped = json.loads(summary.read_text()).get("stopped")
+        except (OSError, ValueError, AttributeError):
+            stopped = None
+        if not stopped:
+            raise RunDirError(
+                f"{out_dir} holds a finished run (summary.json): nothing to resume; use a new "
+                "--out, or --overwrite to run the job again"
+            )
 
 
 def refuse_earlier_run(out_dir: str | Path) -> None:

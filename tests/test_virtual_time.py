@@ -9,7 +9,9 @@ import os
 import signal
 import subprocess
 import sys
+import time
 import uuid
+from pathlib import Path
 
 import pytest
 from helpers import TWO_SPEED_PROFILE
@@ -17,7 +19,7 @@ from helpers import TWO_SPEED_PROFILE
 from edge_fl.clocksync import first_difference
 from edge_fl.config import load_config
 from edge_fl.job import build_job
-from edge_fl.simulation import RunDirError, open_run, run_simulation
+from edge_fl.simulation import RunDirError, open_run, refuse_resume, run_simulation
 
 pytestmark = pytest.mark.broker
 
@@ -99,3 +101,57 @@ def test_resume_is_refused_under_virtual_time(profile_path, tmp_path):
     job = build_job(config(profile_path))
     with pytest.raises(RunDirError, match="not supported under virtual time"):
         open_run(job, tmp_path, resume=True)
+
+
+def test_a_refused_resume_writes_nothing(profile_path, tmp_path):
+    job = build_job(config(profile_path))
+    with pytest.raises(RunDirError, match="not supported under virtual time"):
+        open_run(job, tmp_path / "new", resume=True)
+    assert not (tmp_path / "new").exists()  # else the next fresh run is refused as unfinished
+
+
+def test_resume_refuses_a_finished_run_and_continues_a_stopped_one(profile_path, tmp_path):
+    job = build_job(config(profile_path, **{"fleet.clock": "wall"}))
+    (tmp_path / "summary.json").write_text(json.dumps({"rounds": 3, "stopped": None}))
+    before = (tmp_path / "summary.json").read_bytes()
+    with pytest.raises(RunDirError, match=r"holds a finished run .*nothing to resume"):
+        open_run(job, tmp_path, resume=True)
+    assert (tmp_path / "summary.json").read_bytes() == before
+    (tmp_path / "summary.json").write_text(json.dumps({"rounds": 3, "stopped": "SIGTERM"}))
+    refuse_resume(job, tmp_path)  # a job stopped by a signal can be continued
+
+
+def test_the_aggregator_ends_the_job_when_the_simulated_fleet_leaves(mosquitto, tmp_path):
+    """`edge-fl aggregator` + `edge-fl fleet` under virtual time; the fleet is stopped mid-job:
+    the aggregator ends the job itself (summary written, exit 0) instead of waiting forever
+    (it once spun in a loop that never yielded, deaf to SIGTERM)."""
+    edge_fl = str(Path(sys.executable).with_name("edge-fl"))
+    out = tmp_path / "agg"
+    args = [
+        "--broker", mosquitto.url, "--job", f"vtgone-{uuid.uuid4().hex[:6]}", "--mode",
+        "fedasync", "--concurrency", "4", "--rounds", "100000", "--devices", "8", "--model",
+        "logreg", "--epochs", "1", "--profile", "phone-fleet", "--clock", "virtual",
+    ]  # fmt: skip
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    agg = subprocess.Popen(
+        [edge_fl, "aggregator", *args, "--out", str(out)], env=env, text=True,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    )  # fmt: skip
+    fleet = subprocess.Popen([edge_fl, "fleet", *args], env=env, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 240
+        while not (out / "metrics.jsonl").exists() or not (out / "metrics.jsonl").read_text():
+            assert agg.poll() is None and time.monotonic() < deadline, "no round closed"
+            time.sleep(0.1)
+        fleet.send_signal(signal.SIGTERM)
+        fleet.wait(60)
+        _, stderr = agg.communicate(timeout=120)
+    finally:
+        for proc in (agg, fleet):
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(10)
+    assert agg.returncode == 0, stderr[-2000:]
+    assert "the simulated fleet left" in stderr
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["ended_early"] == "the simulated fleet left (virtual time)"

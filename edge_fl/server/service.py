@@ -642,7 +642,7 @@ class AggregatorService:
             return
         want = self.expected_devices or self.core.settings.n_select
         need = min(want, self.core.settings.n_select)
-        if self.vclock is not None:
+        if self.vclock is not None and not self.vclock.started:
             # virtual time about to start: every device's status is what is waited for here;
             # availability (a fleet that starts at night) is waited for in simulated time
             need = 0
@@ -686,7 +686,7 @@ class AggregatorService:
                 )
             await self._sleep_until(min(until, next_note))
         short = len(self.core.available()) < self.core.settings.min_updates
-        if self.stopped is None and short and self.vclock is None:
+        if self.stopped is None and short and (self.vclock is None or self.vclock.started):
             raise RuntimeError(
                 f"only {len(self.core.available())} devices online after "
                 f"{self.wait_for_devices_s:.0f}s; a round needs at least "
@@ -862,6 +862,10 @@ class AggregatorService:
             if core.current is None:
                 if not self._open_round(self._now()):
                     reason = core.hopeless()
+                    if reason is None and self._vt_gone:
+                        # the simulated fleet was the only source of devices and it left: no
+                        # device can answer in any time (waiting here would spin)
+                        reason = "the simulated fleet left (virtual time)"
                     if reason is not None:
                         log.warning("ending the job after round %d: %s", core.round_number, reason)
                         core.ended_early = reason
