@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import math
 from numbers import Integral, Real
-from typing import Any
 
 import numpy as np
 
@@ -239,8 +238,31 @@ def load_synthetic_federated(
     )
 
 
-def load_synthetic_iid_federated(n_devices: int, **options: Any) -> FederatedDataset:
+def load_synthetic_iid_federated(
+    n_devices: int,
+    *,
+    partition: str | None = None,
+    alpha: float = 0.5,
+    seed: int = 0,
+    samples_per_device: float = 50.0,
+    min_samples: int = 10,
+    sigma: float = 1.0,
+    test_fraction: float = 0.2,
+    standardize: bool = True,
+) -> FederatedDataset:
     """FedProx's Synthetic IID (``make_synthetic(..., shared=True)``): every device draws its
     samples from one distribution labelled by one model, so FedAvg of a logistic regression learns
-    it with any number of devices; the dataset ``synthetic-iid`` (the scale example's)."""
-    return load_synthetic_federated(n_devices, **options, shared=True)
+    it with any number of devices; the dataset ``synthetic-iid`` (the scale example's). The
+    registry passes a loader only the options its signature names."""
+    return load_synthetic_federated(
+        n_devices,
+        partition=partition,
+        alpha=alpha,
+        seed=seed,
+        samples_per_device=samples_per_device,
+        min_samples=min_samples,
+        sigma=sigma,
+        test_fraction=test_fraction,
+        standardize=standardize,
+        shared=True,
+    )
