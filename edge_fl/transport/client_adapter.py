@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import socket
 import threading
 import time
@@ -256,7 +257,11 @@ async def connect(client: aiomqtt.Client) -> None:
         if sock is not None and pc.socket() is not sock:
             sock.close()
         client._lock.release()
-        raise aiomqtt.MqttError(str(exc)) from None
+        # asyncio words a refused connect "Connect call failed (addr)": say what the OS said,
+        # as paho's own connect did ("[Errno 111] Connection refused")
+        errno_ = getattr(exc, "errno", None)
+        text = f"[Errno {errno_}] {os.strerror(errno_)}" if errno_ else str(exc)
+        raise aiomqtt.MqttError(text) from None
     except BaseException:
         if sock is not None and pc.socket() is not sock:
             sock.close()
