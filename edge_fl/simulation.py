@@ -283,24 +283,25 @@ def _run_files() -> tuple[str, ...]:
 
 def refuse_resume(job: Job, out_dir: str | Path | None) -> None:
     """RunDirError, before anything is written, when ``out_dir`` cannot be resumed: under virtual
-    time, or a job that ran to its end (a summary without a stop: resuming would only rewrite
-    it). A run stopped by a signal can be continued."""
+    time, or a job that ran all the rounds asked now (a summary without a stop: resuming would
+    only rewrite it). A run stopped by a signal, or given more rounds, is continued."""
     if job.cfg.fleet.virtual:
         raise RunDirError(
             "--resume is not supported under virtual time (fleet.clock): the fleet's "
             "device timers are not checkpointed; run the job again (with --reproducible it "
             "gives the same records), or use fleet.clock: wall"
         )
-    summary = None if out_dir is None else Path(out_dir) / "summary.json"
-    if summary is not None and summary.exists():
+    path = None if out_dir is None else Path(out_dir) / "summary.json"
+    if path is not None and path.exists():
         try:
-            stopped = json.loads(summary.read_text()).get("stopped")
-        except (OSError, ValueError, AttributeError):
-            stopped = None
-        if not stopped:
+            summary = json.loads(path.read_text())
+            stopped, rounds = summary.get("stopped"), int(summary.get("rounds") or 0)
+        except (OSError, ValueError, TypeError, AttributeError):
+            return  # not a summary this code wrote: the journal's own checks decide
+        if not stopped and rounds >= job.cfg.rounds.rounds:
             raise RunDirError(
-                f"{out_dir} holds a finished run (summary.json): nothing to resume; use a new "
-                "--out, or --overwrite to run the job again"
+                f"{out_dir} holds a finished run of {rounds} rounds (summary.json): nothing to "
+                "resume; give more --rounds to continue it, a new --out, or --overwrite"
             )
 
 

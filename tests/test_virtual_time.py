@@ -111,14 +111,16 @@ def test_a_refused_resume_writes_nothing(profile_path, tmp_path):
 
 
 def test_resume_refuses_a_finished_run_and_continues_a_stopped_one(profile_path, tmp_path):
-    job = build_job(config(profile_path, **{"fleet.clock": "wall"}))
+    job = build_job(config(profile_path, **{"fleet.clock": "wall", "rounds.rounds": 3}))
     (tmp_path / "summary.json").write_text(json.dumps({"rounds": 3, "stopped": None}))
     before = (tmp_path / "summary.json").read_bytes()
-    with pytest.raises(RunDirError, match=r"holds a finished run .*nothing to resume"):
+    with pytest.raises(RunDirError, match=r"holds a finished run of 3 rounds .*nothing to resume"):
         open_run(job, tmp_path, resume=True)
     assert (tmp_path / "summary.json").read_bytes() == before
     (tmp_path / "summary.json").write_text(json.dumps({"rounds": 3, "stopped": "SIGTERM"}))
     refuse_resume(job, tmp_path)  # a job stopped by a signal can be continued
+    (tmp_path / "summary.json").write_text(json.dumps({"rounds": 2, "stopped": None}))
+    refuse_resume(job, tmp_path)  # and a finished one given more rounds
 
 
 def test_the_aggregator_ends_the_job_when_the_simulated_fleet_leaves(mosquitto, tmp_path):
