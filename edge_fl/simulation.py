@@ -248,7 +248,7 @@ def open_run(
     if out_dir is not None and not resume and not overwrite:
         refuse_earlier_run(out_dir)
     if resume:
-        refuse_resume(job, out_dir)
+        refuse_resume(job.cfg, out_dir)
     lock = lock_run_dir(out_dir)
     try:
         if out_dir is not None and overwrite and not resume:
@@ -281,11 +281,11 @@ def _run_files() -> tuple[str, ...]:
     return ("metrics.jsonl", "summary.json", "model.onnx", "run.json", STATE, JOURNAL)
 
 
-def refuse_resume(job: Job, out_dir: str | Path | None) -> None:
+def refuse_resume(cfg: JobConfig, out_dir: str | Path | None) -> None:
     """RunDirError, before anything is written, when ``out_dir`` cannot be resumed: under virtual
     time, or a job that ran all the rounds asked now (a summary without a stop: resuming would
     only rewrite it). A run stopped by a signal, or given more rounds, is continued."""
-    if job.cfg.fleet.virtual:
+    if cfg.fleet.virtual:
         raise RunDirError(
             "--resume is not supported under virtual time (fleet.clock): the fleet's "
             "device timers are not checkpointed; run the job again (with --reproducible it "
@@ -298,7 +298,7 @@ def refuse_resume(job: Job, out_dir: str | Path | None) -> None:
             stopped, rounds = summary.get("stopped"), int(summary.get("rounds") or 0)
         except (OSError, ValueError, TypeError, AttributeError):
             return  # not a summary this code wrote: the journal's own checks decide
-        if not stopped and rounds >= job.cfg.rounds.rounds:
+        if not stopped and rounds >= cfg.rounds.rounds:
             raise RunDirError(
                 f"{out_dir} holds a finished run of {rounds} rounds (summary.json): nothing to "
                 "resume; give more --rounds to continue it, a new --out, or --overwrite"
@@ -566,6 +566,8 @@ async def run_simulation_async(
         refuse_earlier_run(out_dir)  # before the job is built and the broker started
     job = job if isinstance(job, Job) else build_job(job)
     cfg = job.cfg
+    if resume:
+        refuse_resume(cfg, out_dir)  # before the broker starts and onnx loads on a thread
     if cfg.model.evaluate_with == "onnxruntime" and job.onnx is not None:
         _preload("edge_fl.models.onnx_export", "edge_fl.models.onnx_runtime")
     timings = {"build_s": round(time.perf_counter() - t_start, 4)}

@@ -118,9 +118,9 @@ def test_resume_refuses_a_finished_run_and_continues_a_stopped_one(profile_path,
         open_run(job, tmp_path, resume=True)
     assert (tmp_path / "summary.json").read_bytes() == before
     (tmp_path / "summary.json").write_text(json.dumps({"rounds": 3, "stopped": "SIGTERM"}))
-    refuse_resume(job, tmp_path)  # a job stopped by a signal can be continued
+    refuse_resume(job.cfg, tmp_path)  # a job stopped by a signal can be continued
     (tmp_path / "summary.json").write_text(json.dumps({"rounds": 2, "stopped": None}))
-    refuse_resume(job, tmp_path)  # and a finished one given more rounds
+    refuse_resume(job.cfg, tmp_path)  # and a finished one given more rounds
 
 
 def test_the_aggregator_ends_the_job_when_the_simulated_fleet_leaves(mosquitto, tmp_path):
