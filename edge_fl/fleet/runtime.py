@@ -647,6 +647,9 @@ class Fleet:
         if self.virtual:
             self._vt_deliveries.append((kind, msg, model_bytes))
             return
+        self._hand_over(kind, msg, model_bytes)
+
+    def _hand_over(self, kind: str, msg: object, model_bytes: int) -> None:
         if kind == "model":
             assert isinstance(msg, GlobalModel)
             self.hand_out(msg, model_bytes)
@@ -694,12 +697,7 @@ class Fleet:
                 clock.move_to(t)
                 deliveries, self._vt_deliveries = self._vt_deliveries, []
                 for kind, msg, model_bytes in deliveries:
-                    if kind == "model":
-                        assert isinstance(msg, GlobalModel)
-                        self.hand_out(msg, model_bytes)
-                    else:
-                        assert isinstance(msg, Dispatch)
-                        self.hand_dispatch(msg)
+                    self._hand_over(kind, msg, model_bytes)
                 await self._quiet()
                 continue
             break
