@@ -122,19 +122,25 @@ class HeldJournal:
         self.fsynced.set()
 
 
+def held_burst(tmp_path, loop) -> tuple[HeldJournal, GroupCommit, list[int]]:
+    """A burst of MIN_BURST updates added to a group commit whose fsync is held back."""
+    journal = HeldJournal(tmp_path)
+    acks: list[int] = []
+    commit = GroupCommit(journal, delay_s=60.0)
+    commit.acker = lambda mid, qos: acks.append(mid)
+    for mid in range(1, MIN_BURST + 1):
+        journal.append()
+        commit.add(mid, 1, loop)
+    return journal, commit, acks
+
+
 def test_a_group_synced_on_the_syncer_thread_is_acknowledged_after_its_fsync(tmp_path):
     """The fsync runs off the event loop; its group's acknowledgements wait for it, and the
     messages that arrive meanwhile wait for the next fsync."""
 
     async def main() -> tuple[list[int], list[int], list[int], bool]:
         loop = asyncio.get_running_loop()
-        journal = HeldJournal(tmp_path)
-        acks: list[int] = []
-        commit = GroupCommit(journal, delay_s=60.0)
-        commit.acker = lambda mid, qos: acks.append(mid)
-        for mid in range(1, MIN_BURST + 1):
-            journal.append()
-            commit.add(mid, 1, loop)
+        journal, commit, acks = held_burst(tmp_path, loop)
         for _ in range(5):
             await asyncio.sleep(0)  # the loop runs on while the fsync waits
         during = list(acks)
@@ -157,13 +163,7 @@ def test_a_group_synced_on_the_syncer_thread_is_acknowledged_after_its_fsync(tmp
 def test_a_group_in_flight_when_the_connection_changes_is_not_acknowledged(tmp_path):
     async def main() -> list[int]:
         loop = asyncio.get_running_loop()
-        journal = HeldJournal(tmp_path)
-        acks: list[int] = []
-        commit = GroupCommit(journal, delay_s=60.0)
-        commit.acker = lambda mid, qos: acks.append(mid)
-        for mid in range(1, MIN_BURST + 1):
-            journal.append()
-            commit.add(mid, 1, loop)
+        journal, commit, acks = held_burst(tmp_path, loop)
         await asyncio.sleep(0)
         commit.forget()  # a new connection: those ids mean nothing on it
         journal.release.set()
