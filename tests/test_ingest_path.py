@@ -189,27 +189,46 @@ def test_service_drains_a_queued_session_and_acks_each_update_after_its_fsync(
     broker, tmp_path, monkeypatch
 ):
     """300 updates queued for the service's session: all accepted, each acknowledged (nothing
-    left in the session), and no acknowledgement leaves while a journaled update is unsynced."""
+    left in the session), and no acknowledgement leaves before an fsync has made durable as many
+    journal records as there are acknowledgements (each accepted update journals at least one
+    record, in the order received). Both sync paths count: ``sync`` on the event loop, and
+    ``write_now`` then ``fsync_written`` on the syncer thread while the loop reads the next group."""
     n, cid = 300, "ingest-acks"
     queue(broker.spec, cid, n)
-    events: list[str] = []
-    append, sync = journal_module.Journal.append, journal_module.Journal.sync
+    journal_cls = journal_module.Journal
+    append, sync = journal_cls.append, journal_cls.sync
+    write_now, fsync_written = journal_cls.write_now, journal_cls.fsync_written
     ack = paho.Client.ack
+    count = {"appended": 0, "written": 0, "durable": 0, "acks": 0, "early": 0}
 
     def tracking_append(self, kind, **fields):
-        events.append("append")
+        count["appended"] += 1
         return append(self, kind, **fields)
 
     def tracking_sync(self):
-        events.append("sync")
-        return sync(self)
+        upto = count["appended"]
+        sync(self)
+        count["durable"] = max(count["durable"], upto)
+
+    def tracking_write_now(self):
+        count["written"] = count["appended"]
+        return write_now(self)
+
+    def tracking_fsync_written(self):  # the syncer thread
+        upto = count["written"]
+        fsync_written(self)
+        count["durable"] = max(count["durable"], upto)
 
     def tracking_ack(self, mid, qos):
-        events.append("ack")
+        count["acks"] += 1
+        if count["acks"] > count["durable"]:
+            count["early"] += 1
         return ack(self, mid, qos)
 
-    monkeypatch.setattr(journal_module.Journal, "append", tracking_append)
-    monkeypatch.setattr(journal_module.Journal, "sync", tracking_sync)
+    monkeypatch.setattr(journal_cls, "append", tracking_append)
+    monkeypatch.setattr(journal_cls, "sync", tracking_sync)
+    monkeypatch.setattr(journal_cls, "write_now", tracking_write_now)
+    monkeypatch.setattr(journal_cls, "fsync_written", tracking_fsync_written)
     monkeypatch.setattr(paho.Client, "ack", tracking_ack)
     core = make_core(n)
     journal = journal_module.Journal.start(tmp_path, job="ingest", digest="x")
@@ -226,15 +245,8 @@ def test_service_drains_a_queued_session_and_acks_each_update_after_its_fsync(
     journal.close()
     assert (core.records[-1]["received"], core.records[-1]["rejected"]) == (n, 0)
     assert service.tap is not None and service.tap.diverted >= n
-    assert events.count("ack") >= n
-    unsynced = 0
-    for event in events:
-        if event == "append":
-            unsynced += 1
-        elif event == "sync":
-            unsynced = 0
-        else:
-            assert unsynced == 0, "an acknowledgement left before the journal's fsync"
+    assert count["acks"] >= n
+    assert count["early"] == 0, "an acknowledgement left before the journal's fsync"
     assert left_in_session(broker.spec, cid) == 0
 
 
