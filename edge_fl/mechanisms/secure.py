@@ -1,0 +1,82 @@
+"""How a mechanism's update enters secure aggregation, and how the secure sum leaves it.
+
+Under ``secure_aggregation`` (SecAgg+, ``edge_fl/secagg/``, docs/specs/secagg.md) the aggregator
+never sees one device's update: it learns the sum, in the ring Z_2^bits, of integer vectors the
+devices built. A mechanism that can run that way implements :class:`SecureSum` beside
+:class:`~edge_fl.mechanisms.base.Mechanism`: it says how long and how large the integers are
+(:class:`SecureLayout`), turns a device's training into its integers (``secure_encode``: clip,
+quantise, and for distributed DP add the device's share of the noise), turns the sum back into the
+update the server applies (``secure_decode``), and names what one contribution costs a device in
+privacy (``secure_events``). The engine and the device runtimes only ever call these four; which
+mechanisms offer them is :func:`secure_sum`'s answer, checked when the job is assembled.
+
+``round_seed`` is public: derived by the engine from the round's signed nonce (both sides compute
+it the same way), for what a mechanism needs every device to agree on (the distributed discrete
+Gaussian's random rotation).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from edge_fl.mechanisms.base import Device
+    from edge_fl.privacy.events import PrivacyEvent
+    from edge_fl.protocol.messages import GlobalModel
+
+__all__ = ["SecureLayout", "SecureSum", "secure_sum"]
+
+
+@dataclass(frozen=True)
+class SecureLayout:
+    """The integers one device submits to a secure round.
+
+    ``length`` integers per device; each at most ``max_int`` in absolute value, unless
+    ``modular`` (distributed DP: the noise is unbounded, values are submitted reduced mod
+    2^bits and a wrap costs accuracy, never privacy); the sum lives in Z_2^``bits``, wide enough
+    for ``selected`` devices' values (SecAgg's ``RoundParams`` checks it when not modular)."""
+
+    length: int
+    max_int: int
+    bits: int
+    modular: bool = False
+
+    def __post_init__(self) -> None:
+        if self.length < 1 or self.max_int < 0 or not 2 <= self.bits <= 64:
+            raise ValueError("a secure layout has length >= 1, max_int >= 0, bits in [2, 64]")
+
+
+@runtime_checkable
+class SecureSum(Protocol):
+    """What a mechanism offers to run under secure aggregation (see the module docstring)."""
+
+    def secure_layout(self, n_params: int, selected: int, min_survivors: int) -> SecureLayout:
+        """The layout for a round of ``selected`` devices whose sum counts only when at least
+        ``min_survivors`` contributed (distributed DP calibrates its noise for that floor)."""
+        ...
+
+    def secure_encode(
+        self, device: Device, msg: GlobalModel, layout: SecureLayout, round_seed: bytes
+    ) -> np.ndarray:
+        """Train on ``msg`` and return the device's ``layout.length`` integers (int64)."""
+        ...
+
+    def secure_decode(
+        self, total: np.ndarray, contributors: int, layout: SecureLayout, round_seed: bytes
+    ) -> np.ndarray:
+        """The float32 update (the mean over ``contributors``, length = the model's) from the
+        sum of their integers (int64, lifted to signed)."""
+        ...
+
+    def secure_events(self, selected: int, min_survivors: int) -> list[PrivacyEvent]:
+        """What one device's contribution to one secure round costs it (empty: no guarantee)."""
+        ...
+
+
+def secure_sum(mechanism: Any) -> SecureSum | None:
+    """The mechanism as a :class:`SecureSum`, or None when it cannot run under secure
+    aggregation (the job refuses the combination in one line)."""
+    return mechanism if isinstance(mechanism, SecureSum) else None
