@@ -27,7 +27,20 @@ if TYPE_CHECKING:
     from edge_fl.privacy.events import PrivacyEvent
     from edge_fl.protocol.messages import GlobalModel
 
-__all__ = ["SecureLayout", "SecureSum", "secure_sum"]
+__all__ = ["SecureJob", "SecureLayout", "SecureSum", "secure_sum"]
+
+
+@dataclass(frozen=True)
+class SecureJob:
+    """What the job tells a mechanism about its secure rounds: the model's length, how many
+    devices a round selects, the fewest contributors whose sum still counts (a round with fewer
+    fails; distributed DP calibrates its noise for that floor), and the quantisation step the
+    job asks for (``secure_aggregation.step``; None: the mechanism's own choice)."""
+
+    n_params: int
+    selected: int
+    min_survivors: int
+    step: float | None = None
 
 
 @dataclass(frozen=True)
@@ -53,9 +66,8 @@ class SecureLayout:
 class SecureSum(Protocol):
     """What a mechanism offers to run under secure aggregation (see the module docstring)."""
 
-    def secure_layout(self, n_params: int, selected: int, min_survivors: int) -> SecureLayout:
-        """The layout for a round of ``selected`` devices whose sum counts only when at least
-        ``min_survivors`` contributed (distributed DP calibrates its noise for that floor)."""
+    def secure_layout(self, job: SecureJob) -> SecureLayout:
+        """The integers each device of a round submits (the same for every round of a job)."""
         ...
 
     def secure_encode(
@@ -71,7 +83,7 @@ class SecureSum(Protocol):
         sum of their integers (int64, lifted to signed)."""
         ...
 
-    def secure_events(self, selected: int, min_survivors: int) -> list[PrivacyEvent]:
+    def secure_events(self, job: SecureJob) -> list[PrivacyEvent]:
         """What one device's contribution to one secure round costs it (empty: no guarantee)."""
         ...
 
