@@ -8,6 +8,7 @@ import json
 import os
 import signal
 import subprocess
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -80,15 +81,42 @@ def test_workers_give_one_aggregators_model_and_ledger(mosquitto, tmp_path, part
     assert sharded["summary"]["privacy"]["epsilon"] == alone["summary"]["privacy"]["epsilon"]
 
 
+def read_records(metrics: Path) -> list[dict]:
+    """The complete records of a metrics file that may be being written (a torn last line is
+    left for the next read)."""
+    if not metrics.exists():
+        return []
+    records = []
+    for line in metrics.read_text().splitlines():
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            break
+    return records
+
+
+def rejoined(records: list[dict]) -> bool:
+    """A round that missed a worker, then a later round with both workers' shares."""
+    hit = [r["round"] for r in records if r["workers_missing"]]
+    return bool(hit) and any(
+        r["round"] > hit[-1] and r["workers"] == 2 and not r["workers_missing"] for r in records
+    )
+
+
 def test_a_killed_worker_is_restarted_its_round_is_charged_and_the_job_finishes(
     mosquitto, tmp_path
 ):
+    """kill -9 of worker 1 while round 3 is open: the coordinator restarts it, charges every
+    selected device of the round that lost its share, and takes the restarted worker's share
+    again. The job is long (60 rounds at most) and stopped with Ctrl-C once the worker is back,
+    so a slow restart on a loaded machine only makes it longer, never fails it."""
     job = f"shk-{uuid.uuid4().hex[:6]}"
-    # modelled training time (homogeneous devices, ~0.75 s a round): a restarted worker, which
-    # takes a second or two to start, has rounds left to join
-    slow = ["--rounds", "12", "--time-scale", "0.2"]
+    slow = ["--rounds", "60", "--time-scale", "0.2"]  # modelled training: ~0.75 s a round
     out = tmp_path / "out"
-    agg, fleet = start_job(mosquitto.url, job, out, slow, "--workers", "2")
+    metrics = out / "metrics.jsonl"
+    agg, fleet = start_job(mosquitto.url, job, out, slow, "--workers", "2", own_session=True)
+    watchdog = threading.Timer(600, agg.kill)  # a hung aggregator fails the test, not CI
+    watchdog.start()
     try:
         seen = until_round(agg, 2)  # kill worker 1 once round 2 closed: round 3 is open then
         pids = subprocess.run(  # this aggregator's worker 1 (other jobs may run here too)
@@ -98,19 +126,27 @@ def test_a_killed_worker_is_restarted_its_round_is_charged_and_the_job_finishes(
         ).stdout.split()
         assert len(pids) == 1, (pids, seen)
         subprocess.run(["kill", "-9", pids[0]], check=True)
+        assert agg.stdout is not None
+        for line in agg.stdout:  # a line per closed round
+            seen.append(line)
+            if rejoined(read_records(metrics)):
+                os.killpg(agg.pid, signal.SIGINT)  # Ctrl-C: the open round closes, the job ends
+                break
         rest, stderr = agg.communicate(timeout=120)
         stdout = "".join(seen) + rest
-        fleet.communicate(timeout=60)
+        fleet.communicate(timeout=120)
     finally:
+        watchdog.cancel()
         for proc in (agg, fleet):
             if proc.poll() is None:
                 proc.kill()
-    metrics = out / "metrics.jsonl"
     assert agg.returncode == 0, stderr[-3000:]
     assert "ingest worker w1 went offline" in stderr
     assert "restarting it (1/10)" in stderr
     records = [json.loads(line) for line in metrics.read_text().splitlines()]
-    assert [r["status"] for r in records] == ["closed"] * 12, stdout
+    # Ctrl-C decides the open round: closed with what came, or skipped if nothing had
+    assert [r["status"] for r in records[:-1]] == ["closed"] * (len(records) - 1), stdout
+    assert records[-1]["status"] in ("closed", "skipped"), stdout
     hit = [r for r in records if r["workers_missing"]]
     assert hit and all(r["workers_missing"] == ["w1"] for r in hit), stdout + stderr[-5000:]
     # the round the worker died in: every selected device is charged (the lost share may have
@@ -119,8 +155,7 @@ def test_a_killed_worker_is_restarted_its_round_is_charged_and_the_job_finishes(
         before = records[r["round"] - 2]["device_updates"] if r["round"] > 1 else 0
         assert r["device_updates"] - before >= r["selected"], r
     # the restarted worker took its share again
-    later = [r for r in records if r["round"] > hit[-1]["round"]]
-    assert any(r["workers"] == 2 and not r["workers_missing"] for r in later), later
+    assert rejoined(records), records
 
 
 def test_ctrl_c_closes_the_open_round_with_every_workers_share(mosquitto, tmp_path):
