@@ -17,6 +17,7 @@ Gaussian's random rotation).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
@@ -27,7 +28,19 @@ if TYPE_CHECKING:
     from edge_fl.privacy.events import PrivacyEvent
     from edge_fl.protocol.messages import GlobalModel
 
-__all__ = ["SecureJob", "SecureLayout", "SecureSum", "secure_sum"]
+__all__ = [
+    "DEFAULT_DROPOUT",
+    "SecureJob",
+    "SecureLayout",
+    "SecureSum",
+    "secure_job",
+    "secure_sum",
+    "survivors_floor",
+]
+
+#: the dropout fraction a job plans for when it names no floor (SecAgg+'s calibration default,
+#: docs/specs/secagg.md section 5)
+DEFAULT_DROPOUT = 0.3
 
 
 @dataclass(frozen=True)
@@ -41,6 +54,22 @@ class SecureJob:
     selected: int
     min_survivors: int
     step: float | None = None
+
+    def __post_init__(self) -> None:
+        if not (
+            type(self.n_params) is int
+            and self.n_params >= 1
+            and type(self.selected) is int
+            and type(self.min_survivors) is int
+            and 1 <= self.min_survivors <= self.selected
+        ):
+            raise ValueError(
+                f"a secure job has n_params >= 1 and 1 <= min_survivors <= selected, got "
+                f"n_params {self.n_params!r}, selected {self.selected!r}, "
+                f"min_survivors {self.min_survivors!r}"
+            )
+        if self.step is not None and not (math.isfinite(self.step) and self.step > 0):
+            raise ValueError(f"a secure job's quantisation step must be > 0, got {self.step!r}")
 
 
 @dataclass(frozen=True)
@@ -92,3 +121,24 @@ def secure_sum(mechanism: Any) -> SecureSum | None:
     """The mechanism as a :class:`SecureSum`, or None when it cannot run under secure
     aggregation (the job refuses the combination in one line)."""
     return mechanism if isinstance(mechanism, SecureSum) else None
+
+
+def survivors_floor(selected: int, dropout: float = DEFAULT_DROPOUT) -> int:
+    """The fewest contributors a round of ``selected`` devices accepts when a ``dropout``
+    fraction may vanish: ceil((1 - dropout) selected), at least 1."""
+    if not 0 <= dropout < 1:
+        raise ValueError(f"dropout is a fraction in [0, 1), got {dropout!r}")
+    return max(1, math.ceil((1 - dropout) * selected - 1e-9))
+
+
+def secure_job(
+    n_params: int,
+    selected: int,
+    *,
+    min_survivors: int | None = None,
+    dropout: float = DEFAULT_DROPOUT,
+    step: float | None = None,
+) -> SecureJob:
+    """A :class:`SecureJob`; without ``min_survivors`` the floor is :func:`survivors_floor`."""
+    floor = survivors_floor(selected, dropout) if min_survivors is None else min_survivors
+    return SecureJob(n_params, selected, floor, step)
