@@ -455,6 +455,27 @@ def mechanisms_cmd(as_json: bool) -> None:
     Console().print(table)
 
 
+def _secure_job(cfg: Any, job: Any) -> Any:
+    """The job's secure rounds (:class:`~edge_fl.mechanisms.secure.SecureJob`) when its config
+    enables ``secure_aggregation``, else None: ``selected`` the devices a round selects,
+    ``min_survivors`` the floor it names (default: 30% dropout), ``step`` its quantisation."""
+    from edge_fl.mechanisms.secure import DEFAULT_DROPOUT, secure_job
+
+    section = getattr(cfg, "secure_aggregation", None)
+    if section is None or not getattr(section, "enabled", True):
+        return None
+    selected = math.ceil(job.target * getattr(cfg.rounds, "over_selection", 1.0))
+    return _guarded(
+        lambda: secure_job(
+            job.model.n_params,
+            max(2, selected),
+            min_survivors=getattr(section, "min_survivors", None),
+            dropout=getattr(section, "dropout", DEFAULT_DROPOUT),
+            step=getattr(section, "step", None),
+        )
+    )
+
+
 @privacy_group.command("plan")
 @click.option("--config", "config", type=click.Path(dir_okay=False), help="job YAML or TOML")
 @click.option("--set", "pairs", multiple=True, help="override, e.g. --set privacy.epsilon=4")
@@ -462,12 +483,15 @@ def mechanisms_cmd(as_json: bool) -> None:
 def plan_cmd(config: str | None, pairs: tuple[str, ...], as_json: bool) -> None:
     """A job's mechanism as configured (calibrated noise, L, every parameter), the worst-case
     total epsilon if every device makes all the uploads its schedule allows, and whether a
-    per-device --budget is enforced or refused (gaussian-central: refused)."""
+    per-device --budget is enforced or refused (gaussian-central: refused). With
+    secure_aggregation enabled, or with distributed-gaussian (which runs only so), also the secure
+    sum's layout (length, ring bits, bytes against float32) and the noise it was calibrated for."""
     import yaml
 
     from edge_fl.cli import fail, load_job_config
     from edge_fl.config import ConfigError
     from edge_fl.job import budget_refusal, build_job
+    from edge_fl.mechanisms.secure import secure_plan
     from edge_fl.privacy.accountants import best_epsilon
 
     overrides = {}
@@ -482,7 +506,15 @@ def plan_cmd(config: str | None, pairs: tuple[str, ...], as_json: bool) -> None:
     except ConfigError as exc:
         fail(str(exc))
     mech = job.mechanism
+    secure_job = _secure_job(cfg, job)
+    if secure_job is None and mech.name == "distributed-gaussian":
+        secure_job = mech.job  # it only runs securely: its own assumed floor
+    secure = None
+    if secure_job is not None:
+        secure = _guarded(lambda: secure_plan(mech, secure_job))
     out: dict[str, Any] = {**mech.describe(), "warnings": job.warnings}
+    if secure is not None:
+        out["secure_aggregation"] = secure
     refused = budget_refusal(mech)
     if mech.accounts:
         out["budget"] = {

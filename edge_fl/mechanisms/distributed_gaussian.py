@@ -217,7 +217,8 @@ class DistributedGaussian(Mechanism):
         """D' integers a device, reduced mod 2^bits (the noise is unbounded: a wrap costs
         accuracy, never privacy); ``job`` becomes the one the report and ``mp`` describe."""
         cal = self.calibration(job)
-        self.job, self.job_source = job, "secure_aggregation"
+        if job != self.job:
+            self.job, self.job_source = job, "secure_aggregation"
         return cal.layout
 
     def secure_encode(

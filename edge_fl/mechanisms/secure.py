@@ -142,3 +142,33 @@ def secure_job(
     """A :class:`SecureJob`; without ``min_survivors`` the floor is :func:`survivors_floor`."""
     floor = survivors_floor(selected, dropout) if min_survivors is None else min_survivors
     return SecureJob(n_params, selected, floor, step)
+
+
+def secure_plan(mechanism: Any, job: SecureJob) -> dict[str, Any]:
+    """What a secure round of ``job`` costs on the wire with ``mechanism`` (``edge-fl privacy
+    plan``): its layout, the bytes of one device's values bit-packed at ``bits`` each against
+    plain float32, and the mechanism's own account of its grid (``secure_describe``, if any).
+    ValueError when the mechanism cannot run under secure aggregation."""
+    secure = secure_sum(mechanism)
+    if secure is None:
+        raise ValueError(
+            f"privacy.mechanism = {getattr(mechanism, 'name', mechanism)!r} cannot run under "
+            "secure aggregation (it offers no secure sum)"
+        )
+    layout = secure.secure_layout(job)
+    packed = math.ceil(layout.length * layout.bits / 8)
+    out: dict[str, Any] = {
+        "selected": job.selected,
+        "min_survivors": job.min_survivors,
+        "length": layout.length,
+        "bits": layout.bits,
+        "max_int": layout.max_int,
+        "modular": layout.modular,
+        "packed_bytes": packed,
+        "vs_float32": packed / (4 * job.n_params),
+        "events_per_round": len(secure.secure_events(job)),
+    }
+    describe = getattr(mechanism, "secure_describe", None)
+    if describe is not None:
+        out.update(describe(job))
+    return out
