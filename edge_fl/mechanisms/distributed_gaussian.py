@@ -181,13 +181,14 @@ class DistributedGaussian(Mechanism):
             value = calibrated(NAME, args, lambda: float(ddg.calibrate(*args, beta=BETA).sigma2))
             sigma2 = Fraction(value).limit_denominator(1000)
         params = ddg.DdgParams(clip, gamma, sigma2, BETA, dim, n_min)
-        bits = ddg.ring_bits(params, job.selected)
+        max_int = math.ceil(params.l2)  # the signal's bound (the noise is unbounded)
+        bits = max(ddg.ring_bits(params, job.selected), (job.selected * max_int).bit_length() + 1)
         if bits > MAX_BITS:
             raise ValueError(
                 f"{NAME}: {job.selected} devices' integers need a {bits}-bit ring (> {MAX_BITS}); "
                 "raise secure_aggregation.step"
             )
-        layout = SecureLayout(params.padded, math.ceil(params.l2), bits, modular=True)
+        layout = SecureLayout(params.padded, max_int, bits, modular=True)
         cal = DdgCalibration(job, params, layout, rounds, float(cfg.delta))
         self._calibrations[job] = cal
         return cal
