@@ -117,7 +117,7 @@ def test_the_default_grid_is_2_to_the_8_levels_per_clip_with_room_for_every_sele
     mech = plain(clip=2.0)
     layout = mech.secure_layout(SecureJob(N_PARAMS, 100, 70))
     assert layout == SecureLayout(N_PARAMS, DEFAULT_LEVELS, 16, modular=False)
-    assert 100 * DEFAULT_LEVELS < 2 ** (layout.bits - 1)  # the signed sum fits
+    assert 2 ** (layout.bits - 1) > 100 * DEFAULT_LEVELS  # the signed sum fits
     assert layout.bits == min_bits(100, 2.0, 2.0 / 256)
     # a step that does not divide the clip: the grid is the next finer one, clip / ceil(clip/step)
     asked = mech.secure_layout(SecureJob(N_PARAMS, 1000, 700, step=0.003))
