@@ -491,6 +491,7 @@ def plan_cmd(config: str | None, pairs: tuple[str, ...], as_json: bool) -> None:
     from edge_fl.cli import fail, load_job_config
     from edge_fl.config import ConfigError
     from edge_fl.job import budget_refusal, build_job
+    from edge_fl.mechanisms.distributed_gaussian import DistributedGaussian
     from edge_fl.mechanisms.secure import secure_plan
     from edge_fl.privacy.accountants import best_epsilon
 
@@ -507,7 +508,7 @@ def plan_cmd(config: str | None, pairs: tuple[str, ...], as_json: bool) -> None:
         fail(str(exc))
     mech = job.mechanism
     secure_job = _secure_job(cfg, job)
-    if secure_job is None and mech.name == "distributed-gaussian":
+    if secure_job is None and isinstance(mech, DistributedGaussian):
         secure_job = mech.job  # it only runs securely: its own assumed floor
     secure = None
     if secure_job is not None:
