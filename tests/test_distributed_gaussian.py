@@ -261,7 +261,13 @@ def test_a_secagg_round_of_ddg_integers_decodes_through_the_ring():
     total = sum(ints[d] for d in roster[1:])
     assert np.array_equal(trace.outcome.total, total)
     mean = mech.secure_decode(trace.outcome.total, n - 1, layout, seed)
-    assert mean.shape == (N_PARAMS,)
+    p = mech.calibration(SecureJob(N_PARAMS, n, 5)).params
+    # the sum times gamma, rotated back (an orthogonal map: the inverse of the rotation), over
+    # the five contributors
+    rotated_back = ddg.unrotate(total.astype(np.float64) * p.gamma, seed, N_PARAMS)
+    np.testing.assert_allclose(mean, rotated_back / (n - 1), rtol=1e-5, atol=1e-6)
+    x = np.random.default_rng(2).normal(size=N_PARAMS)
+    np.testing.assert_allclose(ddg.unrotate(ddg.rotate(x, seed), seed, N_PARAMS), x, atol=1e-12)
     with pytest.raises(ValueError, match="4 contributors < min_survivors 5"):
         mech.secure_decode(trace.outcome.total, n - 2, layout, seed)
 
