@@ -21,6 +21,7 @@ from edge_fl.mechanisms.secure import (
     SecureJob,
     SecureLayout,
     secure_job,
+    secure_job_from,
     secure_plan,
     secure_sum,
     survivors_floor,
@@ -108,6 +109,19 @@ def test_a_secure_job_checks_itself_and_its_default_floor_is_30_percent_dropout(
             secure_job(21, 50, **bad)
     with pytest.raises(ValueError, match="dropout"):
         survivors_floor(10, 1.0)
+
+
+def test_the_secure_job_a_config_section_asks_for():
+    from types import SimpleNamespace as Section
+
+    assert secure_job_from(None, 21, 50) is None
+    assert secure_job_from(Section(enabled=False), 21, 50) is None
+    assert secure_job_from(Section(), 21, 50) == SecureJob(21, 50, 35)
+    assert secure_job_from(Section(dropout=0.0), 21, 50) == SecureJob(21, 50, 50)
+    asked = Section(enabled=True, min_survivors=40, dropout=0.1, step=0.01)
+    assert secure_job_from(asked, 21, 50) == SecureJob(21, 50, 40, 0.01)
+    with pytest.raises(ValueError, match="min_survivors"):
+        secure_job_from(Section(min_survivors=60), 21, 50)
 
 
 # ------------------------------------------------------------------------------ the layout

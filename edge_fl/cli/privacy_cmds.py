@@ -455,27 +455,6 @@ def mechanisms_cmd(as_json: bool) -> None:
     Console().print(table)
 
 
-def _secure_job(cfg: Any, job: Any) -> Any:
-    """The job's secure rounds (:class:`~edge_fl.mechanisms.secure.SecureJob`) when its config
-    enables ``secure_aggregation``, else None: ``selected`` the devices a round selects,
-    ``min_survivors`` the floor it names (default: 30% dropout), ``step`` its quantisation."""
-    from edge_fl.mechanisms.secure import DEFAULT_DROPOUT, secure_job
-
-    section = getattr(cfg, "secure_aggregation", None)
-    if section is None or not getattr(section, "enabled", True):
-        return None
-    selected = math.ceil(job.target * getattr(cfg.rounds, "over_selection", 1.0))
-    return _guarded(
-        lambda: secure_job(
-            job.model.n_params,
-            max(2, selected),
-            min_survivors=getattr(section, "min_survivors", None),
-            dropout=getattr(section, "dropout", DEFAULT_DROPOUT),
-            step=getattr(section, "step", None),
-        )
-    )
-
-
 @privacy_group.command("plan")
 @click.option("--config", "config", type=click.Path(dir_okay=False), help="job YAML or TOML")
 @click.option("--set", "pairs", multiple=True, help="override, e.g. --set privacy.epsilon=4")
@@ -492,7 +471,7 @@ def plan_cmd(config: str | None, pairs: tuple[str, ...], as_json: bool) -> None:
     from edge_fl.config import ConfigError
     from edge_fl.job import budget_refusal, build_job
     from edge_fl.mechanisms.distributed_gaussian import DistributedGaussian
-    from edge_fl.mechanisms.secure import secure_plan
+    from edge_fl.mechanisms.secure import secure_job_from, secure_plan
     from edge_fl.privacy.accountants import best_epsilon
 
     overrides = {}
@@ -507,7 +486,9 @@ def plan_cmd(config: str | None, pairs: tuple[str, ...], as_json: bool) -> None:
     except ConfigError as exc:
         fail(str(exc))
     mech = job.mechanism
-    secure_job = _secure_job(cfg, job)
+    selected = max(2, math.ceil(job.target * cfg.rounds.over_selection))
+    section = getattr(cfg, "secure_aggregation", None)
+    secure_job = _guarded(lambda: secure_job_from(section, job.model.n_params, selected))
     if secure_job is None and isinstance(mech, DistributedGaussian):
         secure_job = mech.job  # it only runs securely: its own assumed floor
     secure = None

@@ -42,8 +42,12 @@ if TYPE_CHECKING:
     from edge_fl.protocol.messages import GlobalModel
 
 NAME = "distributed-gaussian"
-#: conditional rounding's per-attempt failure bound (Kairouz et al.'s default; ``ddg.calibrate``'s)
-BETA = math.exp(-0.5)
+#: conditional rounding's per-attempt failure bound (Kairouz et al.'s default; ``ddg.calibrate``'s):
+#: beta = e^-LN_INV_BETA, so sqrt(2 ln(1/beta)) = 1 exactly and the default grid step below takes
+#: only correctly rounded operations: the aggregator and a device on another platform's libm
+#: compute the same gamma to the bit (it is a key of the calibration table and checked in ``mp``)
+LN_INV_BETA = 0.5
+BETA = math.exp(-LN_INV_BETA)
 #: the default grid step gamma keeps Delta_2 within this fraction above clip / gamma: rounding then
 #: costs at most 1% more noise standard deviation for the same epsilon, and a coarser grid saves
 #: little (one bit per halving of gamma) while a finer one only widens the ring
@@ -62,13 +66,13 @@ SECURE_ONLY = (
 CURVES = ("xi-tau", "rho-tau", "sqrt-tau")
 
 
-def default_gamma(clip: float, padded: int, beta: float = BETA) -> float:
+def default_gamma(clip: float, padded: int) -> float:
     """The largest grid step gamma whose rounding keeps Delta_2 <= (1 + ROUNDING_SLACK) c/gamma.
 
     With x = c/gamma and s = sqrt(2 ln(1/beta)), Delta_2^2 = x^2 + D'/4 + s (x + sqrt(D')/2)
     (``ddg.rounded_bound``), so the bound holds from the positive root of
     a x^2 - s x - (D'/4 + s sqrt(D')/2) = 0, a = (1 + slack)^2 - 1."""
-    s = math.sqrt(2 * math.log(1 / beta)) if beta > 0 else 0.0
+    s = math.sqrt(2 * LN_INV_BETA)
     a = (1 + ROUNDING_SLACK) ** 2 - 1
     rest = padded / 4 + s * math.sqrt(padded) / 2
     x = (s + math.sqrt(s * s + 4 * a * rest)) / (2 * a)

@@ -34,6 +34,8 @@ __all__ = [
     "SecureLayout",
     "SecureSum",
     "secure_job",
+    "secure_job_from",
+    "secure_plan",
     "secure_sum",
     "survivors_floor",
 ]
@@ -142,6 +144,22 @@ def secure_job(
     """A :class:`SecureJob`; without ``min_survivors`` the floor is :func:`survivors_floor`."""
     floor = survivors_floor(selected, dropout) if min_survivors is None else min_survivors
     return SecureJob(n_params, selected, floor, step)
+
+
+def secure_job_from(section: Any, n_params: int, selected: int) -> SecureJob | None:
+    """The secure rounds a ``secure_aggregation`` config section asks for, or None when there
+    is none or it is disabled (``enabled`` false): its ``min_survivors`` (default: the
+    :func:`survivors_floor` of its ``dropout``, default :data:`DEFAULT_DROPOUT`) and ``step``."""
+    if section is None or not getattr(section, "enabled", True):
+        return None
+    dropout = getattr(section, "dropout", None)
+    return secure_job(
+        n_params,
+        selected,
+        min_survivors=getattr(section, "min_survivors", None),
+        dropout=DEFAULT_DROPOUT if dropout is None else dropout,
+        step=getattr(section, "step", None),
+    )
 
 
 def secure_plan(mechanism: Any, job: SecureJob) -> dict[str, Any]:
