@@ -250,7 +250,7 @@ def test_a_secagg_round_of_ddg_integers_decodes_through_the_ring():
     signed, decodes; fewer contributors than the floor are refused."""
     n = 6
     mech = mechanism(epsilon=None, noise_multiplier=1.0)
-    layout = mech.secure_layout(SecureJob(N_PARAMS, n, 5))
+    layout = mech.secure_layout(SecureJob(N_PARAMS, n, 4))
     seed, msg = os.urandom(32), message()
     ints = {d.device_id: mech.secure_encode(d, msg, layout, seed) for d in devices(n, seed=9)}
     roster = tuple(sorted(ints))
@@ -261,15 +261,15 @@ def test_a_secagg_round_of_ddg_integers_decodes_through_the_ring():
     total = sum(ints[d] for d in roster[1:])
     assert np.array_equal(trace.outcome.total, total)
     mean = mech.secure_decode(trace.outcome.total, n - 1, layout, seed)
-    p = mech.calibration(SecureJob(N_PARAMS, n, 5)).params
+    p = mech.calibration(SecureJob(N_PARAMS, n, 4)).params
     # the sum times gamma, rotated back (an orthogonal map: the inverse of the rotation), over
-    # the five contributors
+    # the five contributors (not the floor of four the noise is calibrated for)
     rotated_back = ddg.unrotate(total.astype(np.float64) * p.gamma, seed, N_PARAMS)
     np.testing.assert_allclose(mean, rotated_back / (n - 1), rtol=1e-5, atol=1e-6)
     x = np.random.default_rng(2).normal(size=N_PARAMS)
     np.testing.assert_allclose(ddg.unrotate(ddg.rotate(x, seed), seed, N_PARAMS), x, atol=1e-12)
-    with pytest.raises(ValueError, match="4 contributors < min_survivors 5"):
-        mech.secure_decode(trace.outcome.total, n - 2, layout, seed)
+    with pytest.raises(ValueError, match="3 contributors < min_survivors 4"):
+        mech.secure_decode(trace.outcome.total, n - 3, layout, seed)
 
 
 def test_encode_refuses_an_unknown_layout_a_bad_seed_or_other_parameters():
