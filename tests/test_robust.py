@@ -99,6 +99,7 @@ def test_what_each_registered_mechanism_allows():
         "laplace": {"norm_bound", "sample_cap", "aggregator"},
         "nbafl": {"norm_bound", "sample_cap"},  # keeps its downlink noise
         "gaussian-central": set(),  # its clip bounds every update; unweighted sum
+        "distributed-gaussian": set(),  # the aggregator holds only the noisy secure sum
         "signds": {"sample_cap"},  # votes have no norm
     }
     assert set(expected) == set(mechanism_names())

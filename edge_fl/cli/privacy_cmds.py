@@ -462,12 +462,16 @@ def mechanisms_cmd(as_json: bool) -> None:
 def plan_cmd(config: str | None, pairs: tuple[str, ...], as_json: bool) -> None:
     """A job's mechanism as configured (calibrated noise, L, every parameter), the worst-case
     total epsilon if every device makes all the uploads its schedule allows, and whether a
-    per-device --budget is enforced or refused (gaussian-central: refused)."""
+    per-device --budget is enforced or refused (gaussian-central: refused). With
+    secure_aggregation enabled, or with distributed-gaussian (which runs only so), also the secure
+    sum's layout (length, ring bits, bytes against float32) and the noise it was calibrated for."""
     import yaml
 
     from edge_fl.cli import fail, load_job_config
     from edge_fl.config import ConfigError
     from edge_fl.job import budget_refusal, build_job
+    from edge_fl.mechanisms.distributed_gaussian import DistributedGaussian
+    from edge_fl.mechanisms.secure import secure_job_from, secure_plan
     from edge_fl.privacy.accountants import best_epsilon
 
     overrides = {}
@@ -482,7 +486,17 @@ def plan_cmd(config: str | None, pairs: tuple[str, ...], as_json: bool) -> None:
     except ConfigError as exc:
         fail(str(exc))
     mech = job.mechanism
+    selected = max(2, math.ceil(job.target * cfg.rounds.over_selection))
+    section = getattr(cfg, "secure_aggregation", None)
+    secure_job = _guarded(lambda: secure_job_from(section, job.model.n_params, selected))
+    if secure_job is None and isinstance(mech, DistributedGaussian):
+        secure_job = mech.job  # it only runs securely: its own assumed floor
+    secure = None
+    if secure_job is not None:
+        secure = _guarded(lambda: secure_plan(mech, secure_job))
     out: dict[str, Any] = {**mech.describe(), "warnings": job.warnings}
+    if secure is not None:
+        out["secure_aggregation"] = secure
     refused = budget_refusal(mech)
     if mech.accounts:
         out["budget"] = {

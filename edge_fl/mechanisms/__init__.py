@@ -19,6 +19,7 @@ import re
 from typing import Any
 
 from edge_fl.mechanisms.base import Device, Guarantee, JobFacts, Mechanism, Strategy
+from edge_fl.mechanisms.distributed_gaussian import DistributedGaussian
 from edge_fl.mechanisms.dpsgd import DpSgd
 from edge_fl.mechanisms.gaussian import LocalGaussian
 from edge_fl.mechanisms.gaussian_central import CentralGaussian
@@ -78,7 +79,16 @@ def register_mechanism(name: str, mechanism_class: type[Mechanism]) -> type[Mech
     return mechanism_class
 
 
-for _builtin in (NoPrivacy, DpSgd, LocalGaussian, CentralGaussian, Laplace, NbAfl, SignDS):
+for _builtin in (
+    NoPrivacy,
+    DpSgd,
+    LocalGaussian,
+    CentralGaussian,
+    DistributedGaussian,
+    Laplace,
+    NbAfl,
+    SignDS,
+):
     register_mechanism(_builtin.name, _builtin)
 
 

@@ -17,6 +17,7 @@ Gaussian's random rotation).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
@@ -27,7 +28,21 @@ if TYPE_CHECKING:
     from edge_fl.privacy.events import PrivacyEvent
     from edge_fl.protocol.messages import GlobalModel
 
-__all__ = ["SecureJob", "SecureLayout", "SecureSum", "secure_sum"]
+__all__ = [
+    "DEFAULT_DROPOUT",
+    "SecureJob",
+    "SecureLayout",
+    "SecureSum",
+    "secure_job",
+    "secure_job_from",
+    "secure_plan",
+    "secure_sum",
+    "survivors_floor",
+]
+
+#: the dropout fraction a job plans for when it names no floor (SecAgg+'s calibration default,
+#: docs/specs/secagg.md section 5)
+DEFAULT_DROPOUT = 0.3
 
 
 @dataclass(frozen=True)
@@ -41,6 +56,22 @@ class SecureJob:
     selected: int
     min_survivors: int
     step: float | None = None
+
+    def __post_init__(self) -> None:
+        if not (
+            type(self.n_params) is int
+            and self.n_params >= 1
+            and type(self.selected) is int
+            and type(self.min_survivors) is int
+            and 1 <= self.min_survivors <= self.selected
+        ):
+            raise ValueError(
+                f"a secure job has n_params >= 1 and 1 <= min_survivors <= selected, got "
+                f"n_params {self.n_params!r}, selected {self.selected!r}, "
+                f"min_survivors {self.min_survivors!r}"
+            )
+        if self.step is not None and not (math.isfinite(self.step) and self.step > 0):
+            raise ValueError(f"a secure job's quantisation step must be > 0, got {self.step!r}")
 
 
 @dataclass(frozen=True)
@@ -92,3 +123,70 @@ def secure_sum(mechanism: Any) -> SecureSum | None:
     """The mechanism as a :class:`SecureSum`, or None when it cannot run under secure
     aggregation (the job refuses the combination in one line)."""
     return mechanism if isinstance(mechanism, SecureSum) else None
+
+
+def survivors_floor(selected: int, dropout: float = DEFAULT_DROPOUT) -> int:
+    """The fewest contributors a round of ``selected`` devices accepts when a ``dropout``
+    fraction may vanish: ceil((1 - dropout) selected), at least 1."""
+    if not 0 <= dropout < 1:
+        raise ValueError(f"dropout is a fraction in [0, 1), got {dropout!r}")
+    return max(1, math.ceil((1 - dropout) * selected - 1e-9))
+
+
+def secure_job(
+    n_params: int,
+    selected: int,
+    *,
+    min_survivors: int | None = None,
+    dropout: float = DEFAULT_DROPOUT,
+    step: float | None = None,
+) -> SecureJob:
+    """A :class:`SecureJob`; without ``min_survivors`` the floor is :func:`survivors_floor`."""
+    floor = survivors_floor(selected, dropout) if min_survivors is None else min_survivors
+    return SecureJob(n_params, selected, floor, step)
+
+
+def secure_job_from(section: Any, n_params: int, selected: int) -> SecureJob | None:
+    """The secure rounds a ``secure_aggregation`` config section asks for, or None when there
+    is none or it is disabled (``enabled`` false): its ``min_survivors`` (default: the
+    :func:`survivors_floor` of its ``dropout``, default :data:`DEFAULT_DROPOUT`) and ``step``."""
+    if section is None or not getattr(section, "enabled", True):
+        return None
+    dropout = getattr(section, "dropout", None)
+    return secure_job(
+        n_params,
+        selected,
+        min_survivors=getattr(section, "min_survivors", None),
+        dropout=DEFAULT_DROPOUT if dropout is None else dropout,
+        step=getattr(section, "step", None),
+    )
+
+
+def secure_plan(mechanism: Any, job: SecureJob) -> dict[str, Any]:
+    """What a secure round of ``job`` costs on the wire with ``mechanism`` (``edge-fl privacy
+    plan``): its layout, the bytes of one device's values bit-packed at ``bits`` each against
+    plain float32, and the mechanism's own account of its grid (``secure_describe``, if any).
+    ValueError when the mechanism cannot run under secure aggregation."""
+    secure = secure_sum(mechanism)
+    if secure is None:
+        raise ValueError(
+            f"privacy.mechanism = {getattr(mechanism, 'name', mechanism)!r} cannot run under "
+            "secure aggregation (it offers no secure sum)"
+        )
+    layout = secure.secure_layout(job)
+    packed = math.ceil(layout.length * layout.bits / 8)
+    out: dict[str, Any] = {
+        "selected": job.selected,
+        "min_survivors": job.min_survivors,
+        "length": layout.length,
+        "bits": layout.bits,
+        "max_int": layout.max_int,
+        "modular": layout.modular,
+        "packed_bytes": packed,
+        "vs_float32": packed / (4 * job.n_params),
+        "events_per_round": len(secure.secure_events(job)),
+    }
+    describe = getattr(mechanism, "secure_describe", None)
+    if describe is not None:
+        out.update(describe(job))
+    return out

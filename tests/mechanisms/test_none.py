@@ -19,7 +19,16 @@ from edge_fl.models.training import LocalTraining
 from edge_fl.privacy.rng import seeded_generator
 from edge_fl.protocol import DenseUpdate, SignDSUpdate
 
-ALL = ("none", "dpsgd", "gaussian", "gaussian-central", "laplace", "nbafl", "signds")
+ALL = (
+    "none",
+    "distributed-gaussian",
+    "dpsgd",
+    "gaussian",
+    "gaussian-central",
+    "laplace",
+    "nbafl",
+    "signds",
+)
 
 
 def test_registry_lists_every_module_with_none_first():
