@@ -176,9 +176,10 @@ class Session:
         roster = sorted(roster)
         if me not in roster or len(set(roster)) != len(roster) or len(nc) != 16:
             raise ValueError("out_of_range: not in the roster, a repeated id, or nc not 16 bytes")
-        if not (1 <= b <= 64 and d >= 1 and 0 <= q and 1 <= t and 0 <= r <= R_MAX):
+        if not (1 <= b <= 64 and d >= 1 and q >= 0 and t >= 1 and 0 <= r <= R_MAX):
             raise ValueError("out_of_range: b, d, Q, t or r")
-        self.me, self.job, self.r, self.nc, self.b, self.d, self.q, self.t = me, job, r, nc, b, d, q, t
+        self.me, self.job, self.r, self.nc = me, job, r, nc
+        self.b, self.d, self.q, self.t = b, d, q, t
         self.nb = neighbours(me, roster, k, job, r, nc)
         self.point = {v: 1 + i for i, v in enumerate(roster)}  # Shamir point: 1 + roster index
         self.randbytes, self.sign, self.directory = randbytes, sign, directory or {}
@@ -229,7 +230,8 @@ class Session:
             pub = self.directory.get(v)
             if pub is not None:  # a key without a valid signature where the directory has v's
                 try:
-                    pub.verify(e[2] if len(e) == 3 else b"", self.ctx("advert", v) + self.nc + e[0] + e[1])
+                    sig = e[2] if len(e) == 3 else b""
+                    pub.verify(sig, self.ctx("advert", v) + self.nc + e[0] + e[1])
                 except Exception:
                     raise Aborted(f"keys of {v}: missing or bad signature") from None
         if len(self.keys) < self.t:
@@ -243,7 +245,7 @@ class Session:
         coef_key = [field_element(self.randbytes) for _ in range(self.t - 1)]
         coef_seed = [field_element(self.randbytes) for _ in range(self.t - 1)]
         ks, ss = split(self.s_scalar, coef_key, pts), split(self.beta, coef_seed, pts)
-        sealed = dict(zip(self.keys, (le32(a) + le32(b) for a, b in zip(ks, ss, strict=True)), strict=True))
+        sealed = {v: le32(a) + le32(b) for v, a, b in zip(self.keys, ks, ss, strict=True)}
         self.s_scalar = None  # the mask key's scalar lives on in its shares only
         c = [self.seal(v, sealed[v]) if v in sealed else None for v in self.nb]
         self.state = "shared"
@@ -296,7 +298,8 @@ class Session:
     def masked(self):  # y = x + PRG(self) + Σ ±PRG(pair) mod 2^b, once both sf and x are in
         if self.x is None or self.state != "ready":
             return None
-        y = self.x + prg(hkdf(le32(self.beta), self.nc, self.ctx("self-mask", self.me)), self.d, self.b)
+        seed = hkdf(le32(self.beta), self.nc, self.ctx("self-mask", self.me))
+        y = self.x + prg(seed, self.d, self.b)
         for v in self.held:
             lo, hi = sorted((self.me, v))
             mask = prg(hkdf(self.pair[v], self.nc, self.ctx("pair-mask", lo, hi)), self.d, self.b)
