@@ -3,6 +3,8 @@ one secure round as a state machine (bytes in, bytes out), on cryptography, msgp
 
 import hashlib
 import os
+import sys
+from pathlib import Path
 
 import msgpack
 import numpy as np
@@ -326,3 +328,116 @@ class Session:
             s.append(le32(self.held[v][2 - x]) if x else None)
         self.state, self.held = "done", None
         return pack("ua", self.r, self.nc, s=s)
+
+
+# --- the MQTT device: devices/minimal/device.py plus secure rounds (docs/protocol.md, "Secure
+# aggregation": the `sa` map, inbox/<device>, ak at once then training, mx when sf and x are in)
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import device as plain  # noqa: E402  (the folder's plain device: decoding, training, the MQTT loop)
+
+plain.GLOBAL["sa"] = "map"  # a secure round's parameters, inside the signed global body
+SA = {"b": (2, 64), "k": (1, None), "md": None, "ms": (2, None), "n": (1, 2**31), "q": (0, 2**62),
+      "t": (1, None)}  # fmt: skip
+
+
+def check_sa(g):  # -> sa, the roster; ValueError names the key (`out_of_range: sa.k`)
+    sa, sel = g["sa"], g.get("sel") or []
+    if set(sa) - set(SA) or set(SA) - set(sa):
+        raise ValueError(f"unknown_field/missing_field: sa keys {sorted(sa)}")
+    for key, rng in SA.items():
+        if type(sa[key]) is not (bool if rng is None else int):
+            raise ValueError(f"bad_type: sa.{key}")
+    if g["mode"] != "sync" or "nc" not in g or len(set(sel)) != len(sel) or len(sel) < 2:
+        raise ValueError("out_of_range: sa needs mode sync, nc and a sel of >= 2 distinct devices")
+    n = len(sel)
+    hi = {"k": n - 1, "ms": n, "t": sa["k"]}
+    for key, rng in SA.items():
+        if rng and not rng[0] <= sa[key] <= (rng[1] if rng[1] else hi[key]):
+            raise ValueError(f"out_of_range: sa.{key} = {sa[key]}")
+    if not sa["md"] and n * sa["q"] >= 2 ** (sa["b"] - 1):
+        raise ValueError("out_of_range: sa.q (n q >= 2^(b-1))")
+    return sa, sorted(sel)
+
+
+def encode(u, mp, sa):  # the update -> sa.n integers in [-q, q]: clip, scale by 1/step, round
+    raise ValueError(f"mechanism {mp['m']!r}: its secure encoding is not documented")
+
+
+class SecureDevice(plain.Device):
+    def __init__(self, a):
+        super().__init__(a)
+        self.t_inbox, self.session = f"{a.prefix or 'edgefl'}/{a.job}/inbox/{a.id}", None
+
+    def on_connect(self, client, userdata, flags, reason, props):  # the inbox before the status
+        if reason.is_failure:
+            return plain.log.error("connect refused: %s", reason)
+        topics = (self.t_inbox, self.t_global, self.t_ack, self.t_dispatch)
+        client.subscribe([(t, 1) for t in topics])
+        client.publish(self.t_status, self.status(True), qos=1, retain=True)
+        self.q.put(("connected", b"", False))
+
+    def run(self):  # plain's loop, with inbox payloads handed to the current session
+        get = self.q.get
+
+        def next_message():
+            while True:
+                topic, payload, retained = get()
+                if topic != self.t_inbox:
+                    return topic, payload, retained
+                if payload and self.session:
+                    self.on_inbox(payload)
+
+        self.q.get = next_message
+        super().run()
+
+    def publish(self, body, what):
+        self.client.publish(self.t_up, body, qos=1)
+        plain.log.info("round %d: sent %s, %d bytes", self.session.r, what, len(body))
+
+    def on_inbox(self, payload):
+        try:
+            out = self.session.receive(payload)
+        except Rejected as e:
+            return plain.log.info("inbox message ignored: %s", e)
+        except Aborted as e:
+            return plain.log.warning("round %d: left the secure round: %s", self.session.r, e)
+        if out:
+            self.publish(out, msgpack.unpackb(out)["k"])
+
+    def answer(self, g):  # a secure round: a new session, ak at once, then train and submit
+        if "sa" not in g:
+            return super().answer(g)
+        sa, roster = check_sa(g)
+        if g["rnd"] <= self.answered or self.stopped or self.halted or self.id not in roster:
+            return False
+        self.answered, mp = g["rnd"], plain.check_mp(g.get("mp"))
+        if self.session and self.session.nc == g["nc"]:  # the same round again: nothing new
+            return False
+        self.session = Session(self.id, self.a.job, g["rnd"], g["nc"], roster, sa["k"], sa["t"],
+                               sa["b"], sa["n"], sa["q"])  # fmt: skip
+        self.publish(self.session.advertise(), "ak")
+        f, c, d = self.X.shape[1], self.a.classes, len(g["w"])
+        self.shapes = self.shapes or plain.layout(self.a.model, f, c, d)
+        u = plain.train(g["w"], self.shapes, self.X, self.y, mp["lr"], mp["ep"], mp["bs"])
+        out = self.session.submit(encode(u, mp, sa))
+        if out:
+            self.publish(out, "mx")
+        return False
+
+
+def main(argv=None):
+    p = plain.argparse.ArgumentParser(description=__doc__)
+    for flag in ("--broker", "--job", "--id", "--data", "--password", "--username", "--prefix",
+                 "--digest", "--public-key"):  # fmt: skip
+        p.add_argument(flag, required=flag in ("--broker", "--job", "--id", "--data"))
+    p.add_argument("--model", default="auto", choices=["auto", "logreg", "mlp"])
+    p.add_argument("--classes", type=int, default=10)
+    p.add_argument("-v", "--verbose", action="store_true")
+    a = p.parse_args(argv)
+    plain.logging.basicConfig(level=plain.logging.INFO if a.verbose else plain.logging.WARNING,
+                              format=f"%(asctime)s {a.id} %(levelname)s %(message)s")  # fmt: skip
+    SecureDevice(a).run()
+
+
+if __name__ == "__main__":
+    main()
