@@ -359,36 +359,63 @@ def check_sa(g):  # -> sa, the roster; ValueError names the key (`out_of_range: 
     return sa, sorted(sel)
 
 
-def encode(u, mp, sa):  # the update -> sa.n integers in [-q, q]: clip, scale by 1/step, round
-    raise ValueError(f"mechanism {mp['m']!r}: its secure encoding is not documented")
+def encode(u, mp, sa, clip, step=None):  # `none`: L2-clip to clip, /step, unbiased rounding
+    if mp["m"] != "none" or sa["md"] or len(u) != sa["n"]:
+        raise ValueError(f"no secure encoding here for {mp['m']!r}, md {sa['md']}, n {sa['n']}")
+    step = step or clip / sa["q"]  # q = ceil(clip / step)
+    v = u * min(1.0, clip / max(float(np.linalg.norm(u)), 1e-300)) / step
+    coin = (np.frombuffer(os.urandom(8 * len(v)), "<u8") >> np.uint64(11)) / 2.0**53
+    return np.clip(np.floor(v) + (coin < v - np.floor(v)), -sa["q"], sa["q"]).astype(np.int64)
 
 
 class SecureDevice(plain.Device):
     def __init__(self, a):
         super().__init__(a)
-        self.t_inbox, self.session = f"{a.prefix or 'edgefl'}/{a.job}/inbox/{a.id}", None
+        pre, self.session, self.clip = f"{a.prefix or 'edgefl'}/{a.job}", None, (a.clip, a.step)
+        self.t_inbox, self.t_job = f"{pre}/inbox/{a.id}", f"{pre}/job"
 
     def on_connect(self, client, userdata, flags, reason, props):  # the inbox before the status
         if reason.is_failure:
             return plain.log.error("connect refused: %s", reason)
-        topics = (self.t_inbox, self.t_global, self.t_ack, self.t_dispatch)
+        topics = (self.t_inbox, self.t_job, self.t_global, self.t_ack, self.t_dispatch)
         client.subscribe([(t, 1) for t in topics])
         client.publish(self.t_status, self.status(True), qos=1, retain=True)
         self.q.put(("connected", b"", False))
 
-    def run(self):  # plain's loop, with inbox payloads handed to the current session
+    def run(self):  # plain's loop; inbox payloads go to the current session, job documents here
         get = self.q.get
 
         def next_message():
             while True:
                 topic, payload, retained = get()
-                if topic != self.t_inbox:
+                if topic not in (self.t_inbox, self.t_job):
                     return topic, payload, retained
-                if payload and self.session:
+                if payload and topic == self.t_job:
+                    self.on_job(payload)
+                elif payload and self.session:
                     self.on_inbox(payload)
 
         self.q.get = next_message
         super().run()
+
+    def on_job(self, payload):  # the clip (and step) the job quantises with: not in `mp` or `sa`
+        try:
+            m = plain.unpack_map(payload)
+            if m.get("k") == "js" and self.pubkey is not None:
+                self.pubkey.verify(m["sig"], b"edge-fl/job/v1\x00" + m["b"])
+            elif self.pubkey is not None:
+                raise ValueError("unsigned")
+            body = plain.unpack_map(m["b"]) if m.get("k") == "js" else m
+            if body.get("k") != "j" or body.get("job") != self.a.job:
+                raise ValueError("not this job's document")
+            config = body["config"]
+            clip, step = config["privacy"]["clip"], config["secure_aggregation"].get("step")
+            if not plain.is_a(clip, "num") or not (step is None or plain.is_a(step, "num")):
+                raise ValueError("privacy.clip or secure_aggregation.step is not a number")
+        except Exception as e:
+            return plain.log.warning("job document ignored: %s %s", type(e).__name__, e)
+        self.clip = (self.a.clip or clip, self.a.step or step)
+        plain.log.info("job document: clip %s, step %s", *self.clip)
 
     def publish(self, body, what):
         self.client.publish(self.t_up, body, qos=1)
@@ -408,6 +435,8 @@ class SecureDevice(plain.Device):
         if "sa" not in g:
             return super().answer(g)
         sa, roster = check_sa(g)
+        if self.clip[0] is None:  # checked before anything is sent: the round can still be answered
+            raise ValueError("no clip: give --clip or let the job document arrive")
         if g["rnd"] <= self.answered or self.stopped or self.halted or self.id not in roster:
             return False
         self.answered, mp = g["rnd"], plain.check_mp(g.get("mp"))
@@ -419,7 +448,8 @@ class SecureDevice(plain.Device):
         f, c, d = self.X.shape[1], self.a.classes, len(g["w"])
         self.shapes = self.shapes or plain.layout(self.a.model, f, c, d)
         u = plain.train(g["w"], self.shapes, self.X, self.y, mp["lr"], mp["ep"], mp["bs"])
-        out = self.session.submit(encode(u, mp, sa))
+        out = self.session.submit(encode(u, mp, sa, *self.clip))
+        self.uploads += 1
         if out:
             self.publish(out, "mx")
         return False
@@ -432,6 +462,8 @@ def main(argv=None):
         p.add_argument(flag, required=flag in ("--broker", "--job", "--id", "--data"))
     p.add_argument("--model", default="auto", choices=["auto", "logreg", "mlp"])
     p.add_argument("--classes", type=int, default=10)
+    p.add_argument("--clip", type=float, help="privacy.clip; default: the job document's")
+    p.add_argument("--step", type=float, help="default: the job document's, else clip / sa.q")
     p.add_argument("-v", "--verbose", action="store_true")
     a = p.parse_args(argv)
     plain.logging.basicConfig(level=plain.logging.INFO if a.verbose else plain.logging.WARNING,
