@@ -421,7 +421,8 @@ def test_the_aggregator_applies_exactly_the_mean_of_the_submitted_integers(mosqu
 
     def recording(u, mp, params, clip, step=None):
         x = encode(u, mp, params, clip, step)
-        submitted.setdefault(threading.current_thread().name, []).append(x)
+        clipped = u * min(1.0, clip / np.linalg.norm(u))
+        submitted.setdefault(threading.current_thread().name, []).append((x, clipped))
         return x
 
     globals_: queue.Queue = queue.Queue()
@@ -458,6 +459,8 @@ def test_the_aggregator_applies_exactly_the_mean_of_the_submitted_integers(mosqu
     assert [g["rnd"] for g in rounds] == [1, 2]
     step = 0.5 / rounds[0]["sa"]["q"]
     w0, w1 = (np.frombuffer(g["w"], "<f4").astype(np.float64) for g in rounds)
-    mean = np.mean([submitted[f"d0000{i}"][0] for i in range(3)], axis=0)
+    mean = np.mean([submitted[f"d0000{i}"][0][0] for i in range(3)], axis=0)
     assert np.abs(mean).max() > 10  # the round carried a real update
     assert np.abs(w1 - (w0 + step * mean)).max() < 1e-6  # float32 rounding of the new model
+    deltas = np.mean([submitted[f"d0000{i}"][0][1] for i in range(3)], axis=0)
+    assert np.abs(w1 - (w0 + deltas)).max() < step  # the clipped deltas, up to the rounding
