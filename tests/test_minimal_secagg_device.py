@@ -324,9 +324,9 @@ def digits_share(path: Path, part: slice) -> Path:
     return path
 
 
-def secure_aggregator(broker: str, job: str, out: Path, devices: int, rounds: int, *extra: str):
-    config = out.with_suffix(".yaml")
-    config.write_text("secure_aggregation:\n  enabled: true\n  phase_timeout_s: 20\n")
+def secure_aggregator(broker, job, out, devices, rounds, *extra, config="  phase_timeout_s: 20\n"):
+    (out.parent / "agg.yaml").write_text("secure_aggregation:\n  enabled: true\n" + config)
+    config = out.parent / "agg.yaml"
     cmd = [EDGE_FL, "aggregator", "--config", str(config), "--broker", broker, "--job", job]
     cmd += ["--devices", str(devices), "--rounds", str(rounds), "--clients-per-round", str(devices)]
     cmd += ["--deadline", "30", "--out", str(out), *extra]
@@ -464,3 +464,60 @@ def test_the_aggregator_applies_exactly_the_mean_of_the_submitted_integers(mosqu
     assert np.abs(w1 - (w0 + step * mean)).max() < 1e-6  # float32 rounding of the new model
     deltas = np.mean([submitted[f"d0000{i}"][0][1] for i in range(3)], axis=0)
     assert np.abs(w1 - (w0 + deltas)).max() < step  # the clipped deltas, up to the rounding
+
+
+@pytest.mark.broker
+def test_a_device_vanishing_after_its_shares_is_unmasked_by_its_neighbours(mosquitto, tmp_path):
+    """d00003 (this file's device) sends keys and shares, then never its masked input: the
+    others, this file's d00002 among them, send its key share and the round sums over 3."""
+    import argparse
+    import threading
+
+    class Recording(sa.SecureDevice):
+        def on_inbox(self, payload):
+            self.inbox = [*getattr(self, "inbox", []), msgpack.unpackb(payload)]
+            super().on_inbox(payload)
+
+    class Vanishing(sa.SecureDevice):
+        def on_inbox(self, payload):
+            if msgpack.unpackb(payload)["k"] != "sf":
+                super().on_inbox(payload)
+
+    job, out = f"mini-sa-{uuid.uuid4().hex[:6]}", tmp_path / "run"
+    config = "  neighbours: 3\n  min_survivors: 3\n  phase_timeout_s: 15\n"  # complete graph
+    agg = secure_aggregator(mosquitto.url, job, out, 4, 1, config=config)
+    procs, threads, devices = [agg], [], {}
+    try:
+        procs += [
+            subprocess.Popen(
+                [EDGE_FL, "device", "--broker", mosquitto.url, "--job", job, "--id", f"d0000{i}"],
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+            for i in (0, 1)
+        ]
+        for i, cls in ((2, Recording), (3, Vanishing)):
+            name = f"d0000{i}"
+            a = argparse.Namespace(broker=mosquitto.url, job=job, id=name, password=None,
+                                   username=None, prefix=None, digest=None, public_key=None,
+                                   model="auto", classes=10, verbose=False, clip=None, step=None,
+                                   data=digits_share(tmp_path / f"{name}.npz", slice(90 * i, 90 * i + 90)))  # fmt: skip
+            devices[name] = cls(a)
+            threads.append(threading.Thread(target=devices[name].run, daemon=True))
+            threads[-1].start()
+        _, stderr = agg.communicate(timeout=200)
+        for t in threads:
+            t.join(30)
+        for p in procs[1:]:
+            p.communicate(timeout=30)
+    finally:
+        stop(*procs)
+    assert agg.returncode == 0, stderr
+    (r,) = records(out)
+    assert (r["status"], r["received"]) == ("closed", 3), r
+    assert r["secure"]["phases"] == {"keys": 4, "shares": 4, "masked": 3, "unmask": 3}, r
+    assert r["secure"]["outcome"] == "summed" and r["secure"]["rejected_by_reason"] == {}
+    kept = devices["d00002"].session
+    assert kept.state == "done" and devices["d00003"].session.state == "shared"
+    (uq,) = [m for m in devices["d00002"].inbox if m["k"] == "uq"]
+    assert uq["a"] == [1, 1, 2]  # seed shares of d00000 and d00001, d00003's key share
