@@ -440,6 +440,8 @@ class SecureDevice(plain.Device):
         if g["rnd"] <= self.answered or self.stopped or self.halted or self.id not in roster:
             return False
         self.answered, mp = g["rnd"], plain.check_mp(g.get("mp"))
+        if mp["m"] != "none" or sa["md"]:  # refused before ak: joining would cost the round
+            raise ValueError(f"mechanism {mp['m']!r}: no secure encoding here (only none)")
         if self.session and self.session.nc == g["nc"]:  # the same round again: nothing new
             return False
         self.session = Session(self.id, self.a.job, g["rnd"], g["nc"], roster, sa["k"], sa["t"],
