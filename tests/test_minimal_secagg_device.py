@@ -324,8 +324,11 @@ def digits_share(path: Path, part: slice) -> Path:
     return path
 
 
-def secure_aggregator(broker, job, out, devices, rounds, *extra, config="  phase_timeout_s: 20\n"):
-    (out.parent / "agg.yaml").write_text("secure_aggregation:\n  enabled: true\n" + config)
+def secure_aggregator(
+    broker, job, out, devices, rounds, *extra, config="  phase_timeout_s: 20\n", extra_config=""
+):
+    yaml = "secure_aggregation:\n  enabled: true\n" + config + extra_config
+    (out.parent / "agg.yaml").write_text(yaml)
     config = out.parent / "agg.yaml"
     cmd = [EDGE_FL, "aggregator", "--config", str(config), "--broker", broker, "--job", job]
     cmd += ["--devices", str(devices), "--rounds", str(rounds), "--clients-per-round", str(devices)]
@@ -354,16 +357,33 @@ def records(out: Path) -> list[dict]:
 
 
 @pytest.mark.broker
-def test_mixed_secure_fleet_with_the_real_aggregator(mosquitto, tmp_path):
+@pytest.mark.parametrize("signed", [False, True])
+def test_mixed_secure_fleet_with_the_real_aggregator(mosquitto, tmp_path, signed):
     """4 devices, 2 secure rounds, all selected: d00000 and d00001 are `edge-fl device`, d00002
-    and d00003 this file's device; every round sums with all four among the contributors."""
-    job, out = f"mini-sa-{uuid.uuid4().hex[:6]}", tmp_path / "run"
-    agg = secure_aggregator(mosquitto.url, job, out, 4, 2)
+    and d00003 this file's device; every round sums with all four among the contributors. Signed:
+    the aggregator signs (security.signing_key) and every device verifies (--public-key)."""
+    job, out, key, config = f"mini-sa-{uuid.uuid4().hex[:6]}", tmp_path / "run", [], ""
+    if signed:
+        subprocess.run([EDGE_FL, "keygen", str(tmp_path / "keys")], check=True, capture_output=True)
+        pem = tmp_path / "keys" / "aggregator_ed25519.pem"
+        pub = (tmp_path / "keys" / "aggregator_ed25519.pub").read_text().strip()
+        key, config = ["--public-key", pub], f"security:\n  signing_key: {pem}\n"
+    agg = secure_aggregator(mosquitto.url, job, out, 4, 2, extra_config=config)
     procs = [agg]
     try:
         procs += [
             subprocess.Popen(
-                [EDGE_FL, "device", "--broker", mosquitto.url, "--job", job, "--id", f"d0000{i}"],
+                [
+                    EDGE_FL,
+                    "device",
+                    "--broker",
+                    mosquitto.url,
+                    "--job",
+                    job,
+                    "--id",
+                    f"d0000{i}",
+                    *key,
+                ],
                 stderr=subprocess.PIPE,
                 text=True,
             )
@@ -383,6 +403,7 @@ def test_mixed_secure_fleet_with_the_real_aggregator(mosquitto, tmp_path):
                     "--data",
                     str(digits_share(tmp_path / f"{name}.npz", part)),
                     "-v",
+                    *key,
                 ],
                 stderr=subprocess.PIPE,
                 text=True,
