@@ -1,0 +1,544 @@
+"""The minimal SecAgg+ device (`devices/minimal/secagg_device.py`, written from docs/specs/secagg.md
+alone) against tests/secagg_vectors.json byte for byte, and its section 7 rules."""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import queue
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import msgpack
+import numpy as np
+import paho.mqtt.client as mqtt
+import pytest
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
+from cryptography.hazmat.primitives.ciphers import Cipher, algorithms
+from cryptography.hazmat.primitives.ciphers.aead import ChaCha20Poly1305
+
+ROOT = Path(__file__).resolve().parents[1]
+FILE = ROOT / "devices" / "minimal" / "secagg_device.py"
+sys.path.insert(0, str(FILE.parent))  # secagg_device imports device.py from its folder
+SPEC = importlib.util.spec_from_file_location("minimal_secagg_device", FILE)
+sa = importlib.util.module_from_spec(SPEC)
+SPEC.loader.exec_module(sa)
+V = json.loads((ROOT / "tests" / "secagg_vectors.json").read_text())
+RW = V["round_with_dropout"]
+NC = bytes.fromhex(RW["nonce"])
+
+
+def drbg(label: str):
+    """Section 8's test DRBG: the ChaCha20 keystream of SHA-256(label), read in order."""
+    key = hashlib.sha256(label.encode()).digest()
+    enc = Cipher(algorithms.ChaCha20(key, bytes(16)), None).encryptor()
+    return lambda n: enc.update(bytes(n))
+
+
+def session(u, **kw):
+    args = dict(job=RW["job"], r=RW["round"], nc=NC, roster=RW["roster"], k=RW["neighbours"])
+    args |= dict(t=RW["threshold"], b=RW["bits"], d=RW["dim"], q=RW["max_int"])
+    return sa.Session(u, **(args | {"randbytes": drbg(f"secagg-vector/{u}")} | kw))
+
+
+def test_the_device_file_is_standalone():
+    assert "edge_fl" not in FILE.read_text().replace("edge-fl", "")
+
+
+def test_key_agreement():
+    ka, x = V["key_agreement"], bytes.fromhex
+    job, r, nc = ka["job"], ka["round"], x(ka["nonce"])
+    key = {
+        (d, c): X25519PrivateKey.from_private_bytes(x(ka[f"{d}_{c}_scalar_le"]))
+        for d in ("d0", "d1")
+        for c in "cs"
+    }
+    for (d, c), k in key.items():
+        assert sa.public(k).hex() == ka[f"{d}_{c}_public"]
+    xc = sa.exchange(key["d0", "c"], x(ka["d1_c_public"]))
+    xs = sa.exchange(key["d1", "s"], x(ka["d0_s_public"]))
+    assert (xc.hex(), xs.hex()) == (ka["x25519_c"], ka["x25519_s"])
+    info = sa.context("share-key", job, r, "d0", "d1")
+    assert sa.hkdf(xc, nc, info).hex() == ka["share_key_d0_to_d1"]
+    info = sa.context("share-key", job, r, "d1", "d0")
+    assert sa.hkdf(xc, nc, info).hex() == ka["share_key_d1_to_d0"]
+    info = sa.context("pair-mask", job, r, "d0", "d1")
+    assert info.hex() == ka["hkdf_info_pair_mask"]
+    assert sa.hkdf(xs, nc, info).hex() == ka["pair_seed_d0_d1"]
+
+
+def test_share_encryption():
+    se, ka, x = V["share_encryption"], V["key_agreement"], bytes.fromhex
+    pub = [x(ka[f"{d}_{c}_public"]) for d in ("d0", "d1") for c in "cs"]
+    ad = sa.context("share", se["job"], se["round"], "d0", "d1") + x(se["nonce"]) + b"".join(pub)
+    assert ad.hex() == se["aad"]
+    sealed = ChaCha20Poly1305(x(se["key"])).encrypt(bytes(12), x(se["plaintext"]), ad)
+    assert sealed.hex() == se["sealed"]
+
+
+def test_shamir():
+    sh = V["shamir"]
+    secret, t, points = int(sh["secret"], 16), sh["threshold"], sh["points"]
+    assert int(sh["prime"], 16) == sa.P
+    # the vector's randomness is not in the spec; this label and order reproduce it: secret first
+    draw = drbg("secagg-vector/shamir")
+    assert sa.field_element(draw) == secret
+    shares = sa.split(secret, [sa.field_element(draw) for _ in range(t - 1)], points)
+    assert [sa.le32(s).hex() for s in shares] == sh["shares_le"]
+    for i in range(len(points) - t + 1):
+        assert sa.combine(points[i : i + t], shares[i : i + t]) == secret
+
+
+def test_masking():
+    m, ka = V["masking"], V["key_agreement"]
+    job, r, nc, b, beta = (
+        m["job"],
+        m["round"],
+        bytes.fromhex(m["nonce"]),
+        m["bits"],
+        int(m["seed"], 16),
+    )
+    bh = hashlib.sha256(sa.context("seed-commitment", job, r, "d0") + nc + sa.le32(beta))
+    assert bh.hexdigest() == m["seed_commitment"]
+    self_mask = sa.prg(sa.hkdf(sa.le32(beta), nc, sa.context("self-mask", job, r, "d0")), 8, b)
+    assert self_mask.tolist() == m["self_mask"]
+    pair_mask = sa.prg(bytes.fromhex(ka["pair_seed_d0_d1"]), 8, b)  # key_agreement's pair seed
+    assert pair_mask.tolist() == m["pair_mask"]
+    masked = (np.array(m["input"]) + self_mask.astype(np.int64) + pair_mask) % 2**b  # d0 < d1: +
+    assert masked.tolist() == m["masked"]
+    packed = masked.astype("<u2").tobytes()
+    assert packed.hex() == m["packed"]
+
+
+def test_graph():
+    g = V["graph"]
+    nc, job, r = bytes.fromhex(g["nonce"]), g["job"], g["round"]
+    assert sa.hkdf(nc, b"", sa.context("graph", job, r)).hex() == g["seed"]
+    ring = sa.circle(g["roster"], job, r, nc)
+    assert ring == [g["roster"][i] for i in g["permutation"]]
+    for u, nb in g["neighbours"].items():
+        assert sa.neighbours(u, g["roster"], g["k"], job, r, nc) == nb
+
+
+def run_round(sessions, sign=None):
+    """Feed the vector's down messages to the sessions; -> what each published, in vector order."""
+    out = {("ak", u): s.advertise() for u, s in sessions.items()}
+    for u in ("d0", "d1", "d2"):  # d3 vanishes before its masked input
+        assert sessions[u].submit(RW["inputs"][u]) is None  # before sf: held until sf comes
+    after = {"nk": "sh", "sf": "mx", "uq": "ua"}
+    for m in RW["messages"]:
+        if m["dir"] == "down":
+            out[after[m["k"]], m["device"]] = sessions[m["device"]].receive(bytes.fromhex(m["hex"]))
+    return out
+
+
+def test_round_with_dropout_byte_for_byte():
+    sessions = {u: session(u) for u in RW["roster"]}
+    out = run_round(sessions)
+    ups = [m for m in RW["messages"] if m["dir"] == "up"]
+    assert len(ups) == 14
+    for m in ups:
+        assert out[m["k"], m["device"]].hex() == m["hex"], (m["k"], m["device"])
+    assert [sessions[u].state for u in RW["roster"]] == ["done"] * 3 + ["shared"]
+
+
+def test_the_vector_round_unmasks_to_the_sum():
+    """An independent unmasking of the device's bytes: the masks cancel to the vector's sum."""
+    sessions = {u: session(u) for u in RW["roster"]}
+    out = run_round(sessions)
+    roster, b, d, job, r = RW["roster"], RW["bits"], RW["dim"], RW["job"], RW["round"]
+    ak = {u: msgpack.unpackb(out["ak", u]) for u in roster}
+    ua = {u: msgpack.unpackb(out["ua", u])["s"] for u in ("d0", "d1", "d2")}
+    nb = {u: [v for v in roster if v != u] for u in roster}
+
+    def rebuild(v):  # from the answers of v's neighbours that hold a share of v
+        pts = [(1 + roster.index(u), ua[u][nb[u].index(v)]) for u in ua if v in nb[u]]
+        return sa.combine([p for p, _ in pts], [int.from_bytes(s, "little") for _, s in pts])
+
+    total = np.zeros(d, np.int64)
+    for u in ("d0", "d1", "d2"):
+        y = np.frombuffer(msgpack.unpackb(out["mx", u])["y"], "<u2").astype(np.int64)
+        beta = rebuild(u)
+        assert (
+            hashlib.sha256(sa.context("seed-commitment", job, r, u) + NC + sa.le32(beta)).digest()
+            == ak[u]["bh"]
+        )
+        total += y - sa.prg(
+            sa.hkdf(sa.le32(beta), NC, sa.context("self-mask", job, r, u)), d, b
+        ).astype(np.int64)
+        s3 = X25519PrivateKey.from_private_bytes(sa.le32(rebuild("d3")))
+        assert sa.public(s3) == ak["d3"]["sk"]
+        pair = sa.hkdf(sa.exchange(s3, ak[u]["sk"]), NC, sa.context("pair-mask", job, r, u, "d3"))
+        total -= sa.prg(pair, d, b).astype(np.int64)  # u < d3: u added it
+    total %= 2**b
+    lifted = np.where(total >= 2 ** (b - 1), total - 2**b, total)
+    assert lifted.tolist() == RW["sum"]
+
+
+def down(u, k):
+    return next(bytes.fromhex(m["hex"]) for m in RW["messages"] if (m["device"], m["k"]) == (u, k))
+
+
+def advertised(u="d0"):
+    s = session(u)
+    s.advertise()
+    return s
+
+
+def reason(fn, *args):
+    with pytest.raises((sa.Rejected, sa.Aborted)) as e:
+        fn(*args)
+    return type(e.value).__name__, str(e.value)
+
+
+def test_the_same_bytes_get_the_same_answer_and_the_rules_of_section_7():
+    s = advertised()
+    assert reason(s.receive, down("d0", "sf")) == ("Rejected", "wrong_phase")
+    sh = s.receive(down("d0", "nk"))
+    assert s.receive(down("d0", "nk")) == sh  # a QoS 1 duplicate
+    assert reason(s.receive, down("d0", "uq")) == ("Rejected", "wrong_phase")
+    assert s.receive(down("d0", "sf")) is None  # no input yet
+    mx = s.submit(RW["inputs"]["d0"])
+    assert s.receive(down("d0", "sf")) == mx  # a re-sent sf gets the masked input again
+    ua = s.receive(down("d0", "uq"))
+    assert s.receive(down("d0", "uq")) == ua and s.state == "done"
+    assert reason(s.receive, with_(down("d0", "uq"), a=[1, 1, 0])) == ("Rejected", "closed")
+
+
+def with_(payload, **change):
+    m = msgpack.unpackb(payload)
+    return msgpack.packb({**m, **change})
+
+
+@pytest.mark.parametrize(
+    ("payload", "why"),
+    [
+        (b"\x81\xa1v\x01\x00", "malformed"),  # trailing bytes
+        (b"\x82\xa1v\x01\xa1v\x01", "malformed"),  # a repeated key
+        (msgpack.packb([1]), "malformed"),
+        (with_(down("d0", "nk"), v=2), "wrong_version"),
+        (with_(down("d0", "nk"), v=True), "wrong_version"),
+        (with_(down("d0", "nk"), k="ak"), "wrong_kind"),
+        (with_(down("d0", "nk"), x=1), "unknown_field"),
+        (msgpack.packb({"v": 1, "k": "nk", "r": 7, "keys": []}), "missing_field"),
+        (with_(down("d0", "nk"), r=7.0), "bad_type"),
+        (with_(down("d0", "nk"), nc=NC.hex()), "bad_type"),
+        (with_(down("d0", "nk"), nc=NC[:15]), "out_of_range"),
+        (with_(down("d0", "nk"), r=2**40 + 1), "out_of_range"),
+        (with_(down("d0", "nk"), r=8), "wrong_nonce"),
+        (with_(down("d0", "nk"), nc=bytes(16)), "wrong_nonce"),
+        (with_(down("d0", "nk"), keys=[None, None]), "out_of_range"),
+        (with_(down("d0", "nk"), keys=[[b"x" * 32, b"y" * 31]] * 3), "out_of_range"),
+        (with_(down("d0", "nk"), keys=[[b"x" * 32, "y" * 32]] * 3), "bad_type"),
+    ],
+)
+def test_bad_messages_are_rejected_with_the_protocols_reason(payload, why):
+    s = advertised()
+    assert reason(s.receive, payload) == ("Rejected", why)
+    assert s.state == "advertised"  # nothing changed: the genuine message still works
+    assert s.receive(down("d0", "nk")) is not None
+
+
+def test_aborts():
+    s = advertised()  # fewer than t = 2 neighbours with keys
+    keys = msgpack.unpackb(down("d0", "nk"))["keys"]
+    assert reason(s.receive, with_(down("d0", "nk"), keys=[keys[0], None, None]))[0] == "Aborted"
+    assert reason(s.receive, down("d0", "nk")) == ("Rejected", "closed")
+    s = advertised()  # a low-order key
+    low = [keys[0], [bytes(32), keys[1][1]], keys[2]]
+    assert reason(s.receive, with_(down("d0", "nk"), keys=low))[0] == "Aborted"
+    s = advertised()  # a tampered share
+    s.receive(down("d0", "nk"))
+    c = msgpack.unpackb(down("d0", "sf"))["c"]
+    c[1] = c[1][:-1] + bytes([c[1][-1] ^ 1])
+    assert reason(s.receive, with_(down("d0", "sf"), c=c)) == (
+        "Aborted",
+        "the share from d2 does not authenticate",
+    )
+    s = advertised()  # shares from a device that advertised no keys
+    s.receive(with_(down("d0", "nk"), keys=[*keys[:2], None]))
+    assert "advertised no keys" in reason(s.receive, down("d0", "sf"))[1]
+    s = advertised()  # a request for a share it does not hold (d3 sent none)
+    s.receive(down("d0", "nk"))
+    c = msgpack.unpackb(down("d0", "sf"))["c"]
+    s.receive(with_(down("d0", "sf"), c=[*c[:2], None]))
+    assert msgpack.unpackb(s.submit(RW["inputs"]["d0"]))["m"] == b"\x03"  # masked with d1, d2
+    assert reason(s.receive, down("d0", "uq")) == (
+        "Aborted",
+        "asked for a share of d3, which I do not hold",
+    )
+
+
+def test_submit_refuses_what_could_wrap_the_sum():
+    s = advertised()
+    for bad in ([1, 2, 3], [101, 0, 0, 0], [0.5, 0, 0, 0], np.array([-101, 0, 0, 0])):
+        with pytest.raises(ValueError):
+            s.submit(bad)
+    assert s.submit([100, -100, 0, 0]) is None
+    with pytest.raises(ValueError):
+        s.submit([0, 0, 0, 0])  # once
+
+
+def test_signed_keys_and_masked_input():
+    signers = {u: Ed25519PrivateKey.generate() for u in RW["roster"]}
+    directory = {u: k.public_key() for u, k in signers.items()}
+    sessions = {u: session(u, sign=signers[u].sign, directory=directory) for u in RW["roster"]}
+    ak = {u: msgpack.unpackb(s.advertise()) for u, s in sessions.items()}
+    for u, m in ak.items():  # sig over context("advert", job, r, u) ‖ nc ‖ ck ‖ sk
+        directory[u].verify(
+            m["sig"], sa.context("advert", RW["job"], RW["round"], u) + NC + m["ck"] + m["sk"]
+        )
+    nk = msgpack.unpackb(down("d0", "nk"))
+    entries = [[ak[v]["ck"], ak[v]["sk"], ak[v]["sig"]] for v in ("d1", "d2", "d3")]
+    assert sessions["d0"].receive(msgpack.packb({**nk, "keys": entries})) is not None
+    for keys in (
+        [*entries[:2], [*entries[2][:2], entries[1][2]]],  # d3's keys under d2's signature
+        [*entries[:2], entries[2][:2]],  # d3's keys unsigned
+    ):
+        s = session("d0", sign=signers["d0"].sign, directory=directory)
+        s.advertise()
+        assert reason(s.receive, msgpack.packb({**nk, "keys": keys})) == (
+            "Aborted",
+            "keys of d3: missing or bad signature",
+        )
+    s = session("d0", sign=signers["d0"].sign)  # no directory: signatures are not checked
+    s.advertise()
+    assert s.receive(msgpack.packb({**nk, "keys": [*entries[:2], entries[2][:2]]})) is not None
+
+
+# --- over a real Mosquitto, against the real `edge-fl aggregator` with secure aggregation on
+
+EDGE_FL = str(Path(sys.executable).with_name("edge-fl"))
+
+
+def digits_share(path: Path, part: slice) -> Path:
+    from sklearn.datasets import load_digits
+
+    X, y = load_digits(return_X_y=True)
+    np.savez(path, X=X[part].astype(np.float32) / np.float32(16), y=y[part].astype(np.int64))
+    return path
+
+
+def secure_aggregator(
+    broker, job, out, devices, rounds, *extra, config="  phase_timeout_s: 20\n", extra_config=""
+):
+    yaml = "secure_aggregation:\n  enabled: true\n" + config + extra_config
+    (out.parent / "agg.yaml").write_text(yaml)
+    config = out.parent / "agg.yaml"
+    cmd = [EDGE_FL, "aggregator", "--config", str(config), "--broker", broker, "--job", job]
+    cmd += ["--devices", str(devices), "--rounds", str(rounds), "--clients-per-round", str(devices)]
+    cmd += ["--deadline", "30", "--out", str(out), *extra]
+    agg = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120  # the job starts (run.json), or the config is refused
+    while agg.poll() is None and not (out / "run.json").exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if agg.returncode:
+        why = agg.stderr.read().strip()
+        if "secure_aggregation" in why:
+            pytest.skip(f"this checkout's edge-fl runs no secure job (issue 21 not merged): {why}")
+        raise AssertionError(why)
+    return agg
+
+
+def stop(*procs: subprocess.Popen) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+            p.wait(timeout=10)
+
+
+def records(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.broker
+@pytest.mark.parametrize("signed", [False, True])
+def test_mixed_secure_fleet_with_the_real_aggregator(mosquitto, tmp_path, signed):
+    """4 devices, 2 secure rounds, all selected: d00000 and d00001 are `edge-fl device`, d00002
+    and d00003 this file's device; every round sums with all four among the contributors. Signed:
+    the aggregator signs (security.signing_key) and every device verifies (--public-key)."""
+    job, out, key, config = f"mini-sa-{uuid.uuid4().hex[:6]}", tmp_path / "run", [], ""
+    if signed:
+        subprocess.run([EDGE_FL, "keygen", str(tmp_path / "keys")], check=True, capture_output=True)
+        pem = tmp_path / "keys" / "aggregator_ed25519.pem"
+        pub = (tmp_path / "keys" / "aggregator_ed25519.pub").read_text().strip()
+        key, config = ["--public-key", pub], f"security:\n  signing_key: {pem}\n"
+    agg = secure_aggregator(mosquitto.url, job, out, 4, 2, extra_config=config)
+    procs = [agg]
+    try:
+        procs += [
+            subprocess.Popen(
+                [
+                    EDGE_FL,
+                    "device",
+                    "--broker",
+                    mosquitto.url,
+                    "--job",
+                    job,
+                    "--id",
+                    f"d0000{i}",
+                    *key,
+                ],
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+            for i in (0, 1)
+        ]
+        minis = {
+            name: subprocess.Popen(
+                [
+                    sys.executable,
+                    str(FILE),
+                    "--broker",
+                    mosquitto.url,
+                    "--job",
+                    job,
+                    "--id",
+                    name,
+                    "--data",
+                    str(digits_share(tmp_path / f"{name}.npz", part)),
+                    "-v",
+                    *key,
+                ],
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+            for name, part in (("d00002", slice(0, 90)), ("d00003", slice(90, 180)))
+        }
+        procs += list(minis.values())
+        _, stderr = agg.communicate(timeout=200)
+        logs = {name: p.communicate(timeout=30)[1] for name, p in minis.items()}
+    finally:
+        stop(*procs)
+    assert agg.returncode == 0, stderr
+    recs = records(out)
+    print([(r["round"], r["status"], r["received"], r.get("secure")) for r in recs])
+    assert [(r["status"], r["received"]) for r in recs] == [("closed", 4)] * 2
+    for r in recs:
+        assert r["secure"]["outcome"] == "summed" and r["secure"]["rejected_by_reason"] == {}
+        assert r["secure"]["phases"] == {"keys": 4, "shares": 4, "masked": 4, "unmask": 4}
+    for log in logs.values():
+        for kind in ("ak", "sh", "mx", "ua"):
+            assert log.count(f"sent {kind},") == 2, log
+        assert "ignored" not in log and "left the secure round" not in log, log
+
+
+@pytest.mark.broker
+def test_the_aggregator_applies_exactly_the_mean_of_the_submitted_integers(mosquitto, tmp_path):
+    """3 of this file's devices in one process, their integers recorded: the aggregator's next
+    model is the last one plus step · mean(x), step = clip / sa.q (the sum is exact)."""
+    import argparse
+    import threading
+
+    job, out = f"mini-sa-{uuid.uuid4().hex[:6]}", tmp_path / "run"
+    agg = secure_aggregator(mosquitto.url, job, out, 3, 2, "--clip", "0.5")
+    submitted: dict[str, list] = {}
+    encode = sa.encode
+
+    def recording(u, mp, params, clip, step=None):
+        x = encode(u, mp, params, clip, step)
+        clipped = u * min(1.0, clip / np.linalg.norm(u))
+        submitted.setdefault(threading.current_thread().name, []).append((x, clipped))
+        return x
+
+    globals_: queue.Queue = queue.Queue()
+    host, port = mosquitto.url.split("//")[1].rsplit(":", 1)
+    tap = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2)
+    tap.on_message = lambda c, u, m: m.payload and globals_.put(msgpack.unpackb(m.payload))
+    tap.connect(host, int(port))
+    tap.subscribe(f"edgefl/{job}/global", 1)
+    tap.loop_start()
+    sa.encode = recording
+    try:
+        threads = []
+        for i in range(3):
+            name = f"d0000{i}"
+            a = argparse.Namespace(broker=mosquitto.url, job=job, id=name, password=None,
+                                   username=None, prefix=None, digest=None, public_key=None,
+                                   model="auto", classes=10, verbose=False, clip=None, step=None,
+                                   data=digits_share(tmp_path / f"{name}.npz", slice(90 * i, 90 * i + 90)))  # fmt: skip
+            threads.append(threading.Thread(target=sa.SecureDevice(a).run, name=name, daemon=True))
+            threads[-1].start()
+        _, stderr = agg.communicate(timeout=200)
+        for t in threads:
+            t.join(30)
+    finally:
+        sa.encode = encode
+        tap.loop_stop()
+        stop(agg)
+    assert agg.returncode == 0, stderr
+    assert [(r["status"], r["received"]) for r in records(out)] == [("closed", 3)] * 2
+    seen = []
+    while not globals_.empty():
+        seen.append(globals_.get())
+    rounds = [g for g in seen if not g.get("done")]
+    assert [g["rnd"] for g in rounds] == [1, 2]
+    step = 0.5 / rounds[0]["sa"]["q"]
+    w0, w1 = (np.frombuffer(g["w"], "<f4").astype(np.float64) for g in rounds)
+    mean = np.mean([submitted[f"d0000{i}"][0][0] for i in range(3)], axis=0)
+    assert np.abs(mean).max() > 10  # the round carried a real update
+    assert np.abs(w1 - (w0 + step * mean)).max() < 1e-6  # float32 rounding of the new model
+    deltas = np.mean([submitted[f"d0000{i}"][0][1] for i in range(3)], axis=0)
+    assert np.abs(w1 - (w0 + deltas)).max() < step  # the clipped deltas, up to the rounding
+
+
+@pytest.mark.broker
+def test_a_device_vanishing_after_its_shares_is_unmasked_by_its_neighbours(mosquitto, tmp_path):
+    """d00003 (this file's device) sends keys and shares, then never its masked input: the
+    others, this file's d00002 among them, send its key share and the round sums over 3."""
+    import argparse
+    import threading
+
+    class Recording(sa.SecureDevice):
+        def on_inbox(self, payload):
+            self.inbox = [*getattr(self, "inbox", []), msgpack.unpackb(payload)]
+            super().on_inbox(payload)
+
+    class Vanishing(sa.SecureDevice):
+        def on_inbox(self, payload):
+            if msgpack.unpackb(payload)["k"] != "sf":
+                super().on_inbox(payload)
+
+    job, out = f"mini-sa-{uuid.uuid4().hex[:6]}", tmp_path / "run"
+    config = "  neighbours: 3\n  min_survivors: 3\n  phase_timeout_s: 15\n"  # complete graph
+    agg = secure_aggregator(mosquitto.url, job, out, 4, 1, config=config)
+    procs, threads, devices = [agg], [], {}
+    try:
+        procs += [
+            subprocess.Popen(
+                [EDGE_FL, "device", "--broker", mosquitto.url, "--job", job, "--id", f"d0000{i}"],
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+            for i in (0, 1)
+        ]
+        for i, cls in ((2, Recording), (3, Vanishing)):
+            name = f"d0000{i}"
+            a = argparse.Namespace(broker=mosquitto.url, job=job, id=name, password=None,
+                                   username=None, prefix=None, digest=None, public_key=None,
+                                   model="auto", classes=10, verbose=False, clip=None, step=None,
+                                   data=digits_share(tmp_path / f"{name}.npz", slice(90 * i, 90 * i + 90)))  # fmt: skip
+            devices[name] = cls(a)
+            threads.append(threading.Thread(target=devices[name].run, daemon=True))
+            threads[-1].start()
+        _, stderr = agg.communicate(timeout=200)
+        for t in threads:
+            t.join(30)
+        for p in procs[1:]:
+            p.communicate(timeout=30)
+    finally:
+        stop(*procs)
+    assert agg.returncode == 0, stderr
+    (r,) = records(out)
+    assert (r["status"], r["received"]) == ("closed", 3), r
+    assert r["secure"]["phases"] == {"keys": 4, "shares": 4, "masked": 3, "unmask": 3}, r
+    assert r["secure"]["outcome"] == "summed" and r["secure"]["rejected_by_reason"] == {}
+    kept = devices["d00002"].session
+    assert kept.state == "done" and devices["d00003"].session.state == "shared"
+    (uq,) = [m for m in devices["d00002"].inbox if m["k"] == "uq"]
+    assert uq["a"] == [1, 1, 2]  # seed shares of d00000 and d00001, d00003's key share
