@@ -52,6 +52,23 @@ def up_kind(payload: bytes) -> str | None:
     return kind if isinstance(kind, str) and kind in UP_KINDS else None
 
 
+def masked_head(payload: bytes) -> tuple[int, bytes] | None:
+    """(round, nonce) of an ``mx`` message (its head only, ``v k r nc``), or None."""
+    if up_kind(payload) != "mx":
+        return None
+    unpacker = msgpack.Unpacker(raw=False, max_buffer_size=len(payload))
+    unpacker.feed(payload)
+    try:
+        unpacker.read_map_header()
+        head = [unpacker.unpack() for _ in range(8)]
+    except Exception:  # noqa: BLE001 - not an mx we can read: nothing to charge
+        return None
+    if head[4] != "r" or head[6] != "nc" or type(head[5]) is not int:
+        return None
+    nonce = head[7]
+    return (head[5], nonce) if isinstance(nonce, bytes) else None
+
+
 def check_secure_params(
     value: Any, roster: int | None, *, mode: str = "sync", nonce: bool = True
 ) -> dict[str, Any]:

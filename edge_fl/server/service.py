@@ -47,7 +47,7 @@ from edge_fl.protocol import Reject, Topics, encode_global
 from edge_fl.protocol.clock import ClockMessage, ClockMessageError, clock_topic, decode_clock
 from edge_fl.protocol.dispatch import encode_dispatch
 from edge_fl.protocol.messages import Dispatch
-from edge_fl.protocol.secure import up_kind
+from edge_fl.protocol.secure import masked_head, up_kind
 from edge_fl.secagg import AggregatorSession, Deliver, Failed, Finished, Rejected
 from edge_fl.transport import client_adapter
 from edge_fl.transport.tap import IngestTap
@@ -301,16 +301,27 @@ class AggregatorService:
         core.tally.bytes_up += len(payload)
         core.tally.messages_up += 1
         sa = self.secure_session
-        if sa is None or core.current is None:
+        head = masked_head(payload)
+        if sa is None or core.current is None or (head is not None and head[0] != sa.params.round):
+            # no session for it (e.g. the round was skipped after a restart, and the broker
+            # delivers to the persistent session what the dead process never acknowledged): a
+            # masked input of a round that asked this device is still charged, never summed
             self._sa_rejected["late"] += 1
+            if head is not None:
+                facts = core.round_facts(head[0])
+                if facts is not None and facts[0] == head[1] and device in facts[1]:
+                    self._secure_charge(device, head[0])
             return
         before, masked = sa.phase, sa.counts["masked"]
         effects = sa.receive(device, payload)
-        if sa.counts["masked"] > masked and core.charge_secure(device, sa.params.round):
-            if self.journal is not None:
-                self.journal.append("release", d=device, r=sa.params.round, n=SECURE_RELEASE)
-                self.stats["journaled"] += 1
+        if sa.counts["masked"] > masked:
+            self._secure_charge(device, sa.params.round)
         self._secure_effects(effects, before)
+
+    def _secure_charge(self, device: str, rnd: int) -> None:
+        if self.core.charge_secure(device, rnd) and self.journal is not None:
+            self.journal.append("release", d=device, r=rnd, n=SECURE_RELEASE)
+            self.stats["journaled"] += 1
 
     def _secure_effects(self, effects: list, before: str) -> None:
         """Carry out a session's effects: inbox messages (QoS 1, not awaited), rejections
