@@ -492,23 +492,30 @@ class SecureAggregationConfig(_Section):
 
     enabled: bool = Field(False, description="run every sync round as a SecAgg+ round")
     dropout: float = Field(
-        0.3, ge=0, lt=1, description="fraction of a round's selection the calibration tolerates "
-        "vanishing at any phase"
+        0.3,
+        ge=0,
+        lt=1,
+        description="fraction of a round's selection the calibration tolerates "
+        "vanishing at any phase",
     )
     collude: float = Field(
-        0.0, ge=0, lt=1, description="fraction of the selection assumed to collude with the "
-        "aggregator (the threshold keeps their shares useless)"
+        0.0,
+        ge=0,
+        lt=1,
+        description="fraction of the selection assumed to collude with the "
+        "aggregator (the threshold keeps their shares useless)",
     )
     neighbours: int | Literal["auto"] = Field(
-        "auto", description="graph degree k; auto = calibrated (edge_fl.secagg.calibrate), a "
-        "number is checked (edge_fl.secagg.check)"
+        "auto",
+        description="graph degree k; auto = calibrated (edge_fl.secagg.calibrate), a "
+        "number is checked (edge_fl.secagg.check)",
     )
     threshold: int | Literal["auto"] = Field(
         "auto", description="Shamir threshold t; auto = calibrated, a number is checked"
     )
     min_survivors: int | Literal["auto"] = Field(
-        "auto", description="fewest contributors whose sum counts; auto = "
-        "ceil((1 - dropout) * selected)"
+        "auto",
+        description="fewest contributors whose sum counts; auto = ceil((1 - dropout) * selected)",
     )
     step: float | None = Field(
         None, gt=0, description="quantisation step; None = the mechanism's own"

@@ -557,7 +557,9 @@ def secure_refusal(cfg: JobConfig, mechanism: Mechanism) -> str | None:
     if cfg.privacy.poisson_selection:
         return "privacy.poisson_selection: a secure round needs its roster in the global message"
     if cfg.ingest.workers:
-        return f"ingest.workers = {cfg.ingest.workers}: secure rounds are ingested by one aggregator"
+        return (
+            f"ingest.workers = {cfg.ingest.workers}: secure rounds are ingested by one aggregator"
+        )
     if cfg.fleet.clock == "virtual":
         return "fleet.clock = 'virtual': secure rounds run on real phase deadlines; use 'wall'"
     if cfg.compression.uplink is not None:

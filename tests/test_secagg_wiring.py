@@ -14,9 +14,8 @@ import pytest
 
 from edge_fl.config import load_config
 from edge_fl.mechanisms import register_mechanism
-from edge_fl.mechanisms.base import local_update
+from edge_fl.mechanisms.base import Guarantee, local_update
 from edge_fl.mechanisms.none import NoPrivacy
-from edge_fl.mechanisms.base import Guarantee
 from edge_fl.mechanisms.secure import SecureJob, SecureLayout, secure_sum
 from edge_fl.privacy.events import pure_privacy_event
 
@@ -155,9 +154,10 @@ def test_devices_vanishing_at_each_phase_leave_exactly_the_contributors_sum(mosq
     ))  # fmt: skip
     seen: list[tuple[str, np.ndarray]] = []
     before = job.aggregator_core().params.copy()
-    run, service, _, error = asyncio.run(
-        run_secure(job, tmp_path / "run", vanish=vanish,
-                   observer=lambda label, v: seen.append((label, v)))  # fmt: skip
+    run, _, _, error = asyncio.run(
+        run_secure(
+            job, tmp_path / "run", vanish=vanish, observer=lambda label, v: seen.append((label, v))
+        )
     )
     assert error is None
     record = run.recorder.records[-1]
@@ -208,7 +208,6 @@ def test_too_many_vanishing_fails_the_round_cleanly(mosquitto, tmp_path):
     assert "3 masked inputs arrived; 4 needed" in record["secure"]["failed"]["reason"]
     assert np.array_equal(run.core.params, before)
     assert sorted(d for d, r, _ in run.core.releases) == ["d00005", "d00006", "d00007"]
-    assert run.summary is None or True
     assert run.core.privacy.ledger is not None
 
 
@@ -231,7 +230,7 @@ def test_a_crash_between_masked_inputs_and_unmasking_skips_the_round(mosquitto, 
                 raise Crash("killed between the masked inputs and the unmasking")
 
     async def both():
-        run, service, fleet, error = await run_secure(job, tmp_path / "run", observer=crash)
+        run, _, fleet, error = await run_secure(job, tmp_path / "run", observer=crash)
         assert isinstance(error, Crash)
         assert run.core.current is not None and run.core.current.number == 1
         nonce1 = run.core.current.nonce
@@ -262,8 +261,6 @@ def test_a_crash_between_masked_inputs_and_unmasking_skips_the_round(mosquitto, 
         assert np.array_equal(total, contributions(rnd, devices))
     assert run2.core.history[2][0] != nonce1
     assert not np.array_equal(run2.core.params, before)  # rounds 2 and 3 applied
-
-
 
 
 def test_a_secure_simulation_learns_like_the_plain_one(mosquitto, tmp_path):
@@ -374,14 +371,18 @@ def test_auto_clock_is_wall_time_under_secure_aggregation():
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
-        ({"privacy.mechanism": "laplace", "privacy.epsilon": 8.0},
-         "privacy.mechanism = 'laplace' cannot run under secure aggregation"),
+        (
+            {"privacy.mechanism": "laplace", "privacy.epsilon": 8.0},
+            "privacy.mechanism = 'laplace' cannot run under secure aggregation",
+        ),
         ({"rounds.mode": "fedbuff"}, "rounds.mode = 'fedbuff': secure aggregation runs sync"),
         ({"ingest.workers": 2}, "ingest.workers = 2: secure rounds are ingested by one"),
         ({"fleet.clock": "virtual"}, "fleet.clock = 'virtual': secure rounds run on real"),
         ({"compression.uplink": "q8"}, "compression.uplink = 'q8': a masked input"),
-        ({"secure_aggregation.neighbours": 2, "secure_aggregation.threshold": 2},
-         "neighbours 2: with 30% dropouts"),
+        (
+            {"secure_aggregation.neighbours": 2, "secure_aggregation.threshold": 2},
+            "neighbours 2: with 30% dropouts",
+        ),
         ({"secure_aggregation.min_survivors": 11}, "min_survivors = 11 must be in [2, 10]"),
     ],
 )
@@ -401,9 +402,19 @@ def test_the_cli_refuses_in_one_line(tmp_path):
     from edge_fl.cli import main
 
     result = CliRunner().invoke(
-        main, ["simulate", "--secure-aggregation", "--mode", "fedbuff", "--rounds", "1",
-               "--mechanism", SecureMean.name,
-               "--out", str(tmp_path / "x")],  # fmt: skip
+        main,
+        [
+            "simulate",
+            "--secure-aggregation",
+            "--mode",
+            "fedbuff",
+            "--rounds",
+            "1",
+            "--mechanism",
+            SecureMean.name,
+            "--out",
+            str(tmp_path / "x"),
+        ],
     )
     assert result.exit_code != 0
     lines = [line for line in result.output.splitlines() if line.strip()]
@@ -423,10 +434,8 @@ def test_a_republished_round_neither_restarts_the_session_nor_resends():
     job = build_job(config(**{"data.devices": 4, "rounds.clients_per_round": 4,
                               "secure_aggregation.min_survivors": 2}))  # fmt: skip
     core = job.aggregator_core()
-    core.on_status  # noqa: B018
     agents = {a.device_id: a for a in job.agents()}
     roster = tuple(sorted(agents))
-    nc = bytes(range(16))
     plan = job.secure_plan
     msg = global_with(plan.wire(4), selected=roster)
     msg = type(msg)(**{**msg.__dict__, "params": core.params, "job": job.cfg.job,
@@ -449,7 +458,6 @@ def test_a_republished_round_neither_restarts_the_session_nor_resends():
 
     kinds = {d: run(d, agents[d].handle(ModelArrived(msg))) for d in roster}
     assert all(k == ["ak"] for k in kinds.values())  # mx waits for the forwarded shares
-    assert nc == msg.nonce or True
     # the same model again: nothing, no second session
     session = agents["d00000"].session
     assert run("d00000", agents["d00000"].handle(ModelArrived(msg))) == []

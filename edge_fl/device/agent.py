@@ -84,7 +84,10 @@ class SecureDevice:
         """Whether the round's signed parameters describe this job's integers."""
         lay = self.layout
         return (sa["n"], sa["q"], sa["b"], sa["md"]) == (
-            lay.length, lay.max_int, lay.bits, lay.modular
+            lay.length,
+            lay.max_int,
+            lay.bits,
+            lay.modular,
         )
 
 
@@ -163,9 +166,13 @@ class DeviceAgent:
         integers go to the session; inbox messages go to the session."""
         if isinstance(event, InboxArrived):
             return self._to_session(event.payload)
-        if isinstance(event, ModelArrived) and event.msg.secure is not None and not event.msg.done:
-            if self.session_key == (event.msg.round, event.msg.nonce):
-                return []  # re-published (same nonce): the session goes on, nothing is re-sent
+        if (
+            isinstance(event, ModelArrived)
+            and event.msg.secure is not None
+            and not event.msg.done
+            and self.session_key == (event.msg.round, event.msg.nonce)
+        ):
+            return []  # re-published (same nonce): the session goes on, nothing is re-sent
         if isinstance(event, Trained) and event.msg.secure is not None:
             effects = self._submit(event.msg)
             return effects + self._start_sessions(self.policy.handle(Trained(event.msg, None)))
@@ -196,8 +203,9 @@ class DeviceAgent:
         try:
             params = params_from_wire(msg.job, msg.round, msg.nonce, tuple(msg.selected), sa)
             self.session = DeviceSession(
-                self.device_id, params, randbytes=sec.randbytes(self.device_id, msg.round,
-                                                                msg.nonce)  # fmt: skip
+                self.device_id,
+                params,
+                randbytes=sec.randbytes(self.device_id, msg.round, msg.nonce),
             )
         except ValueError as exc:
             log.warning("round %d: no secure session: %s", msg.round, exc)

@@ -130,9 +130,7 @@ class InboxArrived:
     payload: bytes
 
 
-Event = (
-    ModelArrived | DispatchArrived | JobEnded | Trained | Uploaded | Disconnected | InboxArrived
-)
+Event = ModelArrived | DispatchArrived | JobEnded | Trained | Uploaded | Disconnected | InboxArrived
 
 
 # ------------------------------------------------------------------------------------ effects

@@ -293,9 +293,10 @@ class Fleet:
         if not message.topic.matches(self.topics.inbox(agent.device_id)):
             return False
         payload = message.payload
-        if isinstance(payload, bytes | bytearray) and payload:
-            if agent.device_id not in self.crashed and agent.device_id not in self.unavailable:
-                self._hand(agent, InboxArrived(bytes(payload)), 0)
+        device = agent.device_id
+        live = device not in self.crashed and device not in self.unavailable
+        if isinstance(payload, bytes | bytearray) and payload and live:
+            self._hand(agent, InboxArrived(bytes(payload)), 0)
         return True
 
     def wire_round(self) -> dict[str, int]:

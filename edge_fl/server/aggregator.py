@@ -31,7 +31,6 @@ from edge_fl.protocol import (
     decode_status,
     decode_update,
 )
-
 from edge_fl.protocol.secure import round_seed
 
 from .policy import RoundPolicy, SyncPolicy, field_values, round_fields
@@ -442,7 +441,8 @@ class AggregatorCore:
             nonce=None if done else self.current_nonce(),
             mechanism_params=self.public_params,
             run=self.run_id,
-            secure=None if done or self.secure is None or not selected
+            secure=None
+            if done or self.secure is None or not selected
             else self.secure.wire(len(selected)),
         )
 
@@ -728,7 +728,9 @@ class AggregatorCore:
             mean = plan.mechanism.secure_decode(total, len(contributors), plan.layout, seed)
             mean = np.asarray(mean, dtype=np.float32)
             if mean.shape != self.params.shape:
-                raise ValueError(f"secure_decode gave {mean.shape}, the model is {self.params.shape}")
+                raise ValueError(
+                    f"secure_decode gave {mean.shape}, the model is {self.params.shape}"
+                )
             new_params = self.params + np.float32(self.settings.server_lr) * mean
         return self.close_round(now, wall_time_s, skipped=new_params is None,
                                 secure=(new_params, info))  # fmt: skip
@@ -759,6 +761,7 @@ class AggregatorCore:
                 skipped = True
                 info = {**info, "diverged": True}
         if not skipped and applies and secure is not None:
+            assert new_params is not None  # applies: a secure round's sum was decoded
             if np.isfinite(new_params).all():
                 self.params = new_params.astype(np.float32)
                 self.version += 1
@@ -768,6 +771,7 @@ class AggregatorCore:
                 skipped = True
                 info["diverged"] = True
         elif not skipped and applies:
+            assert new_params is not None
             self.params = new_params
             self.version += 1
             self.record_noised_round(rnd.number)
