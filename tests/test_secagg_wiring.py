@@ -283,6 +283,98 @@ def test_a_secure_simulation_learns_like_the_plain_one(mosquitto, tmp_path):
     assert secure["privacy"]["epsilon"] == pytest.approx(EPS * rounds, rel=1e-3)
 
 
+def test_the_fleets_dropout_model_vanishes_devices_mid_protocol(mosquitto, tmp_path):
+    """``fleet.dropout`` 0.35: a dropping device vanishes before a phase drawn uniformly. Each
+    round sums exactly the integers of the devices whose masked input was charged, or fails
+    with its reason and leaves the model as it was."""
+    from edge_fl.job import build_job
+
+    job = build_job(config(mosquitto, **{"data.devices": 10, "rounds.rounds": 4,
+                                         "fleet.dropout": 0.35}))  # fmt: skip
+    sums: dict[int, np.ndarray] = {}
+    run_ref: dict[str, Any] = {}
+
+    def observe_round(label: str, v: np.ndarray) -> None:
+        if label == "sum":  # inside the open round: its number is the core's
+            sums[run_ref["run"].core.current.number] = v
+
+    from edge_fl.protocol.signing import Signer
+    from edge_fl.simulation import open_run
+
+    async def main():
+        from edge_fl.transport.url import parse_broker_url
+
+        broker = parse_broker_url(job.cfg.broker.url)
+        signer = Signer.generate()
+        run = run_ref["run"] = open_run(job, tmp_path / "run")
+        service = run.make_service(broker, signer=signer)
+        service.secure_observer = observe_round
+        fleet = job.fleet_runtime(broker, trust=job.trust(signer.verifier))
+        aggregator = asyncio.create_task(service.run())
+        await service.connected.wait()
+        fleet_task = asyncio.create_task(fleet.run())
+        try:
+            await asyncio.wait_for(aggregator, 180)
+        finally:
+            run.close()
+        await asyncio.wait_for(fleet_task, 10)
+        return run, fleet
+
+    run, fleet = asyncio.run(main())
+    records = run.recorder.records
+    assert len(records) == 4 and fleet.dropouts > 0
+    print("dropouts", fleet.dropouts, [(r["status"], r["secure"]["phases"]) for r in records])
+    for r in records:
+        charged = sorted(d for d, rnd, _ in run.core.releases if rnd == r["round"])
+        if r["status"] == "closed":
+            assert r["received"] == len(charged)
+            assert np.array_equal(sums[r["round"]], contributions(r["round"], charged))
+        else:
+            assert r["secure"]["outcome"] == "failed" and r["secure"]["failed"]["reason"]
+            assert r["round"] not in sums
+
+
+def test_the_single_device_runtime_runs_secure_rounds(mosquitto, tmp_path):
+    """``edge-fl device``'s runtime (one MQTT session per device, its own inbox subscription)
+    against the real aggregator: every round sums all four devices exactly."""
+    from edge_fl.device.runtime import run_device
+    from edge_fl.job import build_job
+    from edge_fl.protocol.signing import Signer
+    from edge_fl.simulation import open_run
+    from edge_fl.transport.url import parse_broker_url
+
+    job = build_job(config(mosquitto, **{"data.devices": 4, "rounds.clients_per_round": 4,
+                                         "rounds.rounds": 2}))  # fmt: skip
+    sums: list[np.ndarray] = []
+
+    async def main():
+        broker = parse_broker_url(job.cfg.broker.url)
+        signer = Signer.generate()
+        run = open_run(job, tmp_path / "run")
+        service = run.make_service(broker, signer=signer)
+        service.secure_observer = lambda label, v: sums.append(v) if label == "sum" else None
+        aggregator = asyncio.create_task(service.run())
+        await service.connected.wait()
+        devices = [
+            asyncio.create_task(
+                run_device(agent, broker, job.topics, trust=job.trust(signer.verifier))
+            )
+            for agent in job.agents()
+        ]
+        try:
+            await asyncio.wait_for(aggregator, 120)
+        finally:
+            run.close()
+        return run, await asyncio.wait_for(asyncio.gather(*devices), 10)
+
+    run, sent = asyncio.run(main())
+    assert [r["status"] for r in run.recorder.records] == ["closed", "closed"]
+    assert sent == [2, 2, 2, 2]
+    devices = [f"d{i:05d}" for i in range(4)]
+    for rnd, total in zip((1, 2), sums, strict=True):
+        assert np.array_equal(total, contributions(rnd, devices))
+
+
 # ------------------------------------------------------------------ wire, config, refusals
 
 
