@@ -295,28 +295,25 @@ class AggregatorService:
         self._sa_rejected = Counter()
 
     def _secure_in(self, device: str, payload: bytes) -> None:
-        """A SecAgg+ message on ``up/<device>``: to the open round's session; an accepted
-        masked input is charged (journaled like every release) before it is acknowledged."""
+        """A SecAgg+ message on ``up/<device>``: to the open round's session. A masked input
+        that names a round which asked this device, with its nonce, is charged (journaled like
+        every release) before it is acknowledged, whatever the session makes of it: late, or
+        for a round skipped after a restart (the broker redelivers to the persistent session
+        what the dead process never acknowledged), it is charged and never summed."""
         core = self.core
         core.tally.bytes_up += len(payload)
         core.tally.messages_up += 1
-        sa = self.secure_session
         head = masked_head(payload)
-        if sa is None or core.current is None or (head is not None and head[0] != sa.params.round):
-            # no session for it (e.g. the round was skipped after a restart, and the broker
-            # delivers to the persistent session what the dead process never acknowledged): a
-            # masked input of a round that asked this device is still charged, never summed
+        if head is not None:
+            facts = core.round_facts(head[0])
+            if facts is not None and facts[0] == head[1] and device in facts[1]:
+                self._secure_charge(device, head[0])
+        sa = self.secure_session
+        if sa is None or core.current is None:
             self._sa_rejected["late"] += 1
-            if head is not None:
-                facts = core.round_facts(head[0])
-                if facts is not None and facts[0] == head[1] and device in facts[1]:
-                    self._secure_charge(device, head[0])
             return
-        before, masked = sa.phase, sa.counts["masked"]
-        effects = sa.receive(device, payload)
-        if sa.counts["masked"] > masked:
-            self._secure_charge(device, sa.params.round)
-        self._secure_effects(effects, before)
+        before = sa.phase
+        self._secure_effects(sa.receive(device, payload), before)
 
     def _secure_charge(self, device: str, rnd: int) -> None:
         if self.core.charge_secure(device, rnd) and self.journal is not None:
