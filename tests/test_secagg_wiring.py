@@ -59,7 +59,18 @@ class SecureMean(NoPrivacy):
         return [pure_privacy_event(EPS, self.name)]
 
 
-register_mechanism(SecureMean.name, SecureMean)
+@pytest.fixture(scope="module", autouse=True)
+def _registered():
+    """The test mechanism registered for this module only (as tests/test_models.py does for
+    models): the registries are process-wide, and other tests list every registered name."""
+    import edge_fl.mechanisms as mechanisms
+    import edge_fl.protocol.params as params
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(mechanisms, "_REGISTRY", dict(mechanisms._REGISTRY))
+        patch.setattr(params, "_SCHEMAS", dict(params._SCHEMAS))
+        register_mechanism(SecureMean.name, SecureMean)
+        yield
 
 
 def config(mosquitto: Any = None, **overrides: Any):
