@@ -486,6 +486,55 @@ class IngestConfig(_Section):
     )
 
 
+class SecureAggregationConfig(_Section):
+    """SecAgg+ over the broker (docs/specs/secagg.md; docs/protocol.md, "Secure aggregation"):
+    the aggregator learns only the sum of each sync round's updates."""
+
+    enabled: bool = Field(False, description="run every sync round as a SecAgg+ round")
+    dropout: float = Field(
+        0.3,
+        ge=0,
+        lt=1,
+        description="fraction of a round's selection the calibration tolerates "
+        "vanishing at any phase",
+    )
+    collude: float = Field(
+        0.0,
+        ge=0,
+        lt=1,
+        description="fraction of the selection assumed to collude with the "
+        "aggregator (the threshold keeps their shares useless)",
+    )
+    neighbours: int | Literal["auto"] = Field(
+        "auto",
+        description="graph degree k; auto = calibrated (edge_fl.secagg.calibrate), a "
+        "number is checked (edge_fl.secagg.check)",
+    )
+    threshold: int | Literal["auto"] = Field(
+        "auto", description="Shamir threshold t; auto = calibrated, a number is checked"
+    )
+    min_survivors: int | Literal["auto"] = Field(
+        "auto",
+        description="fewest contributors whose sum counts; auto = ceil((1 - dropout) * selected)",
+    )
+    step: float | None = Field(
+        None, gt=0, description="quantisation step; None = the mechanism's own"
+    )
+    phase_timeout_s: float = Field(
+        30.0, gt=0, le=86400, description="seconds a protocol phase waits for devices"
+    )
+
+    @model_validator(mode="after")
+    def _fractions(self) -> SecureAggregationConfig:
+        if self.dropout + self.collude >= 1:
+            raise ValueError("dropout + collude must stay below 1")
+        for key in ("neighbours", "threshold", "min_survivors"):
+            value = getattr(self, key)
+            if value != "auto" and value < (2 if key == "min_survivors" else 1):
+                raise ValueError(f"{key} = {value}: too small")
+        return self
+
+
 class JobConfig(_Section):
     job: str = Field(
         "edgefl",
@@ -513,6 +562,7 @@ class JobConfig(_Section):
     population: PopulationConfig = PopulationConfig()
     device: DeviceConfig = DeviceConfig()
     ingest: IngestConfig = IngestConfig()
+    secure_aggregation: SecureAggregationConfig = SecureAggregationConfig()
 
     @model_validator(mode="after")
     def _shardable(self) -> JobConfig:
@@ -534,6 +584,14 @@ class JobConfig(_Section):
                 "ingest.spawn = false and run `edge-fl ingest --worker I --broker <site broker>` "
                 "per site (docs/scale.md)"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _secure_wall_clock(self) -> JobConfig:
+        """Secure aggregation's phases run on real deadlines: ``fleet.clock: auto`` is wall
+        time then (an explicit ``virtual`` is refused when the job is assembled)."""
+        if self.secure_aggregation.enabled and self.fleet.clock == "auto" and self.fleet.virtual:
+            object.__setattr__(self.fleet, "clock", "wall")
         return self
 
     @model_validator(mode="after")
@@ -571,6 +629,8 @@ class JobConfig(_Section):
             shared["data"]["data_dir"] = self._data_identity
         if self.population.online is not None:  # the same data settings, drawn lazily: other data
             shared["population"] = self.population.model_dump()
+        if self.secure_aggregation.enabled:  # only then: existing configs keep their digest
+            shared["secure_aggregation"] = self.secure_aggregation.model_dump()
         raw = json.dumps(shared, sort_keys=True, default=str).encode()
         return hashlib.sha256(raw).hexdigest()[:12]
 

@@ -10,7 +10,7 @@ import logging
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 from typing import Any
 
@@ -45,6 +45,9 @@ log = logging.getLogger("edge_fl.job")
 
 #: config sections that belong to one process, never to the job a device joins
 DEVICE_LOCAL_SECTIONS = {"broker", "security", "fleet", "device", "ingest"}
+#: config sections a job document carries only when enabled (an existing job's document, and
+#: its config digest, stay what they were)
+OPTIONAL_SECTIONS = {"secure_aggregation"}
 
 
 #: ``device_factory(job, index) -> DeviceAgent``: the agent of device ``index`` (e.g. an attacker
@@ -144,7 +147,21 @@ class Job:
             mechanism=self.mechanism,
             budget=budget,
             codec=self.cfg.compression.build(),
+            secure=self.secure_device,
         )
+
+    @cached_property
+    def secure_device(self) -> Any:
+        """What a device needs for secure rounds (``edge_fl.device.agent.SecureDevice``): the
+        mechanism's secure side and the job's facts; the round's parameters come signed in
+        each global message. None without secure aggregation."""
+        plan = self.secure_plan
+        if plan is None:
+            return None
+        from edge_fl.device.agent import SecureDevice
+
+        return SecureDevice(plan.mechanism, plan.job, plan.layout,
+                            reproducible=self.cfg.reproducible, seed=self.cfg.seed)  # fmt: skip
 
     def agents(self, indices: range | None = None) -> list[DeviceAgent]:
         return [self.agent(i) for i in indices or range(self.cfg.data.devices)]
@@ -204,6 +221,9 @@ class Job:
             timeout = r.dispatch_timeout_s
             extra["concurrency"] = r.concurrency_limit(self.cfg.data.devices)
             extra["dispatch_timeout_s"] = None if timeout is None else self.clock.to_wall(timeout)
+        plan = self.secure_plan
+        if plan is not None:  # a round opens only with enough devices for its sum to count
+            settings = replace(settings, min_updates=max(settings.min_updates, plan.min_survivors))
         core = AggregatorCore(
             settings,
             self.initial_params(),
@@ -215,7 +235,22 @@ class Job:
             privacy=privacy,
             **extra,
         )
+        core.secure = plan
         return core
+
+    @cached_property
+    def secure_plan(self) -> Any:
+        """The job's secure aggregation (``edge_fl.server.secure.SecurePlan``), or None."""
+        sa = self.cfg.secure_aggregation
+        if not sa.enabled:
+            return None
+        from edge_fl.mechanisms.secure import secure_sum
+        from edge_fl.server.secure import plan_secure
+
+        mech = secure_sum(self.mechanism)
+        assert mech is not None  # build_job refused the combination
+        selected = math.ceil(self.target * self.cfg.rounds.over_selection)
+        return plan_secure(sa, mech, self.model.n_params, min(selected, self.cfg.data.devices))
 
     @cached_property
     def onnx(self) -> Callable[[np.ndarray], bytes] | None:
@@ -342,7 +377,10 @@ class Job:
 
         with calibration.scope(self.calibrations):
             self.mechanism.describe()  # calibrates every dataset size the job has (DP-SGD)
-        config = self.cfg.model_dump(mode="json", exclude=DEVICE_LOCAL_SECTIONS)
+        local = set(DEVICE_LOCAL_SECTIONS)
+        if not self.cfg.secure_aggregation.enabled:
+            local |= OPTIONAL_SECTIONS  # an existing job's document stays as it was
+        config = self.cfg.model_dump(mode="json", exclude=local)
         config["data"]["data_dir"] = None  # where the data lives is each device's own business
         cal = calibration.table(self.calibrations)  # this job's rows, not the process's
         return JobDocument(self.cfg.job, self.cfg.digest(), config, cal)
@@ -459,6 +497,14 @@ def build_job(
     for problem in problems:
         if problem is not None:
             raise ConfigError(f"invalid configuration:\n  privacy: {problem}")
+    refusal = secure_refusal(cfg, mechanism)
+    if refusal is None and cfg.secure_aggregation.enabled:
+        try:
+            job.secure_plan  # noqa: B018 (calibrated or checked now: an unsound one fails here)
+        except ValueError as exc:
+            refusal = str(exc).removeprefix("secure_aggregation: ")
+    if refusal is not None:
+        raise ConfigError(f"invalid configuration:\n  secure_aggregation: {refusal}")
     try:
         job.robust  # noqa: B018 (resolved now: a setting the mechanism cannot take fails here)
     except ValueError as exc:
@@ -490,6 +536,40 @@ def _data_identity(cfg: JobConfig, data: Any, *, given: bool) -> str | None:
     if not reads_files(d.dataset):
         return None
     return data.fingerprint()
+
+
+def secure_refusal(cfg: JobConfig, mechanism: Mechanism) -> str | None:
+    """Why the job cannot run secure aggregation (one line), or None."""
+    if not cfg.secure_aggregation.enabled:
+        return None
+    from edge_fl.mechanisms.secure import secure_sum
+
+    if secure_sum(mechanism) is None:
+        return (
+            f"privacy.mechanism = {cfg.privacy.mechanism!r} cannot run under secure aggregation "
+            "(it does not implement SecureSum, edge_fl/mechanisms/secure.py)"
+        )
+    if cfg.rounds.mode != "sync":
+        return (
+            f"rounds.mode = {cfg.rounds.mode!r}: secure aggregation runs sync rounds only "
+            "(FedBuff buffers are not wired yet)"
+        )
+    if cfg.privacy.poisson_selection:
+        return "privacy.poisson_selection: a secure round needs its roster in the global message"
+    if cfg.ingest.workers:
+        return (
+            f"ingest.workers = {cfg.ingest.workers}: secure rounds are ingested by one aggregator"
+        )
+    if cfg.fleet.clock == "virtual":
+        return "fleet.clock = 'virtual': secure rounds run on real phase deadlines; use 'wall'"
+    if cfg.compression.uplink is not None:
+        return (
+            f"compression.uplink = {cfg.compression.uplink!r}: a masked input has its own "
+            "encoding; drop the uplink codec"
+        )
+    if cfg.population.online is not None:
+        return "population.online: secure rounds need every device to hold a session"
+    return None
 
 
 def budget_refusal(mechanism: Mechanism) -> str | None:

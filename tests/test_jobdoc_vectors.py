@@ -29,7 +29,7 @@ import pytest
 
 from edge_fl.config import ConfigError, JobConfig, load_config, validate_config
 from edge_fl.device.join import device_config
-from edge_fl.job import DEVICE_LOCAL_SECTIONS, build_job
+from edge_fl.job import DEVICE_LOCAL_SECTIONS, OPTIONAL_SECTIONS, build_job
 from edge_fl.protocol.jobdoc import (
     JOB_CONTEXT,
     JobDocument,
@@ -216,7 +216,11 @@ def test_decode_and_encode(vector):
     # the key order the document states for the body and for config's sections
     run = ["run"] if "run" in body else []
     assert list(wire) == ["v", "k", "job", "digest", "config", "cal", *run]
-    expected_sections = [s for s in JobConfig.model_fields if s not in DEVICE_LOCAL_SECTIONS]
+    expected_sections = [
+        s
+        for s in JobConfig.model_fields
+        if s not in DEVICE_LOCAL_SECTIONS and (s not in OPTIONAL_SECTIONS or s in wire["config"])
+    ]
     assert list(wire["config"]) == expected_sections
     assert wire["config"]["data"]["data_dir"] is None
 
@@ -297,7 +301,9 @@ _TYPES = {"str": str, "int": int, "float": float, "bool": bool, "nil": type(None
 
 def test_config_table_lists_every_key_with_its_type_and_default():
     rows = config_table()
-    default = _flatten(JobConfig().model_dump(mode="json", exclude=DEVICE_LOCAL_SECTIONS))
+    # (a section written only when enabled, e.g. secure_aggregation, has its own table)
+    local = DEVICE_LOCAL_SECTIONS | OPTIONAL_SECTIONS
+    default = _flatten(JobConfig().model_dump(mode="json", exclude=local))
     default["data.data_dir"] = None
     assert set(rows) == set(default), set(rows) ^ set(default)
     for vector in vectors():

@@ -100,6 +100,14 @@ def common_job_options(f):
             "wall (--time-scale); auto: virtual with a --profile other than homogeneous",
         ),
         click.option("--dropout", type=float, help="per-round device dropout probability"),
+        click.option(
+            "--secure-aggregation",
+            "secure_aggregation",
+            is_flag=True,
+            default=None,
+            help="SecAgg+: the aggregator learns only each sync round's sum "
+            "(secure_aggregation.enabled)",
+        ),
         click.option("--seed", type=int),
         click.option(
             "--reproducible",
@@ -166,6 +174,7 @@ def job_overrides(kw: dict[str, Any]) -> dict[str, Any]:
         "privacy.signds.sign_k": kw.get("sign_k"),
         "privacy.signds.sign_eps": kw.get("sign_eps"),
         "rounds.min_updates": kw.get("min_updates"),
+        "secure_aggregation.enabled": kw.get("secure_aggregation"),
     }
 
 

@@ -77,6 +77,13 @@ def _local_settings(config: str | None, **flags: Any) -> dict[str, Any]:
     is_flag=True,
     help="retry also after an authentication or certificate refusal (for a system service)",
 )
+@click.option(
+    "--secure-aggregation",
+    "secure_aggregation",
+    is_flag=True,
+    help="join only a job that runs secure aggregation (the aggregator never sees this "
+    "device's update alone)",
+)
 @click.option("-v", "--verbose", count=True)
 def device(url, device_id, data_dir, public_key, job, prefix, index, config, wait, **kw) -> None:
     """Join the job announced on the broker and serve its rounds until it ends.
@@ -104,6 +111,7 @@ def device(url, device_id, data_dir, public_key, job, prefix, index, config, wai
     if index is None:
         fail(f"device id {s['id']!r} does not end in its index: give --index")
     s["reproducible"] = kw["reproducible"]
+    s["secure_aggregation"] = kw["secure_aggregation"]
     try:
         sent = asyncio.run(_serve(s, index, kw["retry_forever"], wait))
     except RuntimeError as exc:
@@ -143,6 +151,10 @@ async def _serve(s: dict[str, Any], index: int, retry_forever: bool, wait: float
     }
     job = join_job(doc, local, index, reproducible=s.get("reproducible", False))
     cfg = job.cfg
+    if s.get("secure_aggregation") and not cfg.secure_aggregation.enabled:
+        raise RuntimeError(
+            f"job {doc.job!r} does not run secure aggregation: refused (--secure-aggregation)"
+        )
     _check_budget_support(job)
     agent = job.agent(index)
     agent.device_id = s["id"]

@@ -13,11 +13,26 @@ the device, and advances once per release.
 
 from __future__ import annotations
 
+import hashlib
+import logging
+import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
-from edge_fl.device.policy import DevicePolicy, DeviceState, Effect, Event
+from edge_fl.device.policy import (
+    DevicePolicy,
+    DeviceState,
+    Effect,
+    Event,
+    InboxArrived,
+    ModelArrived,
+    Publish,
+    Train,
+    Trained,
+)
 from edge_fl.mechanisms import Mechanism
 from edge_fl.mechanisms.none import NoPrivacy
 from edge_fl.models.base import Model
@@ -31,6 +46,53 @@ from edge_fl.protocol import (
     encode_update,
 )
 from edge_fl.protocol.codecs import Codec, CodecState
+from edge_fl.protocol.secure import round_seed
+from edge_fl.secagg import Aborted, DeviceSession, Send, params_from_wire
+
+log = logging.getLogger("edge_fl.device")
+
+
+@dataclass(frozen=True)
+class SecureDevice:
+    """What a device needs for secure rounds: the mechanism's secure side (``SecureSum``), the
+    job's facts and layout (checked against each round's signed ``sa``), and where its SecAgg+
+    randomness comes from: the OS CSPRNG, or with ``reproducible`` a stream seeded per (seed,
+    device, round) for tests only."""
+
+    mechanism: Any  # edge_fl.mechanisms.secure.SecureSum
+    job: Any  # edge_fl.mechanisms.secure.SecureJob
+    layout: Any  # edge_fl.mechanisms.secure.SecureLayout
+    reproducible: bool = False
+    seed: int = 0
+
+    def randbytes(self, device: str, rnd: int, nonce: bytes) -> Callable[[int], bytes]:
+        if not self.reproducible:
+            return os.urandom
+        state = hashlib.sha256(f"edge-fl/secagg-test/{self.seed}/{device}/{rnd}".encode() + nonce)
+        key, counter = state.digest(), [0]
+
+        def draw(n: int) -> bytes:
+            out = b""
+            while len(out) < n:
+                counter[0] += 1
+                out += hashlib.sha256(key + counter[0].to_bytes(8, "big")).digest()
+            return out[:n]
+
+        return draw
+
+    def matches(self, sa: dict[str, Any]) -> bool:
+        """Whether the round's signed parameters describe this job's integers."""
+        lay = self.layout
+        return (sa["n"], sa["q"], sa["b"], sa["md"]) == (
+            lay.length,
+            lay.max_int,
+            lay.bits,
+            lay.modular,
+        )
+
+
+#: the protocol phase a SecAgg+ message of a device belongs to
+PHASE_OF = {"ak": "advertise", "sh": "share", "mx": "mask", "ua": "unmask"}
 
 
 @dataclass
@@ -70,6 +132,7 @@ class DeviceAgent:
         mechanism: Mechanism | None = None,
         budget: DeviceBudget | None = None,
         codec: Codec | None = None,
+        secure: SecureDevice | None = None,
     ) -> None:
         """``codec``: the uplink codec of dense updates (None: the global message's wire dtype,
         rounded to nearest, as before codecs existed)."""
@@ -85,22 +148,132 @@ class DeviceAgent:
         self.codec_state: CodecState | None = None  # e.g. the top-k error-feedback residual
         self.state = DeviceState()
         self.policy = DevicePolicy(device_id, self.state)
+        self.secure = secure
+        #: secure aggregation: the round's SecAgg+ session and its (round, nonce); the trained
+        #: integers wait here between the training thread and the session (event loop)
+        self.session: DeviceSession | None = None
+        self.session_key: tuple[int, bytes | None] | None = None
+        self._secure_input: dict[tuple[int, bytes | None], np.ndarray] = {}
 
     @property
     def n_samples(self) -> int:
         return len(self.y)
 
     def handle(self, event: Event) -> list[Effect]:
-        """The effects of ``event`` (:mod:`edge_fl.device.policy`); pure, the runtime does I/O."""
-        return self.policy.handle(event)
+        """The effects of ``event`` (:mod:`edge_fl.device.policy`); pure, the runtime does I/O.
+        Secure rounds add to the policy: a model of a round whose session runs (same nonce)
+        changes nothing; training starts a session and publishes ``ak`` first; the trained
+        integers go to the session; inbox messages go to the session."""
+        if isinstance(event, InboxArrived):
+            return self._to_session(event.payload)
+        if (
+            isinstance(event, ModelArrived)
+            and event.msg.secure is not None
+            and not event.msg.done
+            and self.session_key == (event.msg.round, event.msg.nonce)
+        ):
+            return []  # re-published (same nonce): the session goes on, nothing is re-sent
+        if isinstance(event, Trained) and event.msg.secure is not None:
+            effects = self._submit(event.msg)
+            return effects + self._start_sessions(self.policy.handle(Trained(event.msg, None)))
+        return self._start_sessions(self.policy.handle(event))
+
+    # ------------------------------------------------------------ secure rounds
+
+    def _start_sessions(self, effects: list[Effect]) -> list[Effect]:
+        """Before training on a secure round: a new session, its ``ak`` published first."""
+        out: list[Effect] = []
+        for effect in effects:
+            if isinstance(effect, Train) and effect.msg.secure is not None:
+                out.extend(self._open_session(effect.msg))
+            out.append(effect)
+        return out
+
+    def _open_session(self, msg: GlobalModel) -> list[Effect]:
+        sa, sec = msg.secure, self.secure
+        assert sa is not None
+        self.session = None
+        self.session_key = (msg.round, msg.nonce)
+        if sec is None or msg.nonce is None or not msg.selected:
+            log.warning("round %d is secure; this device has no secure aggregation", msg.round)
+            return []
+        if not sec.matches(sa):
+            log.warning("round %d: the round's secure parameters are not this job's", msg.round)
+            return []
+        try:
+            params = params_from_wire(msg.job, msg.round, msg.nonce, tuple(msg.selected), sa)
+            self.session = DeviceSession(
+                self.device_id,
+                params,
+                randbytes=sec.randbytes(self.device_id, msg.round, msg.nonce),
+            )
+        except ValueError as exc:
+            log.warning("round %d: no secure session: %s", msg.round, exc)
+            return []
+        return self._effects(self.session.advertise(), msg.round)
+
+    def _effects(self, effects: Any, rnd: int) -> list[Effect]:
+        out: list[Effect] = []
+        for effect in effects if isinstance(effects, list) else [effects]:
+            if isinstance(effect, Send):
+                kind = _kind_of(effect.payload)
+                out.append(Publish(rnd, kind, effect.payload))
+            elif isinstance(effect, Aborted):
+                log.warning("device %s left secure round %d: %s", self.device_id, rnd,
+                            effect.reason)  # fmt: skip
+        return out
+
+    def _to_session(self, payload: bytes) -> list[Effect]:
+        session = self.session
+        if session is None:
+            return []
+        return self._effects(session.receive(payload), session.params.round)
+
+    def _submit(self, msg: GlobalModel) -> list[Effect]:
+        key = (msg.round, msg.nonce)
+        values = self._secure_input.pop(key, None)
+        session = self.session
+        if values is None or session is None or self.session_key != key:
+            return []
+        assert msg.secure is not None
+        try:
+            return self._effects(session.submit(values, modular=msg.secure["md"]), msg.round)
+        except (ValueError, RuntimeError) as exc:
+            log.warning("round %d: the secure input was refused: %s", msg.round, exc)
+            return []
+
+    def _secure_train(self, msg: GlobalModel) -> None:
+        """Train and encode a secure round's integers (they wait for the session)."""
+        sec = self.secure
+        if sec is None or not self.wants(msg):
+            return
+        self.state.answered_round = msg.round
+        events: list = []
+        if self.budget is not None:
+            events = sec.mechanism.secure_events(sec.job)
+            if not self.budget.allows(events):
+                self.state.stopped_reason = "budget_exhausted"
+                return
+        assert msg.nonce is not None
+        seed = round_seed(msg.job, msg.round, msg.nonce)
+        values = sec.mechanism.secure_encode(self, msg, sec.layout, seed)
+        if self.budget is not None:
+            self.budget.events.extend(events)
+        self.state.exposures += 1
+        self.state.updates_sent += 1
+        self._secure_input = {(msg.round, msg.nonce): np.asarray(values, dtype=np.int64)}
 
     def wants(self, msg: GlobalModel) -> bool:
         """Whether this global model asks this device for an update it has not yet given."""
         return self.policy.wants(msg)
 
     def on_global(self, msg: GlobalModel) -> bytes | None:
-        """Train on the broadcast model if asked to; return the encoded update or None."""
+        """Train on the broadcast model if asked to; return the encoded update or None (a secure
+        round's integers are kept for its session: :meth:`handle` of :class:`Trained`)."""
         self.state.last_version = max(self.state.last_version, msg.version)
+        if msg.secure is not None:
+            self._secure_train(msg)
+            return None
         if not self.wants(msg):
             return None
         self.state.answered_round = msg.round
@@ -141,3 +314,9 @@ class DeviceAgent:
     def status(self, online: bool) -> bytes:
         info = {"stopped": self.state.stopped_reason} if self.state.stopped_reason else {}
         return encode_status(Status(self.device_id, online, self.n_samples, info))
+
+
+def _kind_of(payload: bytes) -> str:
+    from edge_fl.protocol.secure import up_kind
+
+    return up_kind(payload) or "?"

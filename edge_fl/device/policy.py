@@ -42,8 +42,10 @@ __all__ = [
     "DispatchArrived",
     "Effect",
     "Event",
+    "InboxArrived",
     "JobEnded",
     "ModelArrived",
+    "Publish",
     "PublishStatus",
     "Resend",
     "Stop",
@@ -120,7 +122,15 @@ class Disconnected:
     model comes again on the next session); an update it released is kept, to re-send."""
 
 
-Event = ModelArrived | DispatchArrived | JobEnded | Trained | Uploaded | Disconnected
+@dataclass(frozen=True)
+class InboxArrived:
+    """A payload on the device's own ``inbox`` topic (secure aggregation: ``nk``, ``sf``,
+    ``uq``); the agent's SecAgg+ session judges it (docs/protocol.md, "Secure aggregation")."""
+
+    payload: bytes
+
+
+Event = ModelArrived | DispatchArrived | JobEnded | Trained | Uploaded | Disconnected | InboxArrived
 
 
 # ------------------------------------------------------------------------------------ effects
@@ -161,7 +171,17 @@ class Stop:
     """The job is over: leave."""
 
 
-Effect = Train | Upload | Resend | PublishStatus | Stop
+@dataclass(frozen=True)
+class Publish:
+    """Publish a SecAgg+ message (``ak``, ``sh``, ``mx``, ``ua``) on ``up/<device>`` (QoS 1);
+    no outcome is reported (the session answers a repeated inbox message itself)."""
+
+    round: int
+    kind: str
+    payload: bytes
+
+
+Effect = Train | Upload | Resend | PublishStatus | Stop | Publish
 
 
 class DevicePolicy:

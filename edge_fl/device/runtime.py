@@ -25,6 +25,8 @@ from edge_fl.device.dispatch import receive_dispatch
 from edge_fl.device.policy import (
     Disconnected,
     Effect,
+    InboxArrived,
+    Publish,
     PublishStatus,
     Resend,
     Stop,
@@ -89,12 +91,18 @@ async def _session(
             await client.subscribe([(topics.global_model, 0), (topics.dispatch, 0)])
         else:
             await client.subscribe(topics.global_model, qos=0)
+        inbox = topics.inbox(agent.device_id)
+        if agent.secure is not None:  # secure aggregation: the aggregator's SecAgg+ messages
+            await client.subscribe(inbox, qos=1)
         await client.publish(topics.status(agent.device_id), agent.status(True), qos=1, retain=True)
         log.info("device %s connected to %s", agent.device_id, spec.redacted())
         trust.window.rejoin()  # rounds may have passed while this device was away
         async for message in client.messages:
             payload = message.payload
             if not isinstance(payload, bytes | bytearray) or not payload:
+                continue
+            if message.topic.matches(inbox):
+                await _execute(agent, client, topics, agent.handle(InboxArrived(bytes(payload))))
                 continue
             if message.topic.matches(topics.dispatch):
                 asked = receive_dispatch(trust, bytes(payload), topics)
@@ -154,6 +162,9 @@ async def _carry_out(
             log.info(
                 "round %d: re-sent %d bytes (round re-broadcast)", effect.round, len(effect.payload)
             )
+        elif isinstance(effect, Publish):  # a SecAgg+ message of a secure round
+            await client.publish(topics.update(agent.device_id), effect.payload, qos=1)
+            log.info("round %d: sent %s (%d bytes)", effect.round, effect.kind, len(effect.payload))
         elif isinstance(effect, PublishStatus):
             if effect.online and agent.state.stopped_reason:
                 log.warning("device %s stops: %s", agent.device_id, agent.state.stopped_reason)

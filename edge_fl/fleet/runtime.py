@@ -46,15 +46,17 @@ from concurrent.futures import ThreadPoolExecutor
 
 import aiomqtt
 
-from edge_fl.device.agent import DeviceAgent
+from edge_fl.device.agent import PHASE_OF, DeviceAgent
 from edge_fl.device.dispatch import receive_dispatch
 from edge_fl.device.policy import (
     Disconnected,
     DispatchArrived,
     Effect,
     Event,
+    InboxArrived,
     JobEnded,
     ModelArrived,
+    Publish,
     PublishStatus,
     Resend,
     Train,
@@ -157,6 +159,12 @@ class Fleet:
             self.keepalive_s = keepalive_s = MAX_KEEPALIVE_S
         self.dropout = dropout  # overrides the profiles' training dropout when set
         self.dropouts = 0
+        #: secure aggregation: devices subscribe to their own inbox; a device that drops out of
+        #: a secure round (the dropout above, or a profile's) vanishes before a protocol phase
+        #: drawn uniformly; ``secure_vanish[device] = phase`` forces it (tests)
+        self.secure = any(a.secure is not None for a in agents)
+        self.secure_vanish: dict[str, str] = {}
+        self._vanish: dict[str, tuple[int, int]] = {}  # device -> (round, first phase not sent)
         self.unavailable: set[str] = set()  # devices outside their availability window
         self._closing = False
         self.digest = digest
@@ -272,11 +280,24 @@ class Fleet:
             if device not in self.unavailable:
                 self.wire[device].add(costs[self._tls(device)])
 
-    async def _drain(self, client: aiomqtt.Client) -> None:
-        """Read (and drop) what a device's own subscription delivers: its bytes are counted."""
+    async def _drain(self, client: aiomqtt.Client, agent: DeviceAgent | None = None) -> None:
+        """Read what a device's own subscription delivers (its bytes are counted): its inbox
+        goes to the device, the rest is dropped (the shared downlink hands the model out)."""
         with contextlib.suppress(aiomqtt.MqttError, asyncio.CancelledError):
-            async for _ in client.messages:
-                pass
+            async for message in client.messages:
+                if agent is not None:
+                    self._inbox(agent, message)
+
+    def _inbox(self, agent: DeviceAgent, message: aiomqtt.Message) -> bool:
+        """A message on ``agent``'s inbox, handed to it (True), or not one (False)."""
+        if not message.topic.matches(self.topics.inbox(agent.device_id)):
+            return False
+        payload = message.payload
+        device = agent.device_id
+        live = device not in self.crashed and device not in self.unavailable
+        if isinstance(payload, bytes | bytearray) and payload and live:
+            self._hand(agent, InboxArrived(bytes(payload)), 0)
+        return True
 
     def wire_round(self) -> dict[str, int]:
         """Wire bytes of every device since the previous call: sums, the link model's IP
@@ -315,9 +336,13 @@ class Fleet:
                 spec = self.device_specs[agent.device_id]
                 raise DeviceConnectError(agent.device_id, spec, exc) from exc
             self.clients[agent.device_id] = client
+            if self.secure:  # before its status: it may be selected at once
+                await client.subscribe(self.topics.inbox(agent.device_id), qos=1)
             if self.device_downlink and agent.device_id != self.downlink_device:
                 await client.subscribe([(t, 0) for t in self._downlink_topics()])
-                self._spawn(self._drain(client))
+                self._spawn(self._drain(client, agent))
+            elif self.secure and agent.device_id != self.downlink_device:
+                self._spawn(self._drain(client, agent))
             elif agent.device_id != self.downlink_device:
                 self._charge_subscription(agent.device_id)
             profile = self.profiles.get(agent.device_id)
@@ -398,6 +423,8 @@ class Fleet:
                     await self._resend(agent, effect)
                 elif isinstance(effect, PublishStatus):
                     await self._publish_status(agent, effect.online)
+                elif isinstance(effect, Publish):
+                    await self._publish_secure(agent, effect)
         except aiomqtt.MqttError as exc:
             agent.handle(Disconnected())  # what it released is kept, to re-send
             if self._closing:
@@ -462,6 +489,29 @@ class Fleet:
         self.vt_published += 1
         self._delivered(device, effect.round)
         return Uploaded(effect.round)
+
+    async def _publish_secure(self, agent: DeviceAgent, effect: Publish) -> None:
+        """A SecAgg+ message, unless the device vanished from the round before its phase."""
+        device = agent.device_id
+        phase = PHASES.index(PHASE_OF.get(effect.kind, "unmask"))
+        if effect.kind == "ak":  # a new session: does the device vanish in this round, when?
+            forced = self.secure_vanish.get(device)
+            if forced is not None:
+                self._vanish[device] = (effect.round, PHASES.index(forced))
+            elif self._drops(agent, self.profiles.get(device)):
+                self._vanish[device] = (effect.round, int(agent.rng.integers(len(PHASES))))
+            else:
+                self._vanish.pop(device, None)
+        vanish = self._vanish.get(device)
+        if vanish is not None and vanish[0] == effect.round and phase >= vanish[1]:
+            if phase == vanish[1]:
+                self.dropouts += 1
+            return
+        client = self.clients.get(device)
+        if client is None or device in self.crashed or device in self.unavailable:
+            return
+        await client.publish(self.topics.update(device), effect.payload, qos=1)
+        self.vt_published += 1
 
     async def _resend(self, agent: DeviceAgent, effect: Resend) -> None:
         """Publish this round's update again: the aggregator re-broadcast the round (not while
@@ -610,6 +660,9 @@ class Fleet:
 
     async def _receive(self, downlink: aiomqtt.Client) -> bool:
         async for message in downlink.messages:
+            owner = self.downlink_device
+            if self.secure and owner is not None and self._inbox(self.agents[owner], message):
+                continue
             if not self.device_downlink:
                 self._charge_model(message)
             payload = message.payload
@@ -913,6 +966,10 @@ class Fleet:
             await self.disconnect_all()
             await self.keepalive.close()
             self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+#: the phases a device of a secure round can vanish before (``edge_fl.secagg.driver.VANISH``)
+PHASES = ("advertise", "share", "mask", "unmask")
 
 
 def _retrieved(task: asyncio.Task) -> None:

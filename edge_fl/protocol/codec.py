@@ -56,6 +56,7 @@ from edge_fl.protocol.messages import (
     Update,
 )
 from edge_fl.protocol.params import check_mechanism_params, mechanism_schema
+from edge_fl.protocol.secure import check_secure_params
 
 WIRE_DTYPES: dict[str, np.dtype[Any]] = {"f4": np.dtype("<f4"), "f2": np.dtype("<f2")}
 _FLOAT_TAGS = frozenset(WIRE_DTYPES)
@@ -172,6 +173,14 @@ def global_body(msg: GlobalModel) -> bytes:
         if not isinstance(msg.run, bytes) or len(msg.run) != RUN_BYTES:
             raise ValueError(f"a run id is {RUN_BYTES} bytes, got {msg.run!r}")
         body["run"] = msg.run
+    if msg.secure is not None:
+        roster = None if msg.selected is None else len(set(msg.selected))
+        try:
+            body["sa"] = check_secure_params(
+                msg.secure, roster, mode=msg.mode, nonce=msg.nonce is not None and not msg.done
+            )
+        except PayloadRejected as exc:
+            raise ValueError(f"the sa map would be rejected by devices: {exc}") from None
     return _pack(body)
 
 
@@ -576,7 +585,7 @@ def _decode_signds(
 
 _GLOBAL_KEYS = frozenset(
     {"v", "k", "job", "ver", "rnd", "mode", "dt", "w", "dl", "cfg", "ts", "sel", "sd", "mp", "q"}
-    | {"done", "nc", "qp", "run"}
+    | {"done", "nc", "qp", "run", "sa"}
 )
 
 
@@ -652,6 +661,12 @@ def _decode_global_body(obj: dict[str, Any], expected_dim: int | None) -> Global
     else:
         dt, params = _global_float(obj, expected_dim)
     mp = check_mechanism_params(obj["mp"], len(params)) if "mp" in obj else None
+    secure = None
+    if "sa" in obj:
+        roster = None if selected is None else len(selected)
+        secure = check_secure_params(
+            obj["sa"], roster, mode=mode, nonce=nonce is not None and not done
+        )
     return GlobalModel(
         job=job,
         version=version,
@@ -669,6 +684,7 @@ def _decode_global_body(obj: dict[str, Any], expected_dim: int | None) -> Global
         nonce=nonce,
         mechanism_params=mp,
         run=run,
+        secure=secure,
     )
 
 

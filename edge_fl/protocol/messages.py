@@ -141,6 +141,8 @@ class GlobalModel:
     # public parameters of the job's mechanism (wire ``mp``; each mechanism registers its schema, edge_fl/protocol/params.py)
     mechanism_params: dict | None = None
     run: bytes | None = None  # the aggregator run's id (docs/protocol.md, "Run id")
+    # a secure round's public SecAgg+ parameters (wire ``sa``; docs/protocol.md, "Secure aggregation")
+    secure: dict | None = None
 
     def selects(self, device: str) -> bool:
         return self.selected is None or device in self._selected_set

@@ -64,6 +64,10 @@ class Topics:
         """The aggregator's optional per-update answers to ``device`` (only it may read them)."""
         return f"{self.base}/ack/{device}"
 
+    def inbox(self, device: str) -> str:
+        """The aggregator's SecAgg+ messages to ``device`` (only it may read them)."""
+        return f"{self.base}/inbox/{device}"
+
     @property
     def all_updates(self) -> str:
         return f"{self.base}/up/+"

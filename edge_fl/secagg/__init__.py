@@ -20,6 +20,7 @@ from edge_fl.secagg.session import (
     RoundParams,
     Send,
     Summed,
+    params_from_wire,
 )
 
 __all__ = [
@@ -38,4 +39,5 @@ __all__ = [
     "Summed",
     "calibrate",
     "check",
+    "params_from_wire",
 ]

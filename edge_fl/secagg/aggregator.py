@@ -63,10 +63,22 @@ class AggregatorSession:
         # target -> [(point, share)] of its seed (survivors) or its key (dropped)
         self._shares: dict[str, list[tuple[int, int]]] = {}
         self._seen: dict[str, bytes] = {}  # device -> the payload accepted in this phase
+        self._answered = 0  # unmask answers accepted
 
     @property
     def survivors(self) -> tuple[str, ...]:
         return tuple(sorted(self._survivors))
+
+    @property
+    def counts(self) -> dict[str, int]:
+        """How many devices advertised keys (U1), sent shares (U2), delivered a masked input
+        (U3) and answered the unmasking, so far: what a round's record reports."""
+        return {
+            "keys": len(self._adverts),
+            "shares": len(self._sealed),
+            "masked": len(self._survivors),
+            "unmask": self._answered,
+        }
 
     # ------------------------------------------------------------ inbox
     def receive(self, device: str, payload: bytes) -> list[Effect]:
@@ -172,6 +184,7 @@ class AggregatorSession:
                 got.append((v, value))
         for v, value in got:
             self._shares.setdefault(v, []).append((point, value))
+        self._answered += 1
         return None
 
     def _check_signature(self, device: str, sig: bytes | None, body: bytes) -> str | None:

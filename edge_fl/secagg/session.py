@@ -62,6 +62,25 @@ class RoundParams:
         return self.vector_bytes + 200 * (len(self.roster) + 8)
 
 
+def params_from_wire(
+    job: str, rnd: int, nonce: bytes, roster: tuple[str, ...], sa: dict
+) -> RoundParams:
+    """A device's round parameters, every one from the signed global message (its ``sa`` map,
+    docs/protocol.md "Secure aggregation"; ``roster`` = its ``sel``)."""
+    return RoundParams(
+        job=job,
+        round=rnd,
+        nonce=nonce,
+        roster=tuple(sorted(roster)),
+        neighbours=sa["k"],
+        threshold=sa["t"],
+        bits=sa["b"],
+        dim=sa["n"],
+        max_int=0 if sa["md"] else sa["q"],
+        min_survivors=sa["ms"],
+    )
+
+
 @dataclass(frozen=True)
 class Send:
     """Device effect: publish ``payload`` (on the device's uplink topic)."""

@@ -31,12 +31,17 @@ from edge_fl.protocol import (
     decode_status,
     decode_update,
 )
+from edge_fl.protocol.secure import round_seed
 
 from .policy import RoundPolicy, SyncPolicy, field_values, round_fields
 from .rounds import Decision
 from .state import generator_state, restore_generator
 
 log = logging.getLogger("edge_fl.aggregator")
+
+#: the sample count of a release charged for a secure round's masked input (``releases`` and the
+#: journal's ``release`` records): the mechanism's ``secure_events``, not its ``release_events``
+SECURE_RELEASE = -1
 
 INTERNAL_ERROR = "internal_error"  # a payload hit a bug of ours: counted, logged, never fatal
 #: a sharded worker's answer for an update naming a round it never mirrored (it joined or
@@ -121,6 +126,12 @@ class PrivacyAccounting:
 
     def record_upload(self, device: str, n_samples: int, round_number: int) -> None:
         events = self.mechanism.release_events(n_samples, self.exposures[device])
+        self.exposures[device] += 1
+        for event in events:
+            self.ledger.add(event, device=device, round=round_number)
+
+    def record_secure(self, device: str, round_number: int, events: list) -> None:
+        """A masked input the aggregator accepted in a secure round: its secure events."""
         self.exposures[device] += 1
         for event in events:
             self.ledger.add(event, device=device, round=round_number)
@@ -280,6 +291,9 @@ class AggregatorCore:
         if policy is None:
             policy = policy_for(settings, concurrency, dispatch_timeout_s)
         self.policy: RoundPolicy = policy(self)
+        #: the job's secure aggregation (``edge_fl.server.secure.SecurePlan``), or None: every
+        #: sync round is then a SecAgg+ round the service runs; plain updates are refused
+        self.secure: Any = None
 
     def configure_as_worker(self) -> None:
         """A sharded ingest worker: the coordinator keeps the ledger (this core only lists the
@@ -427,6 +441,9 @@ class AggregatorCore:
             nonce=None if done else self.current_nonce(),
             mechanism_params=self.public_params,
             run=self.run_id,
+            secure=None
+            if done or self.secure is None or not selected
+            else self.secure.wire(len(selected)),
         )
 
     def dispatch(self, now: float) -> GlobalModel | None:
@@ -528,6 +545,9 @@ class AggregatorCore:
             reason = Reject.LATE if chargeable else Reject.NOT_SELECTED
             self.count_rejection(reason)
             return reason
+        if self.secure is not None:  # a secure round takes masked inputs only (charged above)
+            self.count_rejection(Reject.WRONG_MECHANISM)
+            return Reject.WRONG_MECHANISM
         rnd = self.current
         reason = rnd.admit(device, update.round, update.base_version)
         if reason is None and self.devices.get(device, DeviceRecord()).stopped:
@@ -659,10 +679,21 @@ class AggregatorCore:
         return (device, round_number) in self._released
 
     def record_release(self, device: str, round_number: int, n_samples: int) -> None:
-        if self.privacy is not None:  # first: if charging fails, nothing below has changed
+        if self.privacy is not None and n_samples == SECURE_RELEASE:
+            assert self.secure is not None, "a secure release in a job without secure rounds"
+            events = self.secure.mechanism.secure_events(self.secure.job)
+            self.privacy.record_secure(device, round_number, events)
+        elif self.privacy is not None:  # first: if charging fails, nothing below has changed
             self.privacy.record_upload(device, n_samples, round_number)
         self._released.add((device, round_number))
         self.releases.append((device, round_number, n_samples))
+
+    def charge_secure(self, device: str, round_number: int) -> bool:
+        """A masked input the open secure round accepted: charged once (True if it was now)."""
+        if (device, round_number) in self._released:
+            return False
+        self.record_release(device, round_number, SECURE_RELEASE)
+        return True
 
     def record_noised_round(self, round_number: int) -> None:
         self.noised_rounds.append(round_number)
@@ -679,14 +710,49 @@ class AggregatorCore:
         """When to decide next: the round's deadline, or an earlier policy timer."""
         return self.policy.deadline()
 
-    def close_round(self, now: float, wall_time_s: float, skipped: bool = False) -> dict[str, Any]:
-        """Apply the round's aggregate (unless skipped), evaluate, and return its record."""
+    def close_secure_round(
+        self, now: float, wall_time_s: float, outcome: Any, info: dict[str, Any]
+    ) -> dict[str, Any]:
+        """Close the open secure round on its session's outcome (``edge_fl.secagg.Summed`` or
+        ``Failed``, or None: it never finished): the decoded mean of the contributors applied
+        with the server learning rate, or the model unchanged and the round skipped."""
+        assert self.current is not None and self.secure is not None
+        rnd, plan = self.current, self.secure
+        total = getattr(outcome, "total", None)
+        contributors = tuple(getattr(outcome, "contributors", ()))
+        new_params = None
+        if total is not None and contributors:
+            for device in contributors:
+                rnd.accept(device)
+            seed = round_seed(self.settings.job, rnd.number, rnd.nonce or b"")
+            mean = plan.mechanism.secure_decode(total, len(contributors), plan.layout, seed)
+            mean = np.asarray(mean, dtype=np.float32)
+            if mean.shape != self.params.shape:
+                raise ValueError(
+                    f"secure_decode gave {mean.shape}, the model is {self.params.shape}"
+                )
+            new_params = self.params + np.float32(self.settings.server_lr) * mean
+        return self.close_round(now, wall_time_s, skipped=new_params is None,
+                                secure=(new_params, info))  # fmt: skip
+
+    def close_round(
+        self,
+        now: float,
+        wall_time_s: float,
+        skipped: bool = False,
+        secure: tuple[np.ndarray | None, dict[str, Any]] | None = None,
+    ) -> dict[str, Any]:
+        """Apply the round's aggregate (unless skipped), evaluate, and return its record.
+        ``secure``: a secure round's new parameters (None: unchanged) and record fields."""
         assert self.current is not None and self.strategy is not None
         rnd, strategy = self.current, self.strategy
         self.policy.closing(rnd)
         info: dict[str, Any] = {}
         applies = strategy.count > 0 or self.mechanism.acts_on_empty_round
-        if not skipped and applies:
+        if secure is not None:
+            new_params, info = secure[0], {"secure": secure[1]}
+            applies = new_params is not None
+        if not skipped and applies and secure is None:
             new_params, info = strategy.finish(self.params)
             if not np.isfinite(new_params).all():
                 # a diverging setting (e.g. MagRR's step grown too large) must not corrupt the
@@ -694,7 +760,18 @@ class AggregatorCore:
                 log.error("round %d: aggregate is not finite; model left unchanged", rnd.number)
                 skipped = True
                 info = {**info, "diverged": True}
-        if not skipped and applies:
+        if not skipped and applies and secure is not None:
+            assert new_params is not None  # applies: a secure round's sum was decoded
+            if np.isfinite(new_params).all():
+                self.params = new_params.astype(np.float32)
+                self.version += 1
+            else:
+                log.error("round %d: secure aggregate is not finite; model left unchanged",
+                          rnd.number)  # fmt: skip
+                skipped = True
+                info["diverged"] = True
+        elif not skipped and applies:
+            assert new_params is not None
             self.params = new_params
             self.version += 1
             self.record_noised_round(rnd.number)

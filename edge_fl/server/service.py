@@ -47,12 +47,14 @@ from edge_fl.protocol import Reject, Topics, encode_global
 from edge_fl.protocol.clock import ClockMessage, ClockMessageError, clock_topic, decode_clock
 from edge_fl.protocol.dispatch import encode_dispatch
 from edge_fl.protocol.messages import Dispatch
+from edge_fl.protocol.secure import masked_head, up_kind
+from edge_fl.secagg import AggregatorSession, Deliver, Failed, Finished, Rejected
 from edge_fl.transport import client_adapter
 from edge_fl.transport.tap import IngestTap
 from edge_fl.transport.url import BrokerSpec
 
 from .acks import AckPolicy
-from .aggregator import AggregatorCore
+from .aggregator import SECURE_RELEASE, AggregatorCore
 from .group_commit import ACK_BATCH, GroupCommit
 from .rounds import Decision
 from .signals import StopSignals
@@ -134,6 +136,15 @@ class AggregatorService:
             raise ValueError("virtual time runs without ingest workers (ingest.workers = 0)")
         if virtual_time and core.current is not None:
             raise ValueError("virtual time cannot resume an open round (run it again instead)")
+        if core.secure is not None and (virtual_time or sharding is not None):
+            raise ValueError("secure aggregation runs without virtual time and ingest workers")
+        #: secure aggregation: the open round's SecAgg+ session, its phase deadline and what
+        #: it refused; ``secure_observer(label, vector)`` sees every vector a session holds
+        #: (the test hook that proves no individual vector is ever held)
+        self.secure_session: AggregatorSession | None = None
+        self.secure_observer: Callable[[str, Any], None] | None = None
+        self._sa_deadline = math.inf
+        self._sa_rejected: Counter = Counter()
         self.sharding = sharding
         #: virtual time (``edge_fl.clocksync``): None = the event loop's clock
         self.vclock: AggregatorClock | None = AggregatorClock() if virtual_time else None
@@ -226,6 +237,9 @@ class AggregatorService:
     def _ingest(self, topic: str, payload: bytes | bytearray, retain: bool) -> None:
         if (device := self.topics.device_of(topic, "up")) is not None:
             core = self.core
+            if core.secure is not None and up_kind(bytes(payload)) is not None:
+                self._secure_in(device, bytes(payload))
+                return
             before = len(core.releases)
             window = core.current
             counted = window.count if window is not None else None
@@ -266,6 +280,97 @@ class AggregatorService:
             self._on_clock(bytes(payload))
         elif self.sharding is not None:
             self._from_worker(topic, bytes(payload))
+
+    # ---------------------------------------------------------------- secure rounds
+
+    def _secure_open(self) -> None:
+        """The round just opened is a SecAgg+ round: its session; the keys phase starts now."""
+        core = self.core
+        rnd = core.current
+        plan = core.secure
+        assert rnd is not None and plan is not None and rnd.nonce is not None
+        params = plan.params(core.settings.job, rnd.number, rnd.nonce, tuple(rnd.selected))
+        self.secure_session = AggregatorSession(params, observer=self.secure_observer)
+        self._sa_deadline = self._now() + plan.phase_timeout_s
+        self._sa_rejected = Counter()
+
+    def _secure_in(self, device: str, payload: bytes) -> None:
+        """A SecAgg+ message on ``up/<device>``: to the open round's session. A masked input
+        that names a round which asked this device, with its nonce, is charged (journaled like
+        every release) before it is acknowledged, whatever the session makes of it: late, or
+        for a round skipped after a restart (the broker redelivers to the persistent session
+        what the dead process never acknowledged), it is charged and never summed."""
+        core = self.core
+        core.tally.bytes_up += len(payload)
+        core.tally.messages_up += 1
+        head = masked_head(payload)
+        if head is not None:
+            facts = core.round_facts(head[0])
+            if facts is not None and facts[0] == head[1] and device in facts[1]:
+                self._secure_charge(device, head[0])
+        sa = self.secure_session
+        if sa is None or core.current is None:
+            self._sa_rejected["late"] += 1
+            return
+        before = sa.phase
+        self._secure_effects(sa.receive(device, payload), before)
+
+    def _secure_charge(self, device: str, rnd: int) -> None:
+        if self.core.charge_secure(device, rnd) and self.journal is not None:
+            self.journal.append("release", d=device, r=rnd, n=SECURE_RELEASE)
+            self.stats["journaled"] += 1
+
+    def _secure_effects(self, effects: list, before: str) -> None:
+        """Carry out a session's effects: inbox messages (QoS 1, not awaited), rejections
+        counted, a phase that moved gets a fresh deadline, the end wakes the round loop."""
+        sa = self.secure_session
+        assert sa is not None
+        client = self._client
+        for effect in effects:
+            if isinstance(effect, Deliver):
+                self.core.tally.bytes_down += len(effect.payload)
+                if client is not None:
+                    task = asyncio.get_running_loop().create_task(
+                        client.publish(self.topics.inbox(effect.device), effect.payload, qos=1)
+                    )
+                    task.add_done_callback(_retrieved)
+            elif isinstance(effect, Rejected):
+                self._sa_rejected[effect.reason] += 1
+                log.debug("secagg message from %s rejected (%s): %s", effect.device,
+                          effect.reason, effect.detail)  # fmt: skip
+            elif isinstance(effect, Finished):
+                self._wake.set()
+        if sa.phase != before:
+            plan = self.core.secure
+            assert plan is not None
+            self._sa_deadline = self._now() + plan.phase_timeout_s
+            self._wake.set()
+
+    def _secure_close(self, now: float | None = None, why: str | None = None) -> dict[str, Any]:
+        """Close the open secure round on its outcome (``why``: it ends unfinished, e.g. a
+        stop or a restart: the model is unchanged) and return its record, not yet committed."""
+        core = self.core
+        sa = self.secure_session
+        outcome = sa.outcome if sa is not None else None
+        if outcome is None:
+            phase = sa.phase if sa is not None else "keys"
+            outcome = Failed(phase, why or "the round ended unfinished")
+        info: dict[str, Any] = {
+            "phases": sa.counts if sa is not None else {},
+            "outcome": "summed" if not isinstance(outcome, Failed) else "failed",
+            "rejected_by_reason": dict(sorted(self._sa_rejected.items())),
+        }
+        if isinstance(outcome, Failed):
+            info["failed"] = {"phase": outcome.phase, "reason": outcome.reason}
+            log.warning("round %d: secure aggregation failed in phase %s: %s",
+                        core.round_number, outcome.phase, outcome.reason)  # fmt: skip
+        wall = time.perf_counter() - self._round_started
+        record = core.close_secure_round(self._now() if now is None else now, wall, outcome, info)
+        self.secure_session = None
+        self._sa_deadline = math.inf
+        if self.stopped is not None:
+            record["stopped"] = self.stopped
+        return record
 
     def _from_worker(self, topic: str, payload: bytes) -> None:
         """Sharded ingest: a worker's progress, partial or liveness; the worker is the one its
@@ -726,6 +831,8 @@ class AggregatorService:
             self.journal.append("open", **self.core.round_spec(self._global_payload))
             self.journal.sync()
         self._round_started = time.perf_counter()
+        if self.core.secure is not None:
+            self._secure_open()
         self._ack_held()  # async: what the new window did with the updates held for it
         return True
 
@@ -785,7 +892,13 @@ class AggregatorService:
         record = None
         rnd = core.current
         core.ended_early = f"stopped by {self.stopped}"  # first: closing knows it is the last
-        if rnd is not None:
+        if rnd is not None and self.core.secure is not None:
+            record = self._secure_close(why=f"stopped by {self.stopped}")
+            if commit:
+                if core.finished:
+                    self._settle(record)
+                self._commit(record)
+        elif rnd is not None:
             enough = rnd.count >= max(rnd.min_updates, 1)
             record = self._close(skipped=not enough) if commit else self._close_round(not enough)
             log.warning(
@@ -820,6 +933,8 @@ class AggregatorService:
         """Devices that may have released an update the ledger has not seen yet: those the last
         round asked (under Poisson selection every available device: the coins are secret)."""
         core = self.core
+        if core.secure is not None:  # a masked input after its round is unreadable: no release
+            return frozenset()
         if core.settings.sample_rate is not None:
             return frozenset(core.available())
         return core.outstanding()
@@ -877,6 +992,22 @@ class AggregatorService:
                 assert payload is not None  # _open_round encoded it
                 # every online device receives the retained broadcast
                 core.tally.bytes_down += len(payload) * core.online_count
+            sa = self.secure_session
+            if sa is not None:  # a SecAgg+ round: phases end on answers or their deadline
+                if sa.outcome is None:
+                    if self._now() >= self._sa_deadline:
+                        self._secure_effects(sa.close_phase(), sa.phase)
+                        if sa.outcome is None:
+                            self._sa_deadline = self._now() + core.secure.phase_timeout_s
+                        continue
+                    await self._sleep_until(self._sa_deadline)
+                    continue
+                record = self._secure_close()
+                if core.finished:
+                    self._settle(record)
+                self._commit(record)
+                await self._publish_record(client, record)
+                continue
             decision = core.decide(self._now())
             if decision in (Decision.WAIT, Decision.EXTEND):
                 await self._send_replacements(client)
@@ -896,7 +1027,7 @@ class AggregatorService:
             await self._collect_shares(client)
             record = self._close_round(skipped=decision is Decision.SKIP)
             if core.finished:  # the job's last round: charge what is still on its way first
-                if self.sharding is None:
+                if self.sharding is None and core.secure is None:
                     await self._drain()
                 if self.stopped is not None:  # during the drain: what is in flight, at once
                     await self._end_on_stop(client)
@@ -985,6 +1116,16 @@ class AggregatorService:
             reader = asyncio.create_task(self._reader(client))
             runner: asyncio.Task | None = None
             try:
+                if self.core.current is not None and self._resumed_round and self.core.secure:
+                    # a secure round is never resumed: its session (the shares' state, the
+                    # running sum) died with the process; skip it, a new round has a new nonce
+                    self._resumed_round = False
+                    await self._await_statuses()
+                    record = self._secure_close(why="the aggregator restarted mid-round")
+                    if self.core.finished:
+                        self._settle(record)
+                    self._commit(record)
+                    await self._publish_record(client, record)
                 if self.core.current is not None:  # reconnected or resumed mid-round
                     resumed = self._resumed_round
                     if resumed:
