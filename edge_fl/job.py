@@ -250,7 +250,10 @@ class Job:
         mech = secure_sum(self.mechanism)
         assert mech is not None  # build_job refused the combination
         selected = math.ceil(self.target * self.cfg.rounds.over_selection)
-        return plan_secure(sa, mech, self.model.n_params, min(selected, self.cfg.data.devices))
+        # the mechanism calibrates its secure layout here (distributed-gaussian's sigma^2): in
+        # the job's scope, so its row reaches the job document for devices without dp-accounting
+        with calibration.scope(self.calibrations):
+            return plan_secure(sa, mech, self.model.n_params, min(selected, self.cfg.data.devices))
 
     @cached_property
     def onnx(self) -> Callable[[np.ndarray], bytes] | None:

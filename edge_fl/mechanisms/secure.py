@@ -127,10 +127,11 @@ def secure_sum(mechanism: Any) -> SecureSum | None:
 
 def survivors_floor(selected: int, dropout: float = DEFAULT_DROPOUT) -> int:
     """The fewest contributors a round of ``selected`` devices accepts when a ``dropout``
-    fraction may vanish: ceil((1 - dropout) selected), at least 1."""
+    fraction may vanish: ceil((1 - dropout) selected), at least 2 (a sum of one device is that
+    device's input), at most ``selected``."""
     if not 0 <= dropout < 1:
         raise ValueError(f"dropout is a fraction in [0, 1), got {dropout!r}")
-    return max(1, math.ceil((1 - dropout) * selected - 1e-9))
+    return min(selected, max(2, math.ceil((1 - dropout) * selected - 1e-9)))
 
 
 def secure_job(
@@ -148,15 +149,18 @@ def secure_job(
 
 def secure_job_from(section: Any, n_params: int, selected: int) -> SecureJob | None:
     """The secure rounds a ``secure_aggregation`` config section asks for, or None when there
-    is none or it is disabled (``enabled`` false): its ``min_survivors`` (default: the
-    :func:`survivors_floor` of its ``dropout``, default :data:`DEFAULT_DROPOUT`) and ``step``."""
+    is none or it is disabled (``enabled`` false): its ``min_survivors`` (``auto`` or absent:
+    the :func:`survivors_floor` of its ``dropout``, default :data:`DEFAULT_DROPOUT`) and
+    ``step``. The one rule for the floor: the engine (``edge_fl.server.secure``) and ``edge-fl
+    privacy plan`` both take it from here."""
     if section is None or not getattr(section, "enabled", True):
         return None
     dropout = getattr(section, "dropout", None)
+    floor = getattr(section, "min_survivors", None)
     return secure_job(
         n_params,
         selected,
-        min_survivors=getattr(section, "min_survivors", None),
+        min_survivors=None if floor == "auto" else floor,
         dropout=DEFAULT_DROPOUT if dropout is None else dropout,
         step=getattr(section, "step", None),
     )

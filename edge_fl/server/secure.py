@@ -7,11 +7,10 @@ Specification: docs/protocol.md, "Secure aggregation"; docs/specs/secagg.md.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any
 
-from edge_fl.mechanisms.secure import SecureJob, SecureLayout, SecureSum
+from edge_fl.mechanisms.secure import SecureJob, SecureLayout, SecureSum, secure_job_from
 from edge_fl.protocol.secure import SA_KEYS, round_seed
 from edge_fl.secagg import CalibrationError, RoundParams, calibrate, check
 
@@ -81,11 +80,11 @@ def plan_secure(
     if selected < 2:
         raise ValueError(f"secure aggregation needs at least 2 devices per round, got {selected}")
     ms = cfg.min_survivors
-    if ms == "auto":
-        ms = max(2, math.ceil((1 - cfg.dropout) * selected - 1e-9))
-    if not 2 <= ms <= selected:
+    if ms != "auto" and not 2 <= ms <= selected:
         raise ValueError(f"min_survivors = {ms} must be in [2, {selected}] (devices per round)")
-    sjob = SecureJob(n_params=n_params, selected=selected, min_survivors=ms, step=cfg.step)
+    sjob = secure_job_from(cfg, n_params, selected)
+    assert sjob is not None  # enabled: the job asked for secure rounds
+    ms = sjob.min_survivors
     layout = mechanism.secure_layout(sjob)
     # the core's bounds take (clip, step) with Q = ceil(clip / step): the layout's Q is max_int
     clip, step = (1.0, 1.0) if layout.modular else (float(max(layout.max_int, 1)), 1.0)

@@ -1071,6 +1071,10 @@ class AggregatorService:
             clean_session=False,
             max_inflight_messages=100,
         )
+        # a secure round's phase sends one QoS 1 message to every selected device's inbox at
+        # once: hundreds in flight are the protocol working, not a stuck client (aiomqtt warns
+        # on every publish beyond 10)
+        client.pending_calls_threshold = 1 << 30
         self._install_tap(client)
         self._loop = asyncio.get_running_loop()
         self._ingest_failed = self._loop.create_future()
