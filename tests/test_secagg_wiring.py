@@ -424,7 +424,10 @@ def test_the_sa_map_round_trips_signed_and_is_checked_on_both_sides():
     assert msg.secure == sa_map()
     assert list(msg.secure) == ["b", "k", "md", "ms", "n", "q", "t"]
     # what devices would refuse, the aggregator refuses to send
-    for bad in (sa_map(k=5), sa_map(t=5), sa_map(ms=6), sa_map(q=1 << 20), sa_map(extra=1)):
+    for bad in (sa_map(k=5), sa_map(k=3, t=2), sa_map(t=5), sa_map(ms=6), sa_map(q=1 << 20)):
+        with pytest.raises(ValueError, match="sa"):
+            encode_global(global_with(bad))
+    for bad in (sa_map(extra=1), sa_map(k=3, t=2)):  # k = 3 < n - 1: no Harary graph has it
         with pytest.raises(ValueError, match="sa"):
             encode_global(global_with(bad))
     with pytest.raises(ValueError, match="sa"):

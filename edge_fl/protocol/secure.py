@@ -98,6 +98,10 @@ def check_secure_params(
     out: dict[str, Any] = {}
     for key, (lo, hi) in ints.items():
         out[key] = F.int_field(value, key, "secure aggregation parameter", lo, hi, prefix="sa.")
+    if out["k"] % 2 and out["k"] < roster - 1:  # a Harary graph has an even degree
+        raise F.out_of_range(
+            "sa.k", "sa.k", out["k"], f"even, or {roster - 1} (the complete graph)"
+        )
     out["t"] = F.int_field(value, "t", "Shamir threshold", 1, out["k"], prefix="sa.")
     md = value["md"]
     if not isinstance(md, bool):
