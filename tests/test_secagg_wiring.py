@@ -201,6 +201,71 @@ def test_devices_vanishing_at_each_phase_leave_exactly_the_contributors_sum(mosq
     assert charged == contributors
 
 
+def ring_values(y: bytes, bits: int) -> np.ndarray:
+    """A masked vector off the wire (docs/specs/secagg.md section 6: ceil(b/8) bytes a value,
+    little-endian), lifted to signed: what a recorder of the broker would compute."""
+    width = (bits + 7) // 8
+    raw = np.frombuffer(y, np.uint8).reshape(-1, width)
+    padded = np.zeros((raw.shape[0], 8), np.uint8)
+    padded[:, :width] = raw
+    v = padded.view("<u8").ravel().astype(np.int64)
+    return np.where(v >= 1 << (bits - 1), v - (1 << bits), v)
+
+
+def test_a_subscriber_to_every_topic_learns_nothing_of_one_update(mosquitto, tmp_path):
+    """A recorder with read access to every topic of the job (the broker's operator) records
+    three secure rounds of 10 devices: the only device messages are SecAgg+ kinds and statuses,
+    and each recorded masked vector's correlation with that device's true integers is what
+    independent vectors give (|r| < 6 / sqrt(d): 6 standard deviations), while the integers
+    themselves correlate with the device's next round's (the check can see a relation)."""
+    import msgpack
+
+    from edge_fl.job import build_job
+    from edge_fl.protocol.secure import up_kind
+    from edge_fl.transport.url import parse_broker_url
+
+    job = build_job(config(mosquitto))
+    recorded: list[tuple[str, bytes]] = []
+
+    async def main():
+        import aiomqtt
+
+        spec = parse_broker_url(mosquitto.url)
+        async with aiomqtt.Client(**spec.aiomqtt_kwargs(), identifier="recorder") as sniffer:
+            await sniffer.subscribe(f"edgefl/{job.cfg.job}/#", qos=1)
+
+            async def record():
+                async for message in sniffer.messages:
+                    recorded.append((str(message.topic), bytes(message.payload)))
+
+            task = asyncio.create_task(record())
+            run, *_ = await run_secure(job, tmp_path / "run")
+            await asyncio.sleep(0)  # what the broker had already delivered is in
+            task.cancel()
+            return run
+
+    run = asyncio.run(main())
+    assert [r["secure"]["outcome"] for r in run.recorder.records] == ["summed"] * 3
+    up = [(t.rsplit("/", 1)[1], p) for t, p in recorded if "/up/" in t]
+    kinds = {up_kind(p) for _, p in up}
+    assert kinds <= {"ak", "sh", "mx", "ua"}, kinds  # no plain update travels
+    bits = job.secure_plan.layout.bits
+    d = job.model.n_params
+    masked = {}
+    for device, payload in up:
+        msg = msgpack.unpackb(payload, raw=False)
+        if msg["k"] == "mx":
+            masked[(device, msg["r"])] = ring_values(msg["y"], bits)
+    assert len(masked) == 30
+    for (device, rnd), y in masked.items():
+        x = SecureMean.submitted[(device, rnd)].astype(np.float64)
+        r = np.corrcoef(y.astype(np.float64), x)[0, 1]
+        assert abs(r) < 6 / math.sqrt(d), (device, rnd, r)
+    # the same statistic sees a device's own rounds as related: the check is not blind
+    x1, x2 = (SecureMean.submitted[("d00000", r)].astype(np.float64) for r in (1, 2))
+    assert np.corrcoef(x1, x2)[0, 1] > 6 / math.sqrt(d)
+
+
 def test_too_many_vanishing_fails_the_round_cleanly(mosquitto, tmp_path):
     """Fewer masked inputs than min_survivors: the round fails with its reason, the model is
     unchanged, and the devices whose masked input arrived are charged all the same."""
