@@ -309,8 +309,9 @@ def test_describe_says_what_it_assumed_and_warns_of_few_shares():
     assert d["guarantee"]["relation"] == "replace_special"
     assert "min_survivors" in d["guarantee"]["text"]
     assert mech.warnings() == [
-        f"{NAME}: the noise is calibrated for 6 surviving devices; each device that colludes "
-        "with the aggregator removes 1/6 of it"
+        f"{NAME}: the noise is calibrated for 6 honest shares (min_survivors less "
+        "secure_aggregation.collude's colluders); each further device that colludes with the "
+        "aggregator removes 1/6 of it"
     ]
     mech.secure_layout(SecureJob(N_PARAMS, 40, 30))
     d = mech.describe()
@@ -318,6 +319,24 @@ def test_describe_says_what_it_assumed_and_warns_of_few_shares():
     assert mech.warnings() == [] and mech.public_params()["nmin"] == 30
     plan = secure_plan(mech, SecureJob(N_PARAMS, 40, 30))
     assert plan["modular"] is True and plan["length"] == 32 and plan["events_per_round"] == 1
+
+
+def test_colluders_are_not_counted_as_noise_shares():
+    """secure_aggregation.collude: each colluding device knows its own noise share, so the
+    guarantee counts on min_survivors - colluders shares, and sigma^2 grows to keep epsilon."""
+    from edge_fl.mechanisms.secure import secure_job
+
+    honest = secure_job(N_PARAMS, 40, min_survivors=30)
+    colluding = secure_job(N_PARAMS, 40, min_survivors=30, collude=0.1)
+    assert (honest.colluders, colluding.colluders) == (0, 4)
+    plain = mechanism(facts()).calibration(honest).params
+    wary = mechanism(facts()).calibration(colluding).params
+    assert (plain.n_min, wary.n_min) == (30, 26)
+    assert wary.sigma2 > plain.sigma2
+    # the summed noise of the 26 honest shares carries what 30 shares did without colluders
+    assert float(wary.sigma2) * 26 == pytest.approx(float(plain.sigma2) * 30, rel=0.02)
+    with pytest.raises(ValueError, match="no honest share"):
+        SecureJob(N_PARAMS, 40, 30, colluders=30)
 
 
 # ------------------------------------------------------------------------------ the CLI

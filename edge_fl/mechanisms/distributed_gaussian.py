@@ -118,7 +118,11 @@ class DistributedGaussian(Mechanism):
         number_param("g", True, "grid step gamma of the rotated delta", 0),
         number_param("s2", True, "per-device discrete Gaussian variance sigma^2 (grid units)", 0),
         int_param(
-            "nmin", True, "noise shares the guarantee counts on (min_survivors)", 1, MAX_COUNT
+            "nmin",
+            True,
+            "noise shares the guarantee counts on (min_survivors less colluders)",
+            1,
+            MAX_COUNT,
         ),
         int_param("dp", True, "padded dimension D' (a power of two)", 1, MAX_DIM),
         int_param("b", True, "bit width of the secure sum's ring", 2, MAX_BITS),
@@ -175,7 +179,9 @@ class DistributedGaussian(Mechanism):
                 f"the secure job has {job.n_params} parameters, the model {self.facts.n_params}"
             )
         cfg, rounds = self.cfg, self.facts.rounds
-        clip, dim, n_min = float(cfg.clip), job.n_params, job.min_survivors
+        # the noise shares the guarantee counts on: the survivors floor less the devices that
+        # may collude with the aggregator (each knows, so removes, its own share)
+        clip, dim, n_min = float(cfg.clip), job.n_params, job.min_survivors - job.colluders
         gamma = job.step if job.step is not None else default_gamma(clip, ddg.padded(dim))
         if cfg.noise_multiplier is not None:
             unit = ddg.DdgParams(clip, gamma, Fraction(1), BETA, dim, n_min)
@@ -243,13 +249,13 @@ class DistributedGaussian(Mechanism):
         cal = [c for c in self._calibrations.values() if c.layout == layout]
         if not cal:
             raise ValueError(f"{NAME}: no calibration of this mechanism gives the layout {layout}")
-        p = cal[-1].params
+        p, floor = cal[-1].params, cal[-1].job.min_survivors
         total = np.asarray(total)
         if total.shape != (layout.length,):
             raise ValueError(f"a secure sum of {layout.length} values, got shape {total.shape}")
-        if contributors < p.n_min:
+        if contributors < floor:
             raise ValueError(
-                f"{NAME}: {contributors} contributors < min_survivors {p.n_min}: the sum does "
+                f"{NAME}: {contributors} contributors < min_survivors {floor}: the sum does "
                 "not carry the calibrated noise (skip the round)"
             )
         _check_seed(round_seed)
@@ -330,7 +336,9 @@ class DistributedGaussian(Mechanism):
             "tau": ddg.tau(float(p.sigma2), p.n_min),
             "ring_bits": cal.layout.bits,
             "selected": cal.job.selected,
-            "min_survivors": p.n_min,
+            "min_survivors": cal.job.min_survivors,
+            "colluders": cal.job.colluders,
+            "noise_shares": p.n_min,  # the survivors floor less the colluders
             "secure_job": self.job_source,
             "rounds": cal.rounds,
             "target_epsilon": self.cfg.epsilon if self.cfg.noise_multiplier is None else None,
@@ -352,8 +360,9 @@ class DistributedGaussian(Mechanism):
         if p.n_min >= 10:
             return []
         return [
-            f"{NAME}: the noise is calibrated for {p.n_min} surviving devices; each device that "
-            f"colludes with the aggregator removes 1/{p.n_min} of it"
+            f"{NAME}: the noise is calibrated for {p.n_min} honest shares (min_survivors less "
+            f"secure_aggregation.collude's colluders); each further device that colludes with "
+            f"the aggregator removes 1/{p.n_min} of it"
         ]
 
     def public_extra(self) -> dict[str, Any]:

@@ -50,12 +50,16 @@ class SecureJob:
     """What the job tells a mechanism about its secure rounds: the model's length, how many
     devices a round selects, the fewest contributors whose sum still counts (a round with fewer
     fails; distributed DP calibrates its noise for that floor), and the quantisation step the
-    job asks for (``secure_aggregation.step``; None: the mechanism's own choice)."""
+    job asks for (``secure_aggregation.step``; None: the mechanism's own choice). ``colluders``:
+    how many of a round's devices may pool their state with the aggregator
+    (``secure_aggregation.collude`` of the selection, rounded down); each knows its own noise
+    share, so distributed DP counts only on ``min_survivors - colluders`` honest shares."""
 
     n_params: int
     selected: int
     min_survivors: int
     step: float | None = None
+    colluders: int = 0
 
     def __post_init__(self) -> None:
         if not (
@@ -69,6 +73,12 @@ class SecureJob:
                 f"a secure job has n_params >= 1 and 1 <= min_survivors <= selected, got "
                 f"n_params {self.n_params!r}, selected {self.selected!r}, "
                 f"min_survivors {self.min_survivors!r}"
+            )
+        if type(self.colluders) is not int or not 0 <= self.colluders < self.min_survivors:
+            raise ValueError(
+                f"{self.colluders!r} colluders leave no honest share among the "
+                f"{self.min_survivors} survivors a round needs: lower secure_aggregation.collude "
+                "or raise min_survivors"
             )
         if self.step is not None and not (math.isfinite(self.step) and self.step > 0):
             raise ValueError(f"a secure job's quantisation step must be > 0, got {self.step!r}")
@@ -141,10 +151,13 @@ def secure_job(
     min_survivors: int | None = None,
     dropout: float = DEFAULT_DROPOUT,
     step: float | None = None,
+    collude: float = 0.0,
 ) -> SecureJob:
-    """A :class:`SecureJob`; without ``min_survivors`` the floor is :func:`survivors_floor`."""
+    """A :class:`SecureJob`; without ``min_survivors`` the floor is :func:`survivors_floor`;
+    ``collude`` is the fraction of the selection that may collude (floor(collude selected),
+    the SecAgg+ calibration's count)."""
     floor = survivors_floor(selected, dropout) if min_survivors is None else min_survivors
-    return SecureJob(n_params, selected, floor, step)
+    return SecureJob(n_params, selected, floor, step, math.floor(collude * selected + 1e-9))
 
 
 def secure_job_from(section: Any, n_params: int, selected: int) -> SecureJob | None:
@@ -163,6 +176,7 @@ def secure_job_from(section: Any, n_params: int, selected: int) -> SecureJob | N
         min_survivors=None if floor == "auto" else floor,
         dropout=DEFAULT_DROPOUT if dropout is None else dropout,
         step=getattr(section, "step", None),
+        collude=getattr(section, "collude", None) or 0.0,
     )
 
 
