@@ -8,10 +8,10 @@ from __future__ import annotations
 import copy
 import math
 import os
-from dataclasses import dataclass
 
 import numpy as np
 import pytest
+from mechanisms.conftest import FakeDevice as Dev
 
 from edge_fl.config import load_config
 from edge_fl.mechanisms import build_mechanism, mechanism_class, mechanism_names
@@ -27,7 +27,6 @@ from edge_fl.mechanisms.secure import (
     survivors_floor,
 )
 from edge_fl.models import make_model
-from edge_fl.models.base import Model
 from edge_fl.models.training import LocalTraining
 from edge_fl.privacy.rng import seeded_generator
 from edge_fl.protocol import GlobalModel
@@ -37,20 +36,6 @@ from edge_fl.secagg.driver import run_round
 
 N_FEATURES, N_CLASSES = 6, 3
 N_PARAMS = N_FEATURES * N_CLASSES + N_CLASSES  # 21
-
-
-@dataclass
-class Dev:
-    device_id: str
-    X: np.ndarray
-    y: np.ndarray
-    model: Model
-    training: LocalTraining
-    rng: np.random.Generator
-
-    @property
-    def n_samples(self) -> int:
-        return len(self.y)
 
 
 def devices(n: int, seed: int = 0, lr: float = 0.5) -> list[Dev]:
