@@ -22,14 +22,17 @@ _CONTEXT = b"edge-fl/secagg/v1/"
 
 
 def context(label: str, job: str, rnd: int, *names: str) -> bytes:
-    """docs/specs/secagg.md section 3's context string (the same bytes as the core's)."""
+    """docs/specs/secagg.md section 3's context string: ``edge-fl/secagg/v1/<label> 0x00 <job>
+    0x00 <round: 8 bytes big-endian> (<name> 0x00)*``, injective (ids and job never contain
+    NUL); HKDF info and AEAD data of the SecAgg+ core and the round seed alike."""
     out = _CONTEXT + label.encode() + b"\x00" + job.encode() + b"\x00" + rnd.to_bytes(8, "big")
     return out + b"".join(n.encode() + b"\x00" for n in names)
 
 
 def round_seed(job: str, rnd: int, nonce: bytes) -> bytes:
     """HKDF-SHA256(ikm = nonce, salt = empty, info = context("round-seed", job, rnd)), 32
-    bytes: public, the same on every device and the aggregator (RFC 5869, one block)."""
+    bytes: public, the same on every device and the aggregator (RFC 5869, one block; with
+    hmac, so the codec's import of this module pulls in no crypto library)."""
     prk = hmac.new(bytes(32), nonce, hashlib.sha256).digest()
     return hmac.new(prk, context("round-seed", job, rnd) + b"\x01", hashlib.sha256).digest()
 

@@ -26,6 +26,8 @@ from cryptography.hazmat.primitives.ciphers import Cipher, algorithms
 from cryptography.hazmat.primitives.ciphers.aead import ChaCha20Poly1305
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
+from edge_fl.protocol.secure import context
+
 #: the Shamir field's prime (the Curve25519 prime)
 PRIME = 2**255 - 19
 KEY_BYTES = 32
@@ -33,22 +35,12 @@ SHARE_BYTES = 32
 TAG_BYTES = 16
 #: a share ciphertext: the key share and the self-mask-seed share, then the Poly1305 tag
 SEALED_BYTES = 2 * SHARE_BYTES + TAG_BYTES
-LABEL = b"edge-fl/secagg/v1/"
 
 RandBytes = Callable[[int], bytes]
 
 
 class ShareError(ValueError):
     """Shares that do not determine a secret (too few, repeated or out of the field)."""
-
-
-def context(label: str, job: str, rnd: int, *names: str) -> bytes:
-    """``edge-fl/secagg/v1/<label> 0x00 <job> 0x00 <round: 8 bytes big-endian> (<name> 0x00)*``:
-    an injective encoding (ids and job never contain NUL) used as HKDF info and AEAD data."""
-    out = LABEL + label.encode() + b"\x00" + job.encode() + b"\x00" + rnd.to_bytes(8, "big")
-    for name in names:
-        out += name.encode() + b"\x00"
-    return out
 
 
 def hkdf(ikm: bytes, salt: bytes, info: bytes, length: int = KEY_BYTES) -> bytes:
