@@ -68,17 +68,8 @@ class SecureDevice:
     def randbytes(self, device: str, rnd: int, nonce: bytes) -> Callable[[int], bytes]:
         if not self.reproducible:
             return os.urandom
-        state = hashlib.sha256(f"edge-fl/secagg-test/{self.seed}/{device}/{rnd}".encode() + nonce)
-        key, counter = state.digest(), [0]
-
-        def draw(n: int) -> bytes:
-            out = b""
-            while len(out) < n:
-                counter[0] += 1
-                out += hashlib.sha256(key + counter[0].to_bytes(8, "big")).digest()
-            return out[:n]
-
-        return draw
+        key = hashlib.sha256(f"edge-fl/secagg-test/{self.seed}/{device}/{rnd}".encode() + nonce)
+        return np.random.default_rng(int.from_bytes(key.digest(), "big")).bytes
 
     def matches(self, sa: dict[str, Any]) -> bool:
         """Whether the round's signed parameters describe this job's integers."""

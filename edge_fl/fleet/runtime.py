@@ -71,6 +71,7 @@ from edge_fl.fleet.profiles import AlwaysAvailable, DeviceProfile
 from edge_fl.protocol import GlobalModel, Topics
 from edge_fl.protocol.clock import ClockMessage, ClockMessageError, clock_topic, decode_clock
 from edge_fl.protocol.messages import Dispatch
+from edge_fl.secagg.driver import VANISH as PHASES  # the phases a device can vanish before
 from edge_fl.transport import client_adapter
 from edge_fl.transport.limits import ensure_open_files
 from edge_fl.transport.url import BrokerSpec
@@ -966,10 +967,6 @@ class Fleet:
             await self.disconnect_all()
             await self.keepalive.close()
             self._pool.shutdown(wait=False, cancel_futures=True)
-
-
-#: the phases a device of a secure round can vanish before (``edge_fl.secagg.driver.VANISH``)
-PHASES = ("advertise", "share", "mask", "unmask")
 
 
 def _retrieved(task: asyncio.Task) -> None:
