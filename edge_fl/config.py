@@ -141,6 +141,12 @@ class RoundsConfig(_Section):
     over_selection: float = Field(
         1.0, ge=1.0, le=3.0, description="select this many times the target, for stragglers"
     )
+    period_s: float | None = Field(
+        None,
+        gt=0,
+        description="sync: a round opens at most every period_s seconds (simulated), counted "
+        "from the previous round's opening, as deployed fleets pace rounds; none: back to back",
+    )
     server_lr: float = Field(1.0, gt=0, description="the server's step on the averaged update")
     wait_for_devices_s: float = Field(
         60.0, gt=0, description="how long the aggregator waits for devices to come online"
@@ -191,6 +197,11 @@ class RoundsConfig(_Section):
         if k >= 1 and k != int(k):
             raise ValueError(
                 f"rounds.clients_per_round = {k}: use an integer count >= 1 or a fraction in (0, 1)"
+            )
+        if self.period_s is not None and self.mode != "sync":
+            raise ValueError(
+                f"rounds.period_s = {self.period_s:g} paces sync rounds; rounds.mode = "
+                f"{self.mode} applies updates as they arrive (pace it with rounds.concurrency)"
             )
         c = self.concurrency
         if self.mode == "fedbuff" and c and c < self.buffer_size:

@@ -186,6 +186,7 @@ class Job:
             # async windows apply whatever arrived by the deadline: one device is enough
             min_updates=r.minimum(target) if r.mode == "sync" else 1,
             deadline_s=self.clock.to_wall(r.deadline_s),  # the deadline is in simulated time
+            period_s=None if r.period_s is None else self.clock.to_wall(r.period_s),
             extend_when_short=r.on_short_round == "extend",
             over_selection=r.over_selection,
             server_lr=r.server_lr,
@@ -384,6 +385,8 @@ class Job:
         if not self.cfg.secure_aggregation.enabled:
             local |= OPTIONAL_SECTIONS  # an existing job's document stays as it was
         config = self.cfg.model_dump(mode="json", exclude=local)
+        if config["rounds"]["period_s"] is None:
+            del config["rounds"]["period_s"]  # the aggregator's pacing: absent, as it was
         config["data"]["data_dir"] = None  # where the data lives is each device's own business
         cal = calibration.table(self.calibrations)  # this job's rows, not the process's
         return JobDocument(self.cfg.job, self.cfg.digest(), config, cal)

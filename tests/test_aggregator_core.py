@@ -161,3 +161,34 @@ def test_an_update_beyond_the_exact_sum_is_refused_as_implausible_and_changes_no
     dev = msg.selected[0]
     assert c.on_update(dev, update(c, dev, 1, 0, 3e38, 5)) is Reject.IMPLAUSIBLE
     assert c.strategy.count == 0 and c.current.count == 0
+
+
+def test_a_round_period_paces_openings_from_the_previous_opening():
+    c = core(period_s=100.0)
+    assert c.opens_at() == -np.inf  # the first round opens at once
+    msg = c.open_round(5.0)
+    assert msg is not None
+    for dev in msg.selected:
+        assert c.on_update(dev, update(c, dev, 1, 0, 1.0, 10)) is None
+    c.close_round(6.0, 0.5)
+    assert c.opens_at() == 105.0
+    assert c.open_round(104.9) is None and c.current is None  # not yet: nothing drawn
+    assert c.open_round(105.0) is not None and c.round_number == 2
+    # a round that ran past its period: the next one opens as soon as it closes
+    c.close_round(300.0, 0.5)
+    assert c.opens_at() == 205.0 and c.open_round(300.0) is not None
+
+
+def test_without_a_period_rounds_open_back_to_back():
+    c = core()
+    assert c.open_round(0.0) is not None
+    c.close_round(0.1, 0.5)
+    assert c.opens_at() == -np.inf and c.open_round(0.1) is not None
+
+
+def test_a_stop_may_open_the_record_round_before_the_period():
+    c = core(period_s=100.0)
+    assert c.open_round(0.0) is not None
+    c.close_round(1.0, 0.5)
+    assert c.open_round(2.0) is None
+    assert c.open_round(2.0, paced=False) is not None  # carries the final record

@@ -83,6 +83,36 @@ def test_the_same_job_gives_the_same_records_with_and_without_a_cpu_hog(profile_
     assert sim == sorted(sim) and sim[-1] > 1.0
 
 
+def test_a_round_period_paces_sync_rounds_in_simulated_time(profile_path, tmp_path):
+    """Rounds open every period_s simulated seconds; the idle time between them costs no wall
+    time (virtual) and no round opens early."""
+    period = 3600.0
+    cfg = config(
+        profile_path,
+        **{
+            "rounds.mode": "sync",
+            "rounds.rounds": 4,
+            "rounds.clients_per_round": 4,
+            "rounds.concurrency": None,
+            "rounds.dispatch_timeout_s": None,
+            "rounds.period_s": period,
+            "fleet.dropout": 0.0,
+        },
+    )
+    result = run_simulation(cfg, tmp_path)
+    recs = records(tmp_path)
+    assert result.summary["rounds_closed"] == 4 and [r["received"] for r in recs] == [4] * 4
+    sim = [r["sim_time_s"] for r in recs]
+    deadline = cfg.rounds.deadline_s
+    # round k (from 1) opens at (k - 1) x period after the first opening and closes within its
+    # deadline: every record sits in its own period, none earlier
+    first_open = sim[0] - deadline
+    for k, t in enumerate(sim):
+        assert first_open + k * period <= t <= sim[0] + k * period + deadline, (k, sim)
+    # a simulated 3 hours of idle pacing took a small part of it in wall time
+    assert recs[-1]["elapsed_s"] < 0.01 * (sim[-1] - sim[0])
+
+
 def test_a_stop_under_virtual_time_decides_the_round_and_ends(profile_path, tmp_path):
     cfg = config(profile_path, **{"rounds.rounds": 50})
 

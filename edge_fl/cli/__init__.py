@@ -55,6 +55,11 @@ def common_job_options(f):
         click.option("--deadline", type=float, help="round deadline in seconds"),
         click.option("--min-updates", type=int, help="updates needed to close a round"),
         click.option(
+            "--round-period",
+            type=float,
+            help="sync: open a round at most every S (simulated) seconds; default: back to back",
+        ),
+        click.option(
             "--mechanism",
             help="privacy mechanism (none by default); `edge-fl privacy mechanisms` lists them",
         ),
@@ -174,6 +179,7 @@ def job_overrides(kw: dict[str, Any]) -> dict[str, Any]:
         "privacy.signds.sign_k": kw.get("sign_k"),
         "privacy.signds.sign_eps": kw.get("sign_eps"),
         "rounds.min_updates": kw.get("min_updates"),
+        "rounds.period_s": kw.get("round_period"),
         "secure_aggregation.enabled": kw.get("secure_aggregation"),
     }
 

@@ -87,6 +87,9 @@ class AggregatorSettings:
     target: int
     min_updates: int
     deadline_s: float
+    #: sync: a round opens at most every ``period_s`` (the deadline's clock), counted from the
+    #: previous round's opening; None: back to back
+    period_s: float | None = None
     extend_when_short: bool = True
     over_selection: float = 1.0
     server_lr: float = 1.0
@@ -259,6 +262,9 @@ class AggregatorCore:
         self.round_number = 0  # rounds opened so far; the open round's number when one is open
         self.devices: dict[str, DeviceRecord] = {}
         self.current: Any = None  # the open Round (SyncRound or AsyncWindow), or None
+        #: when the last round was opened (``now``'s clock), for the settings' ``period_s``; not
+        #: in a checkpoint: a resumed run's clock starts again, so its first round opens at once
+        self.last_opened_at: float | None = None
         self.previous: Any = None  # the round that closed last
         # every closed round's nonce and selection: a straggler's late answer to any of them is
         # still a release (charged once); O(rounds x selected) memory
@@ -377,9 +383,24 @@ class AggregatorCore:
 
     # ----------------------------------------------------------- rounds
 
-    def open_round(self, now: float) -> GlobalModel | None:
-        """Open the next round (async: window); None if too few devices are available."""
-        return self.policy.open(now)
+    def opens_at(self) -> float:
+        """The earliest ``now`` at which :meth:`open_round` may open the next round: the
+        settings' ``period_s`` after the previous opening (-inf: at once)."""
+        period = self.settings.period_s
+        if period is None or self.last_opened_at is None:
+            return -math.inf
+        return self.last_opened_at + period
+
+    def open_round(self, now: float, paced: bool = True) -> GlobalModel | None:
+        """Open the next round (async: window); None if too few devices are available or the
+        round period has not passed (:meth:`opens_at`; ``paced=False``: a round opened only to
+        carry the final record on a stop, never published)."""
+        if paced and now < self.opens_at():
+            return None
+        msg = self.policy.open(now)
+        if msg is not None:
+            self.last_opened_at = now
+        return msg
 
     def reopen(self, spec: dict[str, Any], now: float = 0.0) -> None:
         """Rebuild the round a journal's ``open`` record describes (``round_spec``), as
@@ -933,6 +954,7 @@ class AggregatorCore:
         """Back to a fresh run's state (a sharded worker whose coordinator started a new run of
         the job: the earlier run's round numbers come again)."""
         self.current = self.previous = self.strategy = None
+        self.last_opened_at = None
         self.history.clear()
         self.ever_selected.clear()
         self._released.clear()

@@ -819,9 +819,9 @@ class AggregatorService:
             self.journal.rotate()
         self._flush()  # whatever the journal held is in the checkpoint: acknowledge it
 
-    def _open_round(self, now: float) -> bool:
+    def _open_round(self, now: float, paced: bool = True) -> bool:
         """Open the next round and journal it (on disk before any device can see it)."""
-        msg = self.core.open_round(now)
+        msg = self.core.open_round(now, paced)
         if msg is None:
             return False
         self._global_payload = encode_global(msg, signer=self.signer)
@@ -966,7 +966,7 @@ class AggregatorService:
                     # answers on their way); a round opened for the record, never published,
                     # is decided now and carries the final ledger, so the last metrics line
                     # agrees with the summary
-                    self._open_round(self._now())
+                    self._open_round(self._now(), paced=False)
                 record = self._decide_on_stop(commit=False)
                 await self._end_on_stop(client)
                 if record is not None:
@@ -975,6 +975,9 @@ class AggregatorService:
                     await self._publish_record(client, record)
                 break
             if core.current is None:
+                if self._now() < core.opens_at():  # the round period: the next opening's time
+                    await self._sleep_until(core.opens_at())
+                    continue
                 if not self._open_round(self._now()):
                     reason = core.hopeless()
                     if reason is None and self._vt_gone:
