@@ -719,9 +719,12 @@ def default_max_uploads(rounds: int, target: int, devices: int, mode: str) -> in
     if mode != "sync" or target >= devices:
         return rounds
     p = target / devices
+    # the PMF in log space: comb(T, k) p^k overflows a float from T ~ 1,030 on
+    log_p, log_q, log_t = math.log(p), math.log1p(-p), math.lgamma(rounds + 1)
     total = 0.0
     for k in range(rounds + 1):
-        total += math.comb(rounds, k) * p**k * (1 - p) ** (rounds - k)
+        log_c = log_t - math.lgamma(k + 1) - math.lgamma(rounds - k + 1)
+        total += math.exp(log_c + k * log_p + (rounds - k) * log_q)
         if total >= 0.999:
             return max(1, k)
     return rounds
