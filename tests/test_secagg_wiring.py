@@ -644,3 +644,60 @@ def test_a_republished_round_neither_restarts_the_session_nor_resends():
     assert agg.outcome is not None and agg.outcome.contributors == roster
     total = sum(SecureMean.submitted[(d, 1)] for d in roster)
     assert np.array_equal(agg.outcome.total, total)
+
+
+def test_a_device_slower_than_the_phase_timeout_contributes_within_the_round_deadline(
+    mosquitto, tmp_path
+):
+    """``edge-fl device``'s runtime answers its inbox while it trains, and the masked phase
+    waits for the round's deadline: a device whose local training takes longer than
+    ``phase_timeout_s`` (but less than ``deadline_s``) still shares its keys in time and has its
+    masked input summed."""
+    import time as _time
+
+    from edge_fl.device.runtime import run_device
+    from edge_fl.job import build_job
+    from edge_fl.protocol.signing import Signer
+    from edge_fl.simulation import open_run
+    from edge_fl.transport.url import parse_broker_url
+
+    timeout_s, slow_s = 3.0, 8.0
+    job = build_job(config(mosquitto, **{
+        "data.devices": 4, "rounds.clients_per_round": 4, "rounds.rounds": 1,
+        "rounds.deadline_s": 60, "secure_aggregation.phase_timeout_s": timeout_s,
+    }))  # fmt: skip
+    sums: list[np.ndarray] = []
+    agents = job.agents()
+    slow = agents[0]
+    train = slow.on_global
+
+    def slow_train(msg):
+        _time.sleep(slow_s)  # a Pi: local training longer than a phase's timeout
+        return train(msg)
+
+    slow.on_global = slow_train
+
+    async def main():
+        broker = parse_broker_url(job.cfg.broker.url)
+        signer = Signer.generate()
+        run = open_run(job, tmp_path / "run")
+        service = run.make_service(broker, signer=signer)
+        service.secure_observer = lambda label, v: sums.append(v) if label == "sum" else None
+        aggregator = asyncio.create_task(service.run())
+        await service.connected.wait()
+        devices = [
+            asyncio.create_task(
+                run_device(agent, broker, job.topics, trust=job.trust(signer.verifier))
+            )
+            for agent in agents
+        ]
+        try:
+            await asyncio.wait_for(aggregator, 120)
+        finally:
+            run.close()
+        return run, await asyncio.wait_for(asyncio.gather(*devices), 30)
+
+    run, sent = asyncio.run(main())
+    [record] = run.recorder.records
+    assert record["status"] == "closed" and sent == [1, 1, 1, 1]
+    assert np.array_equal(sums[0], contributions(1, [f"d{i:05d}" for i in range(4)]))

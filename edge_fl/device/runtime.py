@@ -36,7 +36,7 @@ from edge_fl.device.policy import (
     Uploaded,
 )
 from edge_fl.device.trust import Trust
-from edge_fl.protocol import Topics
+from edge_fl.protocol import GlobalModel, Topics
 from edge_fl.transport.url import BrokerSpec
 from edge_fl.transport.wire import WireCounter, attach, ip_bytes
 
@@ -78,6 +78,35 @@ async def _session(
         **spec.aiomqtt_kwargs(), identifier=f"edgefl-{topics.job}-{agent.device_id}", will=will
     )
     attach(client, wire)
+    training: set[asyncio.Task[None]] = set()  # at most one (the policy trains one at a time)
+    done = False
+    try:
+        done = await _listen(agent, client, topics, digest, trust, wire, training, spec.redacted())
+        return done
+    finally:
+        # the job is over: what is training is abandoned. The session was lost: the training
+        # finishes (its thread cannot be stopped) and its publish fails, so its release is kept
+        # (Disconnected) and re-sent when the next session receives the round again
+        for task in training:
+            if done:
+                task.cancel()
+        await asyncio.gather(*training, return_exceptions=True)
+
+
+async def _listen(
+    agent: DeviceAgent,
+    client: aiomqtt.Client,
+    topics: Topics,
+    digest: str,
+    trust: Trust,
+    wire: WireCounter,
+    training: set[asyncio.Task[None]],
+    where: str,
+) -> bool:
+    """Read the session's messages until the job is done (True). Training runs beside the
+    reading (``training``), so the device answers its inbox while it trains: a secure round's
+    key and share phases go on during local training, however slow the device."""
+    run = _Runner(agent, client, topics, training)
     async with client:
         # subscribed before announcing itself: the aggregator may open a round the moment this
         # device counts as online, and the round's model must not arrive before the subscription.
@@ -95,19 +124,19 @@ async def _session(
         if agent.secure is not None:  # secure aggregation: the aggregator's SecAgg+ messages
             await client.subscribe(inbox, qos=1)
         await client.publish(topics.status(agent.device_id), agent.status(True), qos=1, retain=True)
-        log.info("device %s connected to %s", agent.device_id, spec.redacted())
+        log.info("device %s connected to %s", agent.device_id, where)
         trust.window.rejoin()  # rounds may have passed while this device was away
         async for message in client.messages:
             payload = message.payload
             if not isinstance(payload, bytes | bytearray) or not payload:
                 continue
             if message.topic.matches(inbox):
-                await _execute(agent, client, topics, agent.handle(InboxArrived(bytes(payload))))
+                await run.execute(agent.handle(InboxArrived(bytes(payload))))
                 continue
             if message.topic.matches(topics.dispatch):
                 asked = receive_dispatch(trust, bytes(payload), topics)
                 if asked is not None:
-                    await _execute(agent, client, topics, agent.handle(asked))
+                    await run.execute(agent.handle(asked))
                 continue
             event = trust.receive(
                 bytes(payload),
@@ -121,7 +150,7 @@ async def _session(
             if not listening and event.msg.mode != "sync":
                 await client.subscribe(topics.dispatch, qos=0)  # an asynchronous job
                 listening = True
-            if await _execute(agent, client, topics, agent.handle(event)):
+            if await run.execute(agent.handle(event)):
                 return True
             # since the previous round's line: this round's model, update and acks (the update's
             # PUBACK, still on its way, falls into the next line)
@@ -129,50 +158,70 @@ async def _session(
     return False
 
 
-async def _execute(
-    agent: DeviceAgent, client: aiomqtt.Client, topics: Topics, effects: list[Effect]
-) -> bool:
-    """Carry out the policy's effects (and those their outcomes bring); True on Stop."""
-    try:
-        return await _carry_out(agent, client, topics, deque(effects))
-    except BaseException:  # the session dropped mid-way: what was released is kept
-        agent.handle(Disconnected())
-        raise
+class _Runner:
+    """Carries out the policy's effects on one session; a :class:`Train` in a task of its own
+    (its outcome's effects follow in that task), everything else in the caller's order."""
 
+    def __init__(
+        self,
+        agent: DeviceAgent,
+        client: aiomqtt.Client,
+        topics: Topics,
+        training: set[asyncio.Task[None]],
+    ) -> None:
+        self.agent, self.client, self.topics, self.training = agent, client, topics, training
 
-async def _carry_out(
-    agent: DeviceAgent, client: aiomqtt.Client, topics: Topics, todo: deque[Effect]
-) -> bool:
-    while todo:
-        effect = todo.popleft()
-        if isinstance(effect, Train):
-            msg = effect.msg
-            try:
-                payload = await asyncio.to_thread(agent.on_global, msg)
-            except Exception:  # e.g. a model with extreme values: skip the round, stay up
-                log.exception("round %d: training failed; this round is skipped", msg.round)
-                payload = None
-            todo.extend(agent.handle(Trained(msg, payload)))
-        elif isinstance(effect, Upload):
-            await client.publish(topics.update(agent.device_id), effect.payload, qos=1)
-            todo.extend(agent.handle(Uploaded(effect.round)))
-            log.info("round %d: sent %d bytes", effect.round, len(effect.payload))
-        elif isinstance(effect, Resend):  # released before, the round came again: deliver it
-            await client.publish(topics.update(agent.device_id), effect.payload, qos=1)
-            log.info(
-                "round %d: re-sent %d bytes (round re-broadcast)", effect.round, len(effect.payload)
-            )
-        elif isinstance(effect, Publish):  # a SecAgg+ message of a secure round
-            await client.publish(topics.update(agent.device_id), effect.payload, qos=1)
-            log.info("round %d: sent %s (%d bytes)", effect.round, effect.kind, len(effect.payload))
-        elif isinstance(effect, PublishStatus):
-            if effect.online and agent.state.stopped_reason:
-                log.warning("device %s stops: %s", agent.device_id, agent.state.stopped_reason)
-            status = agent.status(effect.online)
-            await client.publish(topics.status(agent.device_id), status, qos=1, retain=True)
-        elif isinstance(effect, Stop):
-            return True
-    return False
+    async def execute(self, effects: list[Effect]) -> bool:
+        """Carry out ``effects`` (and those their outcomes bring); True on Stop."""
+        try:
+            return await self._carry_out(deque(effects))
+        except BaseException:  # the session dropped mid-way: what was released is kept
+            self.agent.handle(Disconnected())
+            raise
+
+    async def _train(self, msg: GlobalModel) -> None:
+        try:
+            payload = await asyncio.to_thread(self.agent.on_global, msg)
+        except Exception:  # e.g. a model with extreme values: skip the round, stay up
+            log.exception("round %d: training failed; this round is skipped", msg.round)
+            payload = None
+        try:
+            await self.execute(self.agent.handle(Trained(msg, payload)))
+        except aiomqtt.MqttError as exc:  # the reading side sees the lost session too
+            log.warning("round %d: could not publish: %s", msg.round, exc)
+
+    async def _carry_out(self, todo: deque[Effect]) -> bool:
+        agent, client, topics = self.agent, self.client, self.topics
+        while todo:
+            effect = todo.popleft()
+            if isinstance(effect, Train):
+                task = asyncio.create_task(self._train(effect.msg))
+                self.training.add(task)
+                task.add_done_callback(self.training.discard)
+            elif isinstance(effect, Upload):
+                await client.publish(topics.update(agent.device_id), effect.payload, qos=1)
+                todo.extend(agent.handle(Uploaded(effect.round)))
+                log.info("round %d: sent %d bytes", effect.round, len(effect.payload))
+            elif isinstance(effect, Resend):  # released before, the round came again: deliver it
+                await client.publish(topics.update(agent.device_id), effect.payload, qos=1)
+                log.info(
+                    "round %d: re-sent %d bytes (round re-broadcast)",
+                    effect.round,
+                    len(effect.payload),
+                )
+            elif isinstance(effect, Publish):  # a SecAgg+ message of a secure round
+                await client.publish(topics.update(agent.device_id), effect.payload, qos=1)
+                log.info(
+                    "round %d: sent %s (%d bytes)", effect.round, effect.kind, len(effect.payload)
+                )
+            elif isinstance(effect, PublishStatus):
+                if effect.online and agent.state.stopped_reason:
+                    log.warning("device %s stops: %s", agent.device_id, agent.state.stopped_reason)
+                status = agent.status(effect.online)
+                await client.publish(topics.status(agent.device_id), status, qos=1, retain=True)
+            elif isinstance(effect, Stop):
+                return True
+        return False
 
 
 def permanent_refusal(exc: BaseException) -> str | None:

@@ -341,10 +341,21 @@ class AggregatorService:
             elif isinstance(effect, Finished):
                 self._wake.set()
         if sa.phase != before:
-            plan = self.core.secure
-            assert plan is not None
-            self._sa_deadline = self._now() + plan.phase_timeout_s
+            self._sa_deadline = self._sa_phase_deadline(sa.phase)
             self._wake.set()
+
+    def _sa_phase_deadline(self, phase: str) -> float:
+        """When the phase that starts now closes at the latest: ``phase_timeout_s`` from now,
+        and the masked phase no sooner than the round's deadline (devices train from the
+        round's opening, beside the key and share phases; a device slower than the phase
+        timeout but within the round's deadline still contributes)."""
+        plan = self.core.secure
+        assert plan is not None
+        deadline = self._now() + plan.phase_timeout_s
+        rnd = self.core.current
+        if phase == "masked" and rnd is not None:
+            deadline = max(deadline, rnd.deadline)
+        return deadline
 
     def _secure_close(self, now: float | None = None, why: str | None = None) -> dict[str, Any]:
         """Close the open secure round on its outcome (``why``: it ends unfinished, e.g. a
@@ -1001,7 +1012,7 @@ class AggregatorService:
                     if self._now() >= self._sa_deadline:
                         self._secure_effects(sa.close_phase(), sa.phase)
                         if sa.outcome is None:
-                            self._sa_deadline = self._now() + core.secure.phase_timeout_s
+                            self._sa_deadline = self._sa_phase_deadline(sa.phase)
                         continue
                     await self._sleep_until(self._sa_deadline)
                     continue
