@@ -15,7 +15,11 @@ so the aggregator, which holds the grant, alternates:
    (:func:`arrival_order`), then back to 1.
 
 Neither side runs ahead: the fleet never carries out an event later than the grant, and the
-aggregator never moves past the fleet's earliest event. When both have nothing pending there is
+aggregator never moves past the fleet's earliest event, except where nothing the fleet publishes
+can change a decision before the aggregator's own next event (sync rounds paced by a period:
+between rounds, statuses only update availability); it then grants that event's time ``through``
+the fleet's, the fleet carries out all its events up to it in one step, and their messages are
+taken at that time. When both have nothing pending there is
 nothing left to happen (:meth:`AggregatorClock.grant` returns None).
 """
 
@@ -122,19 +126,23 @@ class AggregatorClock:
         """Whether the fleet has yet to hear of something the aggregator did at ``now``."""
         return self._granted_n is None or self.published != self._granted_n
 
-    def next_time(self, own_next: float) -> float:
-        """The time the next grant would name (``own_next``: the aggregator's next event)."""
+    def next_time(self, own_next: float, through: bool = False) -> float:
+        """The time the next grant would name (``own_next``: the aggregator's next event;
+        ``through``: nothing the fleet publishes before ``own_next`` can change a decision
+        before it, so the fleet may carry out all its events up to it in one step)."""
         assert self.now is not None, "virtual time has not started"
         if self.must_exchange():
             return self.now
+        if through and not math.isinf(own_next):
+            return max(self.now, own_next)
         return max(self.now, min(own_next, self.fleet_next))
 
-    def grant(self, own_next: float) -> Grant | None:
+    def grant(self, own_next: float, through: bool = False) -> Grant | None:
         """The next grant, or None when neither side has anything pending (nothing can happen).
         A grant that is not answered yet is given again (the same one)."""
         if self.pending is not None:
             return self.pending
-        t = self.next_time(own_next)
+        t = self.next_time(own_next, through)
         if math.isinf(t):
             return None
         if t == self.now:

@@ -83,6 +83,20 @@ def test_time_moves_to_the_aggregators_deadline_when_it_comes_first() -> None:
     assert g is not None and g.t == 30.0
 
 
+def test_a_grant_through_goes_past_the_fleets_events_to_the_aggregators_own() -> None:
+    c = started(0.0, fleet_next=50.0)
+    answer(c, 50.0, 0)
+    g = c.grant(own_next=600.0, through=True)  # between paced rounds: the next opening
+    assert g is not None and g.t == 600.0
+    assert answer(c, fleet_next=612.0, fleet_n=0) == 600.0
+    c.published_one()  # the round's model: a same-time exchange comes first, through or not
+    g = c.grant(own_next=1200.0, through=True)
+    assert g is not None and g.t == 600.0
+    answer(c, 612.0, 0)
+    # nothing of its own ahead: through changes nothing (never a grant at infinity)
+    assert c.next_time(math.inf, through=True) == 612.0
+
+
 def test_nothing_pending_anywhere_means_no_grant() -> None:
     c = started(0.0)
     answer(c, math.inf, 0)

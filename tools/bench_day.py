@@ -6,7 +6,7 @@
 
 The job (issue 20's "a simulated 24 hours of a 1,000-device phone fleet with availability
 windows"): ``--devices`` phones (phone-fleet profile: three time-zone tiers, each available in
-its own night-time charging window), Synthetic data, ``--model``, 1 local epoch, sync rounds of
+its own night-time charging window), Synthetic IID data, ``--model``, 1 local epoch, sync rounds of
 20 devices with 30% over-selection and a 120 s deadline, opened every ``--period`` simulated
 seconds (``rounds.period_s``), from 00:00 UTC for ``--hours`` simulated hours
 (``fleet.sim_hours``), ``--reproducible``. One ``edge-fl simulate`` subprocess per run; it prints
@@ -50,7 +50,7 @@ def job(args: argparse.Namespace) -> dict[str, Any]:
         "job": f"bench-day-{args.seed}",
         "seed": args.seed,
         "reproducible": True,
-        "data": {"dataset": "synthetic", "devices": args.devices},
+        "data": {"dataset": "synthetic-iid", "devices": args.devices},
         "model": {"name": args.model},
         "training": {"epochs": 1},
         "rounds": rounds,

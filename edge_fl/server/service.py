@@ -559,9 +559,10 @@ class AggregatorService:
             self._vt_end = r.t + self._vt_limit_s
         log.info("virtual time starts at %.3f s (%d statuses counted)", r.t, r.n)
 
-    async def _vt_step(self, deadline: float | None) -> None:
+    async def _vt_step(self, deadline: float | None, through: bool = False) -> None:
         """One step of virtual time towards ``deadline`` (None: the next event anywhere):
-        grant, wait for the fleet's report and everything it counts, move, take it."""
+        grant, wait for the fleet's report and everything it counts, move, take it.
+        ``through``: straight to ``deadline`` (``AggregatorClock.next_time``)."""
         vc = self.vclock
         client = self._client
         assert vc is not None and vc.now is not None
@@ -574,7 +575,7 @@ class AggregatorService:
             return
         if not vc.must_exchange() and own <= vc.now:
             return  # already due
-        grant = vc.grant(own)
+        grant = vc.grant(own, through)
         if grant is None:
             raise NothingPending(
                 f"virtual time {vc.now:.1f} s: nothing is pending on either side (no device "
@@ -716,7 +717,7 @@ class AggregatorService:
             log.warning("ingest workers %s are not online; starting without them",
                         sorted(want - online))  # fmt: skip
 
-    async def _sleep_until(self, deadline: float | None) -> None:
+    async def _sleep_until(self, deadline: float | None, through: bool = False) -> None:
         """Wait for a wake-up (update, status, stop) or until ``deadline`` on the loop clock.
 
         A wake-up that came since the last one was consumed (e.g. a stop signal during the
@@ -724,12 +725,13 @@ class AggregatorService:
         is consumed, never before waiting, so none is lost; every caller re-checks its state.
 
         Under virtual time: one step of the clock (``_vt_step``); a stop or the fleet's leaving
-        turns virtual time into real time from the simulated time reached."""
+        turns virtual time into real time from the simulated time reached; ``through``: see
+        ``_vt_step``."""
         if self.virtual:
             if self.stopped is not None or self._vt_gone:
                 self._vt_release("stopped" if self.stopped is not None else "the fleet left")
             else:
-                await self._vt_step(deadline)
+                await self._vt_step(deadline, through)
                 return
         timeout = None if deadline is None else max(0.0, deadline - self._now())
         with contextlib.suppress(TimeoutError):
@@ -986,8 +988,11 @@ class AggregatorService:
                     await self._publish_record(client, record)
                 break
             if core.current is None:
-                if self._now() < core.opens_at():  # the round period: the next opening's time
-                    await self._sleep_until(core.opens_at())
+                if self._now() < core.opens_at():
+                    # the round period: no round is open and nothing decides before the next
+                    # opening (statuses only update availability, a late update is charged
+                    # whenever it is taken), so virtual time goes there in one step
+                    await self._sleep_until(core.opens_at(), through=True)
                     continue
                 if not self._open_round(self._now()):
                     reason = core.hopeless()
