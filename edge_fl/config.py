@@ -397,6 +397,14 @@ class FleetConfig(_Section):
         None, ge=0, lt=1, description="per-round dropout probability (overrides the profile)"
     )
     train_workers: int = Field(1, ge=1, le=64, description="threads training devices")
+    machine_samples_per_s: float | None = Field(
+        None,
+        gt=0,
+        description="modelled compute from the real training: this machine's speed in the "
+        "profile's units (compute_samples_per_s); a device's compute time is then its "
+        "training's thread CPU seconds here x this / the device's compute_samples_per_s, so a "
+        "model's real cost counts (not reproducible to the bit); None: from the profile alone",
+    )
     clock: Literal["auto", "virtual", "wall"] = Field(
         "auto",
         description="simulated time: virtual (device durations from the profile, the aggregator "
@@ -418,6 +426,14 @@ class FleetConfig(_Section):
     def _clock_and_scale(self) -> FleetConfig:
         if self.sim_hours is not None and not self.virtual:
             raise ValueError("sim_hours needs virtual time (clock = 'virtual')")
+        if self.machine_samples_per_s is not None and not (
+            self.virtual or self.time_scale is not None
+        ):
+            raise ValueError(
+                "machine_samples_per_s models devices' compute time from their real training: "
+                "it needs modelled time (a profile other than homogeneous, clock = 'virtual', "
+                "or a time_scale)"
+            )
         if self.clock == "virtual" and self.time_scale is not None:
             raise ValueError(
                 "clock = 'virtual' runs as fast as events allow: drop time_scale (or use "

@@ -369,6 +369,7 @@ class Job:
             clock=self.clock,
             dropout=self.cfg.fleet.dropout,
             train_workers=self.cfg.fleet.train_workers,
+            machine_samples_per_s=self.cfg.fleet.machine_samples_per_s,
             digest=self.cfg.digest(),
             trust=trust or self.trust(),
         )

@@ -49,6 +49,7 @@ def test_yaml_and_toml_files_and_flag_overrides(tmp_path):
             "rounds.clients_per_round = 500 exceeds data.devices = 50",
         ),
         ({"rounds.period_s": 0}, "rounds.period_s = 0: Input should be greater than 0"),
+        ({"fleet.machine_samples_per_s": 50}, "machine_samples_per_s models devices' compute"),
         (
             {"rounds.period_s": 60, "rounds.mode": "fedbuff"},
             "rounds.period_s = 60 paces sync rounds; rounds.mode = fedbuff",

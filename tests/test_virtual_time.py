@@ -113,6 +113,26 @@ def test_a_round_period_paces_sync_rounds_in_simulated_time(profile_path, tmp_pa
     assert recs[-1]["elapsed_s"] < 0.01 * (sim[-1] - sim[0])
 
 
+def test_measured_compute_scales_the_real_trainings_cpu_time_by_the_profile(profile_path, tmp_path):
+    """``fleet.machine_samples_per_s``: a device's compute time is its training's thread CPU
+    seconds x machine speed / its profile speed. A machine declared 10^8 times faster turns the
+    same milliseconds of training into a far longer simulated round."""
+    base = {
+        "rounds.mode": "sync", "rounds.rounds": 2, "rounds.clients_per_round": 4,
+        "rounds.concurrency": None, "rounds.dispatch_timeout_s": None,
+        "rounds.deadline_s": 1e6, "fleet.dropout": 0.0,
+    }  # fmt: skip
+    sim = {}
+    for speed in (1.0, 1e8):
+        out = tmp_path / f"speed-{speed:g}"
+        cfg = config(profile_path, **base, **{"fleet.machine_samples_per_s": speed})
+        run_simulation(cfg, out)
+        recs = records(out)
+        assert [r["received"] for r in recs] == [4, 4]
+        sim[speed] = recs[-1]["sim_time_s"]
+    assert sim[1e8] > 100 * sim[1.0], sim
+
+
 def test_a_stop_under_virtual_time_decides_the_round_and_ends(profile_path, tmp_path):
     cfg = config(profile_path, **{"rounds.rounds": 50})
 

@@ -311,6 +311,7 @@ def population_fleet(
         clock=job.clock,
         dropout=job.cfg.fleet.dropout,
         train_workers=job.cfg.fleet.train_workers,
+        machine_samples_per_s=job.cfg.fleet.machine_samples_per_s,
         digest=job.cfg.digest(),
         trust=trust or job.trust(),
     )

@@ -41,8 +41,9 @@ import logging
 import socket
 import time
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
+from typing import TypeVar
 
 import aiomqtt
 
@@ -87,6 +88,8 @@ from edge_fl.transport.wire import (
 )
 
 log = logging.getLogger("edge_fl.fleet")
+T = TypeVar("T")
+R = TypeVar("R")
 
 #: MQTT's largest keepalive (a 16-bit count of seconds): device sessions under virtual time
 MAX_KEEPALIVE_S = 65535
@@ -121,6 +124,7 @@ class Fleet:
         *,
         connect_concurrency: int = 64,
         train_workers: int = 1,
+        machine_samples_per_s: float | None = None,
         keepalive_s: int = 60,
         client_prefix: str | None = None,
         profiles: dict[str, DeviceProfile] | None = None,
@@ -159,6 +163,10 @@ class Fleet:
             # per idle keepalive period) is left out of the wire counts under virtual time.
             self.keepalive_s = keepalive_s = MAX_KEEPALIVE_S
         self.dropout = dropout  # overrides the profiles' training dropout when set
+        #: modelled compute from the real training (``fleet.machine_samples_per_s``): the
+        #: training's thread CPU seconds, scaled by this / the device's profile speed
+        self.machine_samples_per_s = machine_samples_per_s
+        self._train_cpu_s: dict[str, float] = {}  # device: its last training's thread CPU
         self.dropouts = 0
         #: secure aggregation: devices subscribe to their own inbox; a device that drops out of
         #: a secure round (the dropout above, or a profile's) vanishes before a protocol phase
@@ -446,17 +454,20 @@ class Fleet:
         device = agent.device_id
         profile = self.profiles.get(device)
         if profile is not None:
-            # nothing is published before the compute and the upload's latency are over
-            lead = profile.compute_time(agent.n_samples, agent.training.epochs)
-            lead += profile.upload_time(0)
+            # nothing is published before the compute and the upload's latency are over (a
+            # measured compute is known only after the training: then the latency alone)
+            lead = profile.upload_time(0)
+            if self.machine_samples_per_s is None:
+                lead += profile.compute_time(agent.n_samples, agent.training.epochs)
             await self.clock.sleep(profile.download_time(model_bytes), key=(device, 1), lead=lead)
         if device in self.unavailable or device in self.crashed:
             return Trained(msg, None)  # gone before it could train: the round stays unanswered
         loop = asyncio.get_running_loop()
         t0 = loop.time()
         try:
-            payload = await loop.run_in_executor(self._pool, agent.on_global, msg)
+            payload, cpu_s = await loop.run_in_executor(self._pool, _timed, agent.on_global, msg)
             self.vt_train_s += loop.time() - t0
+            self._train_cpu_s[device] = cpu_s
         except Exception:
             self.device_errors += 1
             log.exception("device %s failed in round %d", device, msg.round)
@@ -465,13 +476,22 @@ class Fleet:
             return Trained(msg, None)
         return Trained(msg, payload)
 
+    def _compute_time(self, agent: DeviceAgent, profile: DeviceProfile) -> float:
+        """The device's modelled local training time: from its profile, or from the real
+        training's CPU time on this machine (``machine_samples_per_s``)."""
+        speed = self.machine_samples_per_s
+        if speed is None:
+            return profile.compute_time(agent.n_samples, agent.training.epochs)
+        cpu_s = self._train_cpu_s.pop(agent.device_id, 0.0)
+        return cpu_s * speed / profile.compute_samples_per_s
+
     async def _upload(self, agent: DeviceAgent, effect: Upload) -> Uploaded:
         """Compute and upload (modelled), a dropout drawn per round, then publish."""
         device = agent.device_id
         profile = self.profiles.get(device)
         if profile is not None:
             await self.clock.sleep(
-                profile.compute_time(agent.n_samples, agent.training.epochs),
+                self._compute_time(agent, profile),
                 key=(device, 1),
                 lead=profile.upload_time(0),  # the upload's latency, at least, comes next
             )
@@ -979,3 +999,11 @@ def _report_driver_end(task: asyncio.Task) -> None:
     virtual time, so it is said at once."""
     if not task.cancelled() and task.exception() is not None:
         log.error("fleet: virtual-time driver failed: %r", task.exception())
+
+
+def _timed(fn: Callable[[T], R], arg: T) -> tuple[R, float]:
+    """``fn(arg)`` and the CPU seconds this thread spent on it (not the wall time: another
+    thread or process on the machine does not lengthen it)."""
+    t0 = time.thread_time()
+    out = fn(arg)
+    return out, time.thread_time() - t0
