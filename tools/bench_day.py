@@ -6,10 +6,10 @@
 
 The job (issue 20's "a simulated 24 hours of a 1,000-device phone fleet with availability
 windows"): ``--devices`` phones (phone-fleet profile: three time-zone tiers, each available in
-its own night-time charging window), Synthetic IID data, ``--model``, 1 local epoch, sync rounds of
-20 devices with 30% over-selection and a 120 s deadline, opened every ``--period`` simulated
-seconds (``rounds.period_s``), from 00:00 UTC for ``--hours`` simulated hours
-(``fleet.sim_hours``), ``--reproducible``. One ``edge-fl simulate`` subprocess per run; it prints
+its own night-time charging window), Synthetic IID data, ``--model``, ``--epochs`` local epochs,
+sync rounds of 20 devices with 30% over-selection and a 120 s deadline, opened every
+``--period`` simulated seconds (``rounds.period_s``), from 00:00 UTC for ``--hours`` simulated
+hours (``fleet.sim_hours``), ``--reproducible``. One ``edge-fl simulate`` subprocess per run; it prints
 the wall time, the simulated time reached, rounds, the clock's grants (one broker round trip
 each), the fleet's training time (``virtual_time.train_wall_s``) as a share of the wall time, the
 CPU of the simulation process and its children, and the peak RSS. With ``--hogs N`` the same job
@@ -52,7 +52,7 @@ def job(args: argparse.Namespace) -> dict[str, Any]:
         "reproducible": True,
         "data": {"dataset": "synthetic-iid", "devices": args.devices},
         "model": {"name": args.model},
-        "training": {"epochs": 1},
+        "training": {"epochs": args.epochs},
         "rounds": rounds,
         "fleet": {
             "profile": "phone-fleet",
@@ -116,6 +116,7 @@ def main() -> None:
     p.add_argument("--hours", type=float, default=24.0)
     p.add_argument("--period", type=float, default=600.0, help="rounds.period_s; 0: none")
     p.add_argument("--model", default="logreg")
+    p.add_argument("--epochs", type=int, default=1)
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--hogs", type=int, default=0, help="then again beside N CPU hogs")
     p.add_argument("--json", type=Path, help="write the figures (without records) here")
