@@ -5,8 +5,8 @@
     .venv/bin/python tools/bench_day.py --hogs 2                 # again beside 2 CPU hogs: same records?
 
 The job (issue 20's "a simulated 24 hours of a 1,000-device phone fleet with availability
-windows"): ``--devices`` phones (phone-fleet profile: three time-zone tiers, each available in
-its own night-time charging window), Synthetic IID data, ``--model``, ``--epochs`` local epochs,
+windows"): ``--devices`` phones (phone-fleet profile: four tiers over four US time zones, three
+available in night-time charging windows with on/off interruptions, one in the daytime), Synthetic IID data, ``--model``, ``--epochs`` local epochs,
 sync rounds of 20 devices with 30% over-selection and a 120 s deadline, opened every
 ``--period`` simulated seconds (``rounds.period_s``), from 00:00 UTC for ``--hours`` simulated
 hours (``fleet.sim_hours``), ``--reproducible``. One ``edge-fl simulate`` subprocess per run; it prints
