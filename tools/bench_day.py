@@ -6,7 +6,7 @@
 
 The job (issue 20's "a simulated 24 hours of a 1,000-device phone fleet with availability
 windows"): ``--devices`` phones (phone-fleet profile: four tiers over four US time zones, three
-available in night-time charging windows with on/off interruptions, one in the daytime), Synthetic IID data, ``--model``, ``--epochs`` local epochs,
+available in night-time charging windows with on/off interruptions, one in short random bursts), Synthetic IID data, ``--model``, ``--epochs`` local epochs,
 sync rounds of 20 devices with 30% over-selection and a 120 s deadline, opened every
 ``--period`` simulated seconds (``rounds.period_s``), from 00:00 UTC for ``--hours`` simulated
 hours (``fleet.sim_hours``), ``--reproducible``. One ``edge-fl simulate`` subprocess per run; it prints
