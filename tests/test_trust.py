@@ -59,7 +59,7 @@ def test_forged_and_fuzzed_global_messages_change_nothing(mosquitto):
             "broker.url": mosquitto.url,
             "data.devices": 4,
             "model.name": "logreg",
-            "rounds.rounds": 3,
+            "rounds.rounds": 1000,  # stopped once the flood is counted (a loaded box is slow)
             "rounds.clients_per_round": 4,
             "rounds.deadline_s": 20,
         },
@@ -114,8 +114,12 @@ def test_forged_and_fuzzed_global_messages_change_nothing(mosquitto):
         forged_payload = encode_global(forged, signer=forger)
         attacker.publish(topics.global_model, forged_payload, qos=1).wait_for_publish()
         threading.Thread(target=flood, daemon=True).start()
-        while not flooded.is_set():
+        # the job goes on (rounds keep closing) until the devices have judged the flood
+        for _ in range(2400):
+            if flooded.is_set() and sum(fleet.trust.rejected.values()) >= 1000:
+                break
             await asyncio.sleep(0.05)
+        service.request_stop("test: the flood was counted")
         await asyncio.wait_for(agg, 60)
         await asyncio.wait_for(fleet_task, 30)
         return fleet
@@ -125,8 +129,12 @@ def test_forged_and_fuzzed_global_messages_change_nothing(mosquitto):
     finally:
         attacker.loop_stop()
         attacker.disconnect()
-    assert [r["status"] for r in records] == ["closed"] * 3
-    assert all(r["received"] == 4 for r in records)
+    # every round before the stop closed with all four honest updates (the stop decides the
+    # open one with what it has)
+    assert len(records) >= 2 and [r["status"] for r in records[:-1]] == ["closed"] * (
+        len(records) - 1
+    )
+    assert all(r["received"] == 4 for r in records[:-1])
     rejected = fleet.trust.rejected
     assert sum(rejected.values()) >= 1000, rejected  # the flood reached the devices, counted
     assert rejected["unsigned"] >= 1 and rejected["bad_signature"] >= 1
