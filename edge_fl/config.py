@@ -479,6 +479,13 @@ class SecurityConfig(_Section):
     acks: Literal["off", "rejections", "all"] = Field(
         "rejections", description="per-device replies on edgefl/<job>/ack/<device>"
     )
+    device_keys: str | None = Field(
+        None,
+        description="secure aggregation against a malicious operator: the devices' public "
+        "signing keys (device-keys.json, `edge-fl keygen DIR --devices N`); every SecAgg+ key "
+        "advertisement and masked input must carry its device's signature. A simulated fleet "
+        "takes each device's private key from DIR/devices/<id>.key",
+    )
 
 
 class DeviceConfig(_Section):
@@ -486,6 +493,11 @@ class DeviceConfig(_Section):
 
     id: str | None = Field(None, pattern=r"^[A-Za-z0-9_.\-]{1,64}$", description="= MQTT username")
     index: int | None = Field(None, ge=0, description="this device's share of the dataset")
+    signing_key: str | None = Field(
+        None,
+        description="secure aggregation with security.device_keys: this device's Ed25519 "
+        "private key (PEM, mode 0600); default DIR/devices/<id>.key beside the directory",
+    )
 
 
 class IngestConfig(_Section):
@@ -610,6 +622,15 @@ class JobConfig(_Section):
                 "ingest.partition = 'site': each site aggregator runs beside its site broker; set "
                 "ingest.spawn = false and run `edge-fl ingest --worker I --broker <site broker>` "
                 "per site (docs/scale.md)"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _device_keys_sign_secure_rounds(self) -> JobConfig:
+        if self.security.device_keys is not None and not self.secure_aggregation.enabled:
+            raise ValueError(
+                "security.device_keys signs SecAgg+ messages: it needs "
+                "secure_aggregation.enabled (--secure-aggregation)"
             )
         return self
 

@@ -6,12 +6,14 @@ same thing from the same config; no I/O besides reading local dataset files.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from functools import cached_property
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -123,9 +125,31 @@ class Job:
 
     def agent(self, index: int) -> DeviceAgent:
         """Device ``index``'s agent: the job's ``device_factory``'s, else the honest one."""
-        if self.device_factory is not None:
-            return self.device_factory(self, index)
-        return self.default_agent(index)
+        agent = (
+            self.device_factory(self, index)
+            if self.device_factory is not None
+            else self.default_agent(index)
+        )
+        keys = self.device_keys
+        if keys is not None and agent.secure is not None:  # a simulated device: its minted key
+            from edge_fl.protocol.device_keys import private_key_path
+            from edge_fl.protocol.signing import Signer
+
+            directory = Path(self.cfg.security.device_keys or "").parent
+            signer = Signer.load(private_key_path(directory, agent.device_id))
+            agent.secure = agent.secure.signed(agent.device_id, signer, keys)
+        return agent
+
+    @cached_property
+    def device_keys(self) -> Any:
+        """The devices' public signing keys (``security.device_keys``:
+        ``edge_fl.protocol.device_keys.DeviceKeys``), or None: SecAgg+ messages unsigned."""
+        path = self.cfg.security.device_keys
+        if path is None:
+            return None
+        from edge_fl.protocol.device_keys import DeviceKeys
+
+        return DeviceKeys.load(path)
 
     def default_agent(self, index: int) -> DeviceAgent:
         """The honest agent of device ``index``: its share of the data, the job's model,
@@ -254,7 +278,9 @@ class Job:
         # the mechanism calibrates its secure layout here (distributed-gaussian's sigma^2): in
         # the job's scope, so its row reaches the job document for devices without dp-accounting
         with calibration.scope(self.calibrations):
-            return plan_secure(sa, mech, self.model.n_params, min(selected, self.cfg.data.devices))
+            plan = plan_secure(sa, mech, self.model.n_params, min(selected, self.cfg.data.devices))
+        keys = self.device_keys
+        return plan if keys is None else dataclasses.replace(plan, device_key=keys.key_of)
 
     @cached_property
     def onnx(self) -> Callable[[np.ndarray], bytes] | None:
@@ -504,6 +530,11 @@ def build_job(
     for problem in problems:
         if problem is not None:
             raise ConfigError(f"invalid configuration:\n  privacy: {problem}")
+    if cfg.security.device_keys is not None:
+        try:
+            job.device_keys  # noqa: B018 (read now: a bad directory fails before anything runs)
+        except ValueError as exc:
+            raise ConfigError(f"invalid configuration:\n  security.device_keys: {exc}") from None
     refusal = secure_refusal(cfg, mechanism)
     if refusal is None and cfg.secure_aggregation.enabled:
         try:

@@ -88,3 +88,33 @@ def test_devices_join_from_the_job_document(mosquitto, tmp_path):
     assert stdout.splitlines()[-1].startswith("job finished: 2/2 rounds closed")
     assert done.device_codes[0] == 2 and "Traceback" not in wrong_err
     assert "refused: is --public-key the aggregator's?" in wrong_err, wrong_err
+
+
+def test_devices_sign_secure_rounds_with_the_keys_minted_for_them(mosquitto, tmp_path):
+    """A deployment against a malicious operator: `edge-fl keygen DIR --devices 3` mints each
+    device's key and the directory; the aggregator (security.device_keys) and every `edge-fl
+    device --device-keys` check each other's SecAgg+ adverts. Every round sums all three."""
+    job = f"sig-{uuid.uuid4().hex[:6]}"
+    private, public = keygen(tmp_path / "agg")
+    keys = tmp_path / "device-keys"
+    subprocess.run([EDGE_FL, "keygen", str(keys), "--devices", "3"], check=True,
+                   capture_output=True)  # fmt: skip
+    directory = keys / "device-keys.json"
+    cfg = tmp_path / "job.yaml"
+    cfg.write_text(f"security: {{signing_key: {private}, device_keys: {directory}}}\n")
+    out = tmp_path / "run"
+    common = ["--broker", mosquitto.url, "--job", job, "--devices", "3", "--rounds", "2",
+              "--clients-per-round", "3", "--deadline", "20", "--secure-aggregation"]  # fmt: skip
+    device = [EDGE_FL, "device", "--broker", mosquitto.url, "--job", job, "--public-key", public,
+              "--secure-aggregation", "--device-keys", str(directory)]  # fmt: skip
+    with UpdateTap(mosquitto.url, Topics(job), f"doc-{job}", Topics(job).job_document) as doc:
+        done = run_job(
+            [EDGE_FL, "aggregator", "--config", str(cfg), *common, "--out", str(out)],
+            [[*device, "--id", f"d{i:05d}"] for i in range(3)],
+            when=lambda seconds: doc.wait_for_messages(1, seconds),
+        )
+    assert done.returncode == 0, done.stderr
+    assert all("2 updates sent" in e for e in done.device_errs), done.device_errs
+    records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["secure"]["outcome"] for r in records] == ["summed", "summed"]
+    assert all(r["received"] == 3 and not r["secure"]["rejected_by_reason"] for r in records)

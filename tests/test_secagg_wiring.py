@@ -701,3 +701,61 @@ def test_a_device_slower_than_the_phase_timeout_contributes_within_the_round_dea
     [record] = run.recorder.records
     assert record["status"] == "closed" and sent == [1, 1, 1, 1]
     assert np.array_equal(sums[0], contributions(1, [f"d{i:05d}" for i in range(4)]))
+
+
+def test_device_signing_keys_sign_every_advert_and_an_unsigned_device_is_left_out(
+    mosquitto, tmp_path
+):
+    """``security.device_keys`` (minted by ``edge-fl keygen DIR --devices N``): every device
+    signs its keys and masked input and checks its neighbours'; the aggregator refuses the keys
+    of a device that does not sign (an impostor's, to an honest party) and sums the others
+    exactly, round after round."""
+    import dataclasses
+
+    from edge_fl.job import build_job
+    from edge_fl.protocol.device_keys import mint_device_keys
+    from edge_fl.protocol.signing import Signer
+    from edge_fl.transport.url import parse_broker_url
+
+    directory = mint_device_keys(tmp_path / "keys", [f"d{i:05d}" for i in range(6)])
+    job = build_job(config(mosquitto, **{
+        "data.devices": 6, "rounds.clients_per_round": 6, "rounds.rounds": 2,
+        "secure_aggregation.min_survivors": 3, "security.device_keys": str(directory),
+    }))  # fmt: skip
+    signer = SIGNER.setdefault("key", Signer.generate())
+    fleet = job.fleet_runtime(parse_broker_url(mosquitto.url), trust=job.trust(signer.verifier))
+    assert all(a.secure.signer is not None for a in fleet.agents.values())
+    impostor = fleet.agents["d00003"]
+    impostor.secure = dataclasses.replace(impostor.secure, signer=None)
+    run, _, _, error = asyncio.run(run_secure(job, tmp_path / "run", fleet=fleet))
+    assert error is None
+    records = run.recorder.records
+    assert [r["status"] for r in records] == ["closed", "closed"]
+    honest = [f"d{i:05d}" for i in range(6) if i != 3]
+    for rnd, record in enumerate(records, start=1):
+        sa = record["secure"]
+        assert sa["outcome"] == "summed" and sa["phases"]["keys"] == 5
+        assert sa["rejected_by_reason"].get("bad_keys") == 1
+        assert record["received"] == 5
+        assert SecureMean.submitted[("d00003", rnd)] is not None  # it trained, was left out
+    assert sorted({d for d, r, n in run.core.releases}) == honest
+
+
+def test_a_device_key_that_is_not_the_directorys_is_refused_in_one_line(tmp_path):
+    from edge_fl.config import ConfigError
+    from edge_fl.job import build_job
+    from edge_fl.protocol.device_keys import mint_device_keys
+
+    directory = mint_device_keys(tmp_path / "a", [f"d{i:05d}" for i in range(3)])
+    other = mint_device_keys(tmp_path / "b", ["d00001"])
+    (tmp_path / "a" / "devices" / "d00001.key").write_bytes(
+        (other.parent / "devices" / "d00001.key").read_bytes()
+    )
+    job = build_job(config(**{"data.devices": 3, "rounds.clients_per_round": 3,
+                              "security.device_keys": str(directory)}))  # fmt: skip
+    with pytest.raises(ValueError, match=r"device d00001's signing key is not the one"):
+        job.agents()
+    (tmp_path / "a" / "device-keys.json").write_text("{")
+    with pytest.raises(ConfigError, match=r"security.device_keys: device key directory .* JSON"):
+        build_job(config(**{"data.devices": 3, "rounds.clients_per_round": 3,
+                            "security.device_keys": str(directory)}))  # fmt: skip

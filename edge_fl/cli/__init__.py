@@ -432,10 +432,33 @@ def broker(port: int, bind: str, kind: str) -> None:
 @main.command()
 @click.argument("directory", type=click.Path(file_okay=False))
 @click.option("--force", is_flag=True, help="replace an existing key pair")
-def keygen(directory: str, force: bool) -> None:
+@click.option(
+    "--devices",
+    type=int,
+    help="instead: one signing key per device d00000 ... (secure aggregation against a "
+    "malicious operator): DIR/devices/<id>.key and the directory DIR/device-keys.json",
+)
+@click.option("--start", type=int, default=0, show_default=True, help="first device index")
+def keygen(directory: str, force: bool, devices: int | None, start: int) -> None:
     """Create the aggregator's Ed25519 signing key (mode 0600) and print its public key."""
     from edge_fl.protocol.signing import SigningKeyError, generate_key_files
 
+    if devices is not None:
+        from edge_fl.identity import device_id
+        from edge_fl.protocol.device_keys import mint_device_keys
+
+        if devices < 1 or start < 0:
+            fail(f"--devices {devices} --start {start}: need at least one device from index 0 up")
+        try:
+            path = mint_device_keys(
+                directory, [device_id(i) for i in range(start, start + devices)], overwrite=force
+            )
+        except (SigningKeyError, OSError) as exc:
+            fail(str(exc))
+        click.echo(f"{devices} device keys: {directory}/devices/<id>.key (mode 0600; install each")
+        click.echo("on its device only: edge-fl device --signing-key FILE)")
+        click.echo(f"directory for every party: {path}  (security.device_keys)")
+        return
     try:
         private, public, signer = generate_key_files(directory, overwrite=force)
     except (SigningKeyError, OSError) as exc:

@@ -22,6 +22,7 @@ def _local_settings(config: str | None, **flags: Any) -> dict[str, Any]:
     """This device's own settings: the flags over the optional device config file."""
     out: dict[str, Any] = {"url": None, "prefix": "edgefl", "id": None, "index": None}
     out |= {"data_dir": None, "public_key": None, "job": None}
+    out |= {"device_keys": None, "signing_key": None}
     if config:
         from edge_fl.config import ConfigError, read_config_file
 
@@ -34,7 +35,8 @@ def _local_settings(config: str | None, **flags: Any) -> dict[str, Any]:
         if unknown:
             fail(
                 f"{config}: {', '.join(unknown)}: not a device setting (a device takes only "
-                "broker, device, security.public_key, data.data_dir and job; everything else "
+                "broker, device, security.public_key, security.device_keys, data.data_dir and "
+                "job; everything else "
                 "comes from the aggregator's job document)"
             )
         broker, device = raw.get("broker") or {}, raw.get("device") or {}
@@ -45,6 +47,8 @@ def _local_settings(config: str | None, **flags: Any) -> dict[str, Any]:
             "index": device.get("index"),
             "data_dir": (raw.get("data") or {}).get("data_dir"),
             "public_key": (raw.get("security") or {}).get("public_key"),
+            "device_keys": (raw.get("security") or {}).get("device_keys"),
+            "signing_key": device.get("signing_key"),
             "job": raw.get("job"),
         }
     out |= {k: v for k, v in flags.items() if v is not None}
@@ -61,6 +65,16 @@ def _local_settings(config: str | None, **flags: Any) -> dict[str, Any]:
 )
 @click.option(
     "--public-key", help="the aggregator's public key (hex, PEM or a file): verify what it sends"
+)
+@click.option(
+    "--device-keys",
+    help="secure aggregation: the devices' public signing keys (device-keys.json); sign this "
+    "device's SecAgg+ messages and check its neighbours'",
+)
+@click.option(
+    "--signing-key",
+    type=click.Path(dir_okay=False),
+    help="this device's private signing key (default: devices/<id>.key beside --device-keys)",
 )
 @click.option("--job", help="which job to join when the broker announces several")
 @click.option("--prefix", help="topic prefix (default edgefl)")
@@ -100,6 +114,8 @@ def device(url, device_id, data_dir, public_key, job, prefix, index, config, wai
         job=job,
         prefix=prefix,
         index=index,
+        device_keys=kw["device_keys"],
+        signing_key=kw["signing_key"],
     )
     if not s["url"]:
         fail("a device needs --broker URL (or broker.url in --config)")
@@ -158,6 +174,8 @@ async def _serve(s: dict[str, Any], index: int, retry_forever: bool, wait: float
     _check_budget_support(job)
     agent = job.agent(index)
     agent.device_id = s["id"]
+    if s["device_keys"]:
+        _sign_secure_rounds(agent, s)
     log.info(
         "joined job %s (digest %s, %s, %s mechanism, %d examples)",
         doc.job,
@@ -238,3 +256,20 @@ def _check_budget_support(job: Any) -> None:
                 "this job sets privacy.budget_epsilon: the device's own ledger that enforces it "
                 f"needs dp-accounting: {ACCOUNTING_INSTALL_HINT}"
             ) from None
+
+
+def _sign_secure_rounds(agent: Any, s: dict[str, Any]) -> None:
+    """The device signs its SecAgg+ messages and checks its neighbours' (--device-keys)."""
+    from pathlib import Path
+
+    from edge_fl.protocol.device_keys import DeviceKeys, private_key_path
+    from edge_fl.protocol.signing import Signer
+
+    if agent.secure is None:
+        raise RuntimeError("--device-keys: this job does not run secure aggregation")
+    key = s["signing_key"] or private_key_path(Path(s["device_keys"]).parent, s["id"])
+    try:
+        keys = DeviceKeys.load(s["device_keys"])
+        agent.secure = agent.secure.signed(s["id"], Signer.load(key), keys)
+    except ValueError as exc:  # SigningKeyError included
+        raise RuntimeError(f"--device-keys: {exc}") from None

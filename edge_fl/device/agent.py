@@ -13,6 +13,7 @@ the device, and advances once per release.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
 import os
@@ -64,6 +65,21 @@ class SecureDevice:
     layout: Any  # edge_fl.mechanisms.secure.SecureLayout
     reproducible: bool = False
     seed: int = 0
+    #: the device's own Ed25519 key (signs its ``ak`` and ``mx``) and its neighbours' public
+    #: keys (``edge_fl.protocol.device_keys``): None = unsigned (honest-but-curious operator)
+    signer: Any = None
+    peer_key: Callable[[str], Any] | None = None
+
+    def signed(self, device: str, signer: Any, keys: Any) -> SecureDevice:
+        """This device's secure side with its signing key and the job's key directory;
+        ValueError (one line) if the directory does not hold this key for ``device``."""
+        own = keys.key_of(device)
+        if device not in keys or own.hex() != signer.verifier.hex():
+            raise ValueError(
+                f"device {device}'s signing key is not the one security.device_keys lists for "
+                "it (mint the keys and the directory together: edge-fl keygen DIR --devices N)"
+            )
+        return dataclasses.replace(self, signer=signer, peer_key=keys.key_of)
 
     def randbytes(self, device: str, rnd: int, nonce: bytes) -> Callable[[int], bytes]:
         if not self.reproducible:
@@ -197,6 +213,8 @@ class DeviceAgent:
                 self.device_id,
                 params,
                 randbytes=sec.randbytes(self.device_id, msg.round, msg.nonce),
+                signer=sec.signer,
+                peer_key=sec.peer_key,
             )
         except ValueError as exc:
             log.warning("round %d: no secure session: %s", msg.round, exc)

@@ -31,6 +31,8 @@ class SecurePlan:
     phase_timeout_s: float
     dropout: float
     collude: float
+    #: a device id -> its public signing key (``security.device_keys``), or None: unsigned
+    device_key: Any = None
 
     def for_roster(self, n: int) -> tuple[int, int]:
         """(k, t) for a round of ``n`` devices: the job's, with the graph capped at the

@@ -290,7 +290,9 @@ class AggregatorService:
         plan = core.secure
         assert rnd is not None and plan is not None and rnd.nonce is not None
         params = plan.params(core.settings.job, rnd.number, rnd.nonce, tuple(rnd.selected))
-        self.secure_session = AggregatorSession(params, observer=self.secure_observer)
+        self.secure_session = AggregatorSession(
+            params, observer=self.secure_observer, device_key=plan.device_key
+        )
         self._sa_deadline = self._now() + plan.phase_timeout_s
         self._sa_rejected = Counter()
 
