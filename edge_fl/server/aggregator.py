@@ -298,8 +298,10 @@ class AggregatorCore:
             policy = policy_for(settings, concurrency, dispatch_timeout_s)
         self.policy: RoundPolicy = policy(self)
         #: the job's secure aggregation (``edge_fl.server.secure.SecurePlan``), or None: every
-        #: sync round is then a SecAgg+ round the service runs; plain updates are refused
+        #: sync round is then a SecAgg+ round; plain updates are refused
         self.secure: Any = None
+        #: the open secure round's session (``edge_fl.server.secure.SecureRound``), or None
+        self.secure_round: Any = None
 
     def configure_as_worker(self) -> None:
         """A sharded ingest worker: the coordinator keeps the ledger (this core only lists the
@@ -731,6 +733,33 @@ class AggregatorCore:
         """When to decide next: the round's deadline, or an earlier policy timer."""
         return self.policy.deadline()
 
+    def open_secure(self, now: float, observer: Callable[[str, Any], None] | None = None) -> Any:
+        """The SecAgg+ session of the round just opened (``SecureRound``): its keys phase
+        starts at ``now``; ``observer(label, vector)`` sees every vector the session holds."""
+        from edge_fl.server.secure import SecureRound
+
+        rnd, plan = self.current, self.secure
+        assert rnd is not None and plan is not None and rnd.nonce is not None
+        params = plan.params(self.settings.job, rnd.number, rnd.nonce, tuple(rnd.selected))
+        self.secure_round = SecureRound(plan, params, now, rnd.deadline, observer)
+        return self.secure_round
+
+    def close_secure(
+        self, now: float, wall_time_s: float, why: str | None = None
+    ) -> dict[str, Any]:
+        """Close the open secure round on its session's outcome (``why``: it ends unfinished,
+        e.g. a stop or a restart: the model is unchanged); its record, not yet committed."""
+        from edge_fl.secagg import Failed
+
+        sr, self.secure_round = self.secure_round, None
+        if sr is not None:
+            outcome, info = sr.result(why)
+        else:  # rebuilt from a journal: its session died with the process
+            outcome = Failed("keys", why or "the round ended unfinished")
+            info = {"phases": {}, "outcome": "failed", "rejected_by_reason": {},
+                    "failed": {"phase": outcome.phase, "reason": outcome.reason}}  # fmt: skip
+        return self.close_secure_round(now, wall_time_s, outcome, info)
+
     def close_secure_round(
         self, now: float, wall_time_s: float, outcome: Any, info: dict[str, Any]
     ) -> dict[str, Any]:
@@ -953,7 +982,7 @@ class AggregatorCore:
     def forget(self) -> None:
         """Back to a fresh run's state (a sharded worker whose coordinator started a new run of
         the job: the earlier run's round numbers come again)."""
-        self.current = self.previous = self.strategy = None
+        self.current = self.previous = self.strategy = self.secure_round = None
         self.last_opened_at = None
         self.history.clear()
         self.ever_selected.clear()

@@ -1,20 +1,34 @@
 """A job's secure rounds: the SecAgg+ parameters every round of the job uses (calibrated or
 checked once, when the job is assembled), the ``sa`` map that carries them to devices, and the
-round's :class:`~edge_fl.secagg.RoundParams`. Pure: the service runs the sessions.
+round's :class:`~edge_fl.secagg.RoundParams`, and :class:`SecureRound`: one open round's SecAgg+
+session on the aggregator's clock. Pure: the caller passes ``now`` and carries out the inbox
+messages the round returns (the service publishes them; tests read them).
 
 Specification: docs/protocol.md, "Secure aggregation"; docs/specs/secagg.md.
 """
 
 from __future__ import annotations
 
+from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from edge_fl.mechanisms.secure import SecureJob, SecureLayout, SecureSum, secure_job_from
 from edge_fl.protocol.secure import SA_KEYS, round_seed
-from edge_fl.secagg import CalibrationError, RoundParams, calibrate, check
+from edge_fl.secagg import (
+    AggregatorSession,
+    CalibrationError,
+    Deliver,
+    Failed,
+    Finished,
+    Rejected,
+    RoundParams,
+    calibrate,
+    check,
+)
 
-__all__ = ["SecurePlan", "plan_secure", "round_seed"]
+__all__ = ["SecurePlan", "SecureRound", "plan_secure", "round_seed"]
 
 
 @dataclass(frozen=True)
@@ -115,3 +129,89 @@ def plan_secure(
         dropout=cfg.dropout,
         collude=cfg.collude,
     )
+
+
+class SecureRound:
+    """The open sync round's SecAgg+ session, its phase deadlines and what it refused.
+
+    A phase ends when the session has every answer it waits for, or at its deadline
+    (:meth:`tick`): ``phase_timeout_s`` after it began, and the masked phase no sooner than the
+    round's own deadline (devices train from the round's opening, beside the keys and shares
+    phases: a device slower than a phase timeout but within the round's deadline contributes).
+    Not checkpointed: a restart skips the round (docs/specs/secagg.md, section 9)."""
+
+    def __init__(
+        self,
+        plan: SecurePlan,
+        params: RoundParams,
+        now: float,
+        round_deadline: float,
+        observer: Callable[[str, Any], None] | None = None,
+    ) -> None:
+        self.plan = plan
+        self.session = AggregatorSession(params, observer=observer, device_key=plan.device_key)
+        self.round_deadline = round_deadline
+        self.deadline = self._phase_deadline("keys", now)
+        self.rejected: Counter = Counter()
+        self.finished = False  # the session ended (summed or failed)
+
+    @property
+    def phase(self) -> str:
+        return self.session.phase
+
+    @property
+    def outcome(self) -> Any:
+        """``edge_fl.secagg.Summed`` or ``Failed``, or None while the round runs."""
+        return self.session.outcome
+
+    def receive(self, device: str, payload: bytes, now: float) -> list[Deliver]:
+        """A SecAgg+ message from ``device``; the inbox messages to publish."""
+        before = self.phase
+        return self._take(self.session.receive(device, payload), before, now)
+
+    def tick(self, now: float) -> list[Deliver]:
+        """Close the phase whose deadline has passed (nothing before it)."""
+        if self.outcome is not None or now < self.deadline:
+            return []
+        before = self.phase
+        out = self._take(self.session.close_phase(), before, now)
+        if self.outcome is None and self.phase == before:
+            self.deadline = self._phase_deadline(self.phase, now)  # never: a closed phase moves
+        return out
+
+    def late(self) -> None:
+        self.rejected["late"] += 1
+
+    def result(self, why: str | None = None) -> tuple[Any, dict[str, Any]]:
+        """The outcome (a ``Failed`` one with ``why`` if the round ends unfinished: a stop, a
+        restart) and the record's ``secure`` map."""
+        outcome = self.outcome
+        if outcome is None:
+            outcome = Failed(self.phase, why or "the round ended unfinished")
+        info: dict[str, Any] = {
+            "phases": self.session.counts,
+            "outcome": "summed" if not isinstance(outcome, Failed) else "failed",
+            "rejected_by_reason": dict(sorted(self.rejected.items())),
+        }
+        if isinstance(outcome, Failed):
+            info["failed"] = {"phase": outcome.phase, "reason": outcome.reason}
+        return outcome, info
+
+    def _take(self, effects: list, before: str, now: float) -> list[Deliver]:
+        out: list[Deliver] = []
+        for effect in effects:
+            if isinstance(effect, Deliver):
+                out.append(effect)
+            elif isinstance(effect, Rejected):
+                self.rejected[effect.reason] += 1
+            elif isinstance(effect, Finished):
+                self.finished = True
+        if self.phase != before:
+            self.deadline = self._phase_deadline(self.phase, now)
+        return out
+
+    def _phase_deadline(self, phase: str, now: float) -> float:
+        deadline = now + self.plan.phase_timeout_s
+        if phase == "masked":
+            deadline = max(deadline, self.round_deadline)
+        return deadline

@@ -48,7 +48,8 @@ from edge_fl.protocol.clock import ClockMessage, ClockMessageError, clock_topic,
 from edge_fl.protocol.dispatch import encode_dispatch
 from edge_fl.protocol.messages import Dispatch
 from edge_fl.protocol.secure import masked_head, up_kind
-from edge_fl.secagg import AggregatorSession, Deliver, Failed, Finished, Rejected
+from edge_fl.secagg import Deliver
+from edge_fl.server.secure import SecureRound
 from edge_fl.transport import client_adapter
 from edge_fl.transport.tap import IngestTap
 from edge_fl.transport.url import BrokerSpec
@@ -138,13 +139,9 @@ class AggregatorService:
             raise ValueError("virtual time cannot resume an open round (run it again instead)")
         if core.secure is not None and (virtual_time or sharding is not None):
             raise ValueError("secure aggregation runs without virtual time and ingest workers")
-        #: secure aggregation: the open round's SecAgg+ session, its phase deadline and what
-        #: it refused; ``secure_observer(label, vector)`` sees every vector a session holds
-        #: (the test hook that proves no individual vector is ever held)
-        self.secure_session: AggregatorSession | None = None
+        #: secure aggregation (``core.secure_round``): ``secure_observer(label, vector)`` sees
+        #: every vector a session holds (tests)
         self.secure_observer: Callable[[str, Any], None] | None = None
-        self._sa_deadline = math.inf
-        self._sa_rejected: Counter = Counter()
         self.sharding = sharding
         #: virtual time (``edge_fl.clocksync``): None = the event loop's clock
         self.vclock: AggregatorClock | None = AggregatorClock() if virtual_time else None
@@ -285,16 +282,7 @@ class AggregatorService:
 
     def _secure_open(self) -> None:
         """The round just opened is a SecAgg+ round: its session; the keys phase starts now."""
-        core = self.core
-        rnd = core.current
-        plan = core.secure
-        assert rnd is not None and plan is not None and rnd.nonce is not None
-        params = plan.params(core.settings.job, rnd.number, rnd.nonce, tuple(rnd.selected))
-        self.secure_session = AggregatorSession(
-            params, observer=self.secure_observer, device_key=plan.device_key
-        )
-        self._sa_deadline = self._now() + plan.phase_timeout_s
-        self._sa_rejected = Counter()
+        self.core.open_secure(self._now(), observer=self.secure_observer)
 
     def _secure_in(self, device: str, payload: bytes) -> None:
         """A SecAgg+ message on ``up/<device>``: to the open round's session. A masked input
@@ -310,77 +298,40 @@ class AggregatorService:
             facts = core.round_facts(head[0])
             if facts is not None and facts[0] == head[1] and device in facts[1]:
                 self._secure_charge(device, head[0])
-        sa = self.secure_session
-        if sa is None or core.current is None:
-            self._sa_rejected["late"] += 1
-            return
-        before = sa.phase
-        self._secure_effects(sa.receive(device, payload), before)
+        sr = core.secure_round
+        if sr is None or core.current is None:
+            return  # between rounds: a late message, nothing to take it
+        self._secure_deliver(sr, sr.receive(device, payload, self._now()))
 
     def _secure_charge(self, device: str, rnd: int) -> None:
         if self.core.charge_secure(device, rnd) and self.journal is not None:
             self.journal.append("release", d=device, r=rnd, n=SECURE_RELEASE)
             self.stats["journaled"] += 1
 
-    def _secure_effects(self, effects: list, before: str) -> None:
-        """Carry out a session's effects: inbox messages (QoS 1, not awaited), rejections
-        counted, a phase that moved gets a fresh deadline, the end wakes the round loop."""
-        sa = self.secure_session
-        assert sa is not None
+    def _secure_deliver(self, sr: SecureRound, deliveries: list[Deliver]) -> None:
+        """Publish a secure round's inbox messages (QoS 1, not awaited); a phase that moved or
+        ended wakes the round loop."""
         client = self._client
-        for effect in effects:
-            if isinstance(effect, Deliver):
-                self.core.tally.bytes_down += len(effect.payload)
-                if client is not None:
-                    task = asyncio.get_running_loop().create_task(
-                        client.publish(self.topics.inbox(effect.device), effect.payload, qos=1)
-                    )
-                    task.add_done_callback(_retrieved)
-            elif isinstance(effect, Rejected):
-                self._sa_rejected[effect.reason] += 1
-                log.debug("secagg message from %s rejected (%s): %s", effect.device,
-                          effect.reason, effect.detail)  # fmt: skip
-            elif isinstance(effect, Finished):
-                self._wake.set()
-        if sa.phase != before:
-            self._sa_deadline = self._sa_phase_deadline(sa.phase)
+        for effect in deliveries:
+            self.core.tally.bytes_down += len(effect.payload)
+            if client is not None:
+                task = asyncio.get_running_loop().create_task(
+                    client.publish(self.topics.inbox(effect.device), effect.payload, qos=1)
+                )
+                task.add_done_callback(_retrieved)
+        if deliveries or sr.finished:
             self._wake.set()
-
-    def _sa_phase_deadline(self, phase: str) -> float:
-        """When the phase that starts now closes at the latest: ``phase_timeout_s`` from now,
-        and the masked phase no sooner than the round's deadline (devices train from the
-        round's opening, beside the key and share phases; a device slower than the phase
-        timeout but within the round's deadline still contributes)."""
-        plan = self.core.secure
-        assert plan is not None
-        deadline = self._now() + plan.phase_timeout_s
-        rnd = self.core.current
-        if phase == "masked" and rnd is not None:
-            deadline = max(deadline, rnd.deadline)
-        return deadline
 
     def _secure_close(self, now: float | None = None, why: str | None = None) -> dict[str, Any]:
         """Close the open secure round on its outcome (``why``: it ends unfinished, e.g. a
         stop or a restart: the model is unchanged) and return its record, not yet committed."""
         core = self.core
-        sa = self.secure_session
-        outcome = sa.outcome if sa is not None else None
-        if outcome is None:
-            phase = sa.phase if sa is not None else "keys"
-            outcome = Failed(phase, why or "the round ended unfinished")
-        info: dict[str, Any] = {
-            "phases": sa.counts if sa is not None else {},
-            "outcome": "summed" if not isinstance(outcome, Failed) else "failed",
-            "rejected_by_reason": dict(sorted(self._sa_rejected.items())),
-        }
-        if isinstance(outcome, Failed):
-            info["failed"] = {"phase": outcome.phase, "reason": outcome.reason}
-            log.warning("round %d: secure aggregation failed in phase %s: %s",
-                        core.round_number, outcome.phase, outcome.reason)  # fmt: skip
         wall = time.perf_counter() - self._round_started
-        record = core.close_secure_round(self._now() if now is None else now, wall, outcome, info)
-        self.secure_session = None
-        self._sa_deadline = math.inf
+        record = core.close_secure(self._now() if now is None else now, wall, why)
+        failed = record.get("secure", {}).get("failed")
+        if failed:
+            log.warning("round %d: secure aggregation failed in phase %s: %s",
+                        record["round"], failed["phase"], failed["reason"])  # fmt: skip
         if self.stopped is not None:
             record["stopped"] = self.stopped
         return record
@@ -1013,15 +964,13 @@ class AggregatorService:
                 assert payload is not None  # _open_round encoded it
                 # every online device receives the retained broadcast
                 core.tally.bytes_down += len(payload) * core.online_count
-            sa = self.secure_session
-            if sa is not None:  # a SecAgg+ round: phases end on answers or their deadline
-                if sa.outcome is None:
-                    if self._now() >= self._sa_deadline:
-                        self._secure_effects(sa.close_phase(), sa.phase)
-                        if sa.outcome is None:
-                            self._sa_deadline = self._sa_phase_deadline(sa.phase)
+            sr = core.secure_round
+            if sr is not None:  # a SecAgg+ round: phases end on answers or their deadline
+                if sr.outcome is None:
+                    if self._now() >= sr.deadline:
+                        self._secure_deliver(sr, sr.tick(self._now()))
                         continue
-                    await self._sleep_until(self._sa_deadline)
+                    await self._sleep_until(sr.deadline)
                     continue
                 record = self._secure_close()
                 if core.finished:
