@@ -542,3 +542,353 @@ def test_a_device_vanishing_after_its_shares_is_unmasked_by_its_neighbours(mosqu
     assert kept.state == "done" and devices["d00003"].session.state == "shared"
     (uq,) = [m for m in devices["d00002"].inbox if m["k"] == "uq"]
     assert uq["a"] == [1, 1, 2]  # seed shares of d00000 and d00001, d00003's key share
+
+
+# --- distributed-gaussian (docs/specs/secagg.md section 12; docs/protocol.md, its `mp` keys)
+
+
+def test_round_seed_example():
+    """docs/protocol.md, "The round seed": job demo, rnd 4, nc 0011..ff."""
+    nc = bytes.fromhex("00112233445566778899aabbccddeeff")
+    seed = sa.round_seed("demo", 4, nc)
+    assert seed.hex() == "31f87933cec6e2fa4941d094516cb45182a839fe5944dee8373b0aa7cd169b6e"
+    assert sa.context("round-seed", "demo", 4) == (
+        b"edge-fl/secagg/v1/round-seed\x00demo\x00" + (4).to_bytes(8, "big")
+    )
+
+
+def test_signs_and_rotation_follow_the_text():
+    """No vector exists for the signs or the rotation (a finding): the bit order and H are checked
+    against the text itself, and the rotation against an explicit Sylvester matrix."""
+    seed = sa.round_seed("demo", 4, bytes.fromhex("00112233445566778899aabbccddeeff"))
+    s = sa.signs(seed, 16)
+    ks = sa.keystream(seed, 2)
+    assert s.tolist() == [1.0 if ks[i // 8] >> (i % 8) & 1 else -1.0 for i in range(16)]
+    assert len(sa.signs(seed, 4)) == 4 and sa.signs(seed, 4).tolist() == s[:4].tolist()
+    h = np.array([[1.0]])
+    while len(h) < 16:
+        h = np.block([[h, h], [h, -h]])
+    x = np.random.default_rng(1).normal(size=11)
+    z = sa.rotate(x, s)
+    assert np.allclose(z, h @ (s * np.r_[x, np.zeros(5)]) / 4)
+    assert np.isclose(np.linalg.norm(z), np.linalg.norm(x))  # orthonormal
+    assert np.allclose(sa.unrotate(z, s, 11), x)
+    assert [sa.padded(d) for d in (1, 2, 3, 650, 1024, 1025, 4810, 61706)] == [
+        1, 2, 4, 1024, 1024, 2048, 8192, 65536]  # fmt: skip
+
+
+def test_delta2_and_ring_bits_match_the_documents_numbers():
+    """Section 12: σ² = 1,494,016, Δ₂ ≈ 1,001.5 (c = 1, γ = 10⁻³, D′ = 8,192) gives b = 19 at
+    n = 100 and 22 at n = 1,000; `edge-fl privacy plan`'s default job: clip 1, γ =
+    0.002869083193056435, D′ = 8192, σ² = 72016 -> Δ₂ 352.02883013094043, 15 bits at 20 selected."""
+    d2 = sa.delta2(1.0, 1e-3, 8192)
+    assert round(d2, 1) == 1001.5
+    assert sa.ring_bits(100, d2, 1_494_016) == 19 and sa.ring_bits(1000, d2, 1_494_016) == 22
+    d2 = sa.delta2(1.0, 0.002869083193056435, 8192)
+    assert abs(d2 - 352.02883013094043) < 1e-9
+    assert sa.ring_bits(20, d2, 72016) == 15
+    # a real aggregator (8 selected, collude 0.25: ms 6, nmin 4, σ² 12604) sent b = 14: the n of
+    # ring_bits is the selection (6 would give 13)
+    assert sa.ring_bits(8, d2, 12604) == 14 and sa.ring_bits(6, d2, 12604) == 13
+    # with √(2 ln 1/β) = 1 the first term of the min never binds (3D′/4 + 2(c/γ)√D′ > c/γ + √D′/2)
+    assert sa.delta2(1.0, 0.5, 1 << 20) == np.sqrt(4 + 2**18 + 2 + 512)
+
+
+def test_sigma2_on_the_wire():
+    assert sa.sigma2_fraction(72016.0) == (72016, 1) and sa.sigma2_fraction(3) == (3, 1)
+    assert sa.sigma2_fraction(0.5) == (500, 1000) and sa.sigma2_fraction(0.001) == (1, 1000)
+    for bad in (1.5, 0.0005, 0.1234):
+        with pytest.raises(ValueError):
+            sa.sigma2_fraction(bad)
+
+
+def ddg_mp(**kw):
+    mp = {"m": sa.DDG, "lr": 0.1, "ep": 1, "bs": 8, "clip": 1.0, "g": 0.01, "s2": 100.0,
+          "nmin": 3, "dp": 16, "b": 20}  # fmt: skip
+    return mp | kw
+
+
+def test_check_ddg_refuses_what_disagrees():
+    sa_map = {"b": 20, "k": 3, "md": True, "ms": 3, "n": 16, "q": 0, "t": 2}
+    assert sa.check_ddg(ddg_mp(), sa_map, 11)
+    for mp, params, d in (
+        (ddg_mp(dp=32), sa_map, 11),  # not the next power of two
+        (ddg_mp(), sa_map, 17),
+        (ddg_mp(b=19), sa_map, 11),  # mp.b is not sa.b
+        (ddg_mp(), sa_map | {"md": False}, 11),
+        (ddg_mp(nmin=4), sa_map, 11),  # more noise shares than the round's floor
+        (ddg_mp(s2=2.5), sa_map, 11),
+        (ddg_mp(g=0), sa_map, 11),
+        ({k: v for k, v in ddg_mp().items() if k != "s2"}, sa_map, 11),
+        (ddg_mp(nmin=3.0), sa_map, 11),
+    ):
+        with pytest.raises(ValueError):
+            sa.check_ddg(mp, params, d)
+
+
+def test_check_cal_matches_the_jobs_row():
+    config = {"privacy": {"clip": 1.0, "epsilon": 8.0, "delta": 1e-5}, "rounds": {"rounds": 2}}
+    row = [sa.DDG, 8.0, 1e-5, 2, 1.0, 0.01, 11, 3, 100.0]
+    assert sa.check_cal(ddg_mp(), 11, config, [["gaussian", 8.0, 1e-5, 2, 1.3], row]) == row
+    assert sa.check_cal(ddg_mp(), 11, config, []) is None  # no row: mp alone
+    with pytest.raises(ValueError):
+        sa.check_cal(ddg_mp(s2=101.0), 11, config, [row])
+    with pytest.raises(ValueError):
+        sa.check_cal(ddg_mp(clip=2.0), 11, config, [row])
+
+
+def test_the_generator_is_chacha20_and_uniform_integers_are_unbiased():
+    rng = sa.Generator(bytes(32))
+    assert rng.bytes(5) + rng.bytes(70000) == sa.keystream(bytes(32), 70005)
+    rng, n, draws = sa.Generator(b"\x01" * 32), 6, 60_000
+    counts = np.bincount([rng.below(n) for _ in range(draws)], minlength=n)
+    chi2 = float(((counts - draws / n) ** 2 / (draws / n)).sum())
+    assert chi2 < 20.5  # χ²(5) beyond 20.5 has probability 0.001
+
+
+def test_conditional_rounding_is_unbiased_and_bounded():
+    """Each coordinate goes up with probability its fractional part: over N rounds the mean error
+    has standard deviation sqrt(f(1-f)/N) <= 0.5/sqrt(N); 5 of them is the tolerance."""
+    rng, trials = sa.Generator(b"\x02" * 32), 4000
+    z = np.array([0.1, -0.3, 2.5, -7.75, 0.9, 3.0, -0.01, 12.6])
+    got = np.array([sa.conditional_round(z, 1e9, rng) for _ in range(trials)])
+    assert set(np.unique(got - np.floor(z))) <= {0, 1}
+    sd = np.sqrt((z - np.floor(z)) * (1 - z + np.floor(z)) / trials)
+    assert (np.abs(got.mean(0) - z) <= 5 * np.maximum(sd, 1e-12)).all()
+    assert (got[:, 5] == 3).all()  # an integer stays
+    # a bound that rejects some attempts: every result is within it
+    z = np.full(64, 0.5)
+    bound = np.sqrt(32 + 2)  # more than 34 of the 64 coins up is refused
+    got = [sa.conditional_round(z, bound, rng) for _ in range(300)]
+    assert all(np.sqrt((g.astype(float) ** 2).sum()) <= bound for g in got)
+    assert max(int(g.sum()) for g in got) == 34  # the bound is hit, not undershot by design
+
+
+def discrete_gaussian_pmf(s2, support):
+    w = np.exp(-(support.astype(float) ** 2) / (2 * s2))
+    return w / w.sum()
+
+
+@pytest.mark.parametrize("s2", [0.5, 4.0, 23.0])
+def test_discrete_gaussian_chi_square_against_the_pmf(s2):
+    rng, draws = sa.Generator(bytes([int(s2 * 2)]) * 32), 12_000
+    x = sa.discrete_gaussian(s2, draws, rng)
+    r = int(6 * np.sqrt(s2)) + 1
+    support = np.arange(-r, r + 1)
+    assert np.abs(x).max() <= r + 3 * np.sqrt(s2)  # nothing absurd
+    p = discrete_gaussian_pmf(s2, support)
+    obs = np.array([(np.clip(x, -r, r) == v).sum() for v in support], float)
+    exp = p * draws
+    keep = exp >= 5  # pool the tails into one bin
+    o = np.r_[obs[keep], obs[~keep].sum()]
+    e = np.r_[exp[keep], exp[~keep].sum()]
+    o, e = (o, e) if e[-1] >= 5 else (o[:-1], e[:-1])
+    chi2, dof = float(((o - e) ** 2 / e).sum()), len(e) - 1
+    assert chi2 < dof + 5 * np.sqrt(2 * dof) + 5  # ~5 standard deviations of χ²(dof)
+
+
+def test_discrete_gaussian_variance_matches_sigma2():
+    """Var of the sample variance of N draws is about 2σ⁴/N: tolerance 5 of those; the mean within
+    5 σ/√N. At σ² = 72016 (the plan's), so the Laplace scale t = ⌊σ⌋ + 1 = 269 is exercised."""
+    for s2, draws in ((100.0, 20_000), (72016.0, 8_000)):
+        x = sa.discrete_gaussian(s2, draws, sa.Generator(b"\x05" * 32)).astype(float)
+        assert abs(x.mean()) < 5 * np.sqrt(s2 / draws)
+        assert abs(x.var() - s2) < 5 * s2 * np.sqrt(2 / draws)
+    # the variance is a property of σ², not of the constant t: 4x σ² gives 4x the variance
+    x = sa.discrete_gaussian(400.0, 20_000, sa.Generator(b"\x06" * 32)).astype(float)
+    assert abs(x.var() - 400) < 5 * 400 * np.sqrt(2 / 20_000)
+
+
+def test_ddg_encode_is_the_rotated_rounded_clipped_delta_plus_noise():
+    """With σ² tiny the noise is almost always 0: the encoding times γ, rotated back, is the
+    clipped delta within γ·√D′ (per coordinate at most γ after the rounding's ±1, in L2 √D′ γ)."""
+    rng = np.random.default_rng(3)
+    u, job, r, nc = rng.normal(size=11) * 3, "demo", 4, bytes(range(16))
+    mp = ddg_mp(s2=0.001, g=0.01)
+    x = sa.ddg_encode(u, mp, job, r, nc, sa.Generator(b"\x07" * 32))
+    assert x.dtype == np.int64 and len(x) == 16
+    clipped = u / np.linalg.norm(u)
+    back = sa.unrotate(x * mp["g"], sa.signs(sa.round_seed(job, r, nc), 16), 11)
+    assert np.linalg.norm(back - clipped) <= mp["g"] * 4 + 1e-12
+    assert np.sqrt((x.astype(float) ** 2).sum()) <= sa.delta2(1.0, 0.01, 16) + 3  # + rare noise
+    # the mean over many encodings is the clipped delta (rounding unbiased, noise mean 0)
+    mp = ddg_mp(s2=4.0, g=0.05)
+    xs = np.array(
+        [
+            sa.ddg_encode(u, mp, job, r, nc, sa.Generator(i.to_bytes(32, "little")))
+            for i in range(400)
+        ]
+    )
+    back = sa.unrotate(xs.mean(0) * mp["g"], sa.signs(sa.round_seed(job, r, nc), 16), 11)
+    sd = mp["g"] * np.sqrt(4.0 + 0.25) / np.sqrt(400)  # per rotated coordinate; rotation keeps L2
+    assert np.abs(back - clipped).max() < 5 * sd
+
+
+def test_modular_submit():
+    s = advertised()
+    with pytest.raises(ValueError):
+        s.submit([2**20, 0, 0, 0])  # not modular: beyond Q
+    assert s.submit(np.array([2**20 + 5, -1, -(2**40), 7]), modular=True) is None
+    s.receive(down("d0", "nk"))
+    mx = msgpack.unpackb(s.receive(down("d0", "sf")))
+    assert len(mx["y"]) == 4 * 2  # b = 12: 2 bytes a value, reduced mod 2^12
+    ref = session("d0")  # the same draws: the same masks on x mod 2^12
+    ref.advertise()
+    ref.submit(np.array([5, 2**12 - 1, 0, 7]), modular=True)
+    ref.receive(down("d0", "nk"))
+    assert msgpack.unpackb(ref.receive(down("d0", "sf")))["y"] == mx["y"]
+
+
+DDG_CONFIG = "privacy:\n  mechanism: distributed-gaussian\n  epsilon: 8.0\n  clip: 1.0\n"
+
+
+def tap(url, job, topics):
+    """A subscriber that queues every (topic, payload) of these topics of the job."""
+    got: queue.Queue = queue.Queue()
+    host, port = url.split("//")[1].rsplit(":", 1)
+    client = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2)
+    client.on_message = lambda c, u, m: m.payload and got.put((m.topic, m.payload))
+    client.connect(host, int(port))
+    client.subscribe([(f"edgefl/{job}/{t}", 1) for t in topics])
+    client.loop_start()
+    return client, got
+
+
+def drained(got: queue.Queue) -> list:
+    out = []
+    while not got.empty():
+        out.append(got.get())
+    return out
+
+
+@pytest.mark.broker
+def test_distributed_gaussian_rounds_sum_exactly_the_minimal_devices_integers(mosquitto, tmp_path):
+    """3 of this file's devices in one process against the real aggregator with
+    privacy.mechanism distributed-gaussian: every round closes summed over all three, and the next
+    model is exactly the last one plus γ · the inverse rotation of the sum of the integers they
+    submitted (noise included), over 3: the aggregator took the devices' rotation, grid and noisy
+    integers as the device computed them."""
+    import argparse
+    import threading
+
+    job, out = f"mini-ddg-{uuid.uuid4().hex[:6]}", tmp_path / "run"
+    client, got = tap(mosquitto.url, job, ["global", "job"])
+    agg = secure_aggregator(mosquitto.url, job, out, 3, 2, extra_config=DDG_CONFIG)
+    submitted: dict[str, list] = {}
+    encode = sa.ddg_encode
+
+    def recording(u, mp, job_, r, nc, rng=None):
+        x = encode(u, mp, job_, r, nc, rng)
+        submitted.setdefault(threading.current_thread().name, []).append((r, x))
+        return x
+
+    sa.ddg_encode = recording
+    devices = {}
+    try:
+        threads = []
+        for i in range(3):
+            name = f"d0000{i}"
+            a = argparse.Namespace(broker=mosquitto.url, job=job, id=name, password=None,
+                                   username=None, prefix=None, digest=None, public_key=None,
+                                   model="auto", classes=10, verbose=False, clip=None, step=None,
+                                   data=digits_share(tmp_path / f"{name}.npz", slice(90 * i, 90 * i + 90)))  # fmt: skip
+            devices[name] = sa.SecureDevice(a)
+            threads.append(threading.Thread(target=devices[name].run, name=name, daemon=True))
+            threads[-1].start()
+        _, stderr = agg.communicate(timeout=240)
+        for t in threads:
+            t.join(30)
+    finally:
+        sa.ddg_encode = encode
+        client.loop_stop()
+        stop(agg)
+    assert agg.returncode == 0, stderr
+    recs = records(out)
+    print([(r["round"], r["status"], r["received"], r.get("secure")) for r in recs])
+    assert [(r["status"], r["received"]) for r in recs] == [("closed", 3)] * 2
+    for r in recs:
+        assert r["secure"]["outcome"] == "summed" and r["secure"]["rejected_by_reason"] == {}
+        assert r["secure"]["phases"] == {"keys": 3, "shares": 3, "masked": 3, "unmask": 3}
+    msgs = drained(got)
+    rounds = [msgpack.unpackb(p) for t, p in msgs if t.endswith("/global")]
+    rounds = [g for g in rounds if not g.get("done")]
+    assert [g["rnd"] for g in rounds] == [1, 2]
+    docs = [msgpack.unpackb(p) for t, p in msgs if t.endswith("/job")]
+    print("mp", rounds[0]["mp"], "sa", rounds[0]["sa"], "cal", [d.get("cal") for d in docs])
+    g0 = rounds[0]
+    mp, params, d = g0["mp"], g0["sa"], len(g0["w"]) // 4
+    assert mp["m"] == sa.DDG and params["md"] is True and params["n"] == mp["dp"] == sa.padded(d)
+    assert params["b"] == mp["b"]
+    # secagg.md section 7: "Q is then 0 on the wire"; the aggregator sends ⌈Δ₂⌉ (see the report)
+    assert params["q"] == int(np.ceil(sa.delta2(mp["clip"], mp["g"], mp["dp"])))
+    # the documents' bit width from the documents' formula (n = the selection)
+    d2 = sa.delta2(mp["clip"], mp["g"], mp["dp"])
+    assert mp["b"] == sa.ring_bits(len(g0["sel"]), d2, mp["s2"])
+    for dev in devices.values():  # each device took the job document's calibration row
+        assert dev.config is not None and sa.check_cal(mp, d, dev.config, dev.cal) is not None
+    # exactness: w1 = w0 + server_lr · unrotate(γ Σ x) / 3 (server_lr 1 by default), float32
+    xs = [dict(submitted[f"d0000{i}"])[1] for i in range(3)]
+    total = np.sum(xs, axis=0)
+    assert np.abs(total).max() < 2 ** (mp["b"] - 1)  # no wrap in the ring
+    w0, w1 = (np.frombuffer(g["w"], "<f4").astype(np.float64) for g in rounds)
+    s = sa.signs(sa.round_seed(job, 1, g0["nc"]), mp["dp"])
+    mean = sa.unrotate(total * mp["g"], s, d) / 3
+    assert np.abs(mean).max() > 1e-3  # a real update
+    assert np.abs(w1 - (w0 + mean)).max() < 1e-6  # float32 rounding of the new model
+    # the wrong sign convention (bit 1 -> −1) would not be what the aggregator applied
+    wrong = sa.unrotate(total * mp["g"], -s, d) / 3
+    assert np.abs(w1 - (w0 + wrong)).max() > 1e-3
+
+
+@pytest.mark.broker
+def test_distributed_gaussian_mixed_fleet_with_the_real_aggregator(mosquitto, tmp_path):
+    """2 `edge-fl device` and 2 of this file's devices (as processes), 2 distributed-gaussian
+    rounds: each closes summed with all four among the contributors."""
+    job, out = f"mini-ddg-{uuid.uuid4().hex[:6]}", tmp_path / "run"
+    agg = secure_aggregator(mosquitto.url, job, out, 4, 2, extra_config=DDG_CONFIG)
+    procs = [agg]
+    try:
+        procs += [
+            subprocess.Popen(
+                [EDGE_FL, "device", "--broker", mosquitto.url, "--job", job, "--id", f"d0000{i}"],
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+            for i in (0, 1)
+        ]
+        minis = {
+            name: subprocess.Popen(
+                [
+                    sys.executable,
+                    str(FILE),
+                    "--broker",
+                    mosquitto.url,
+                    "--job",
+                    job,
+                    "--id",
+                    name,
+                    "--data",
+                    str(digits_share(tmp_path / f"{name}.npz", part)),
+                    "-v",
+                ],
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+            for name, part in (("d00002", slice(0, 90)), ("d00003", slice(90, 180)))
+        }
+        procs += list(minis.values())
+        _, stderr = agg.communicate(timeout=240)
+        logs = {name: p.communicate(timeout=30)[1] for name, p in minis.items()}
+    finally:
+        stop(*procs)
+    assert agg.returncode == 0, stderr
+    recs = records(out)
+    print([(r["round"], r["status"], r["received"], r.get("secure")) for r in recs])
+    assert [(r["status"], r["received"]) for r in recs] == [("closed", 4)] * 2
+    for r in recs:
+        assert r["secure"]["outcome"] == "summed" and r["secure"]["rejected_by_reason"] == {}
+        assert r["secure"]["phases"] == {"keys": 4, "shares": 4, "masked": 4, "unmask": 4}
+    for log in logs.values():
+        for kind in ("ak", "sh", "mx", "ua"):
+            assert log.count(f"sent {kind},") == 2, log
+        assert "ignored" not in log and "left the secure round" not in log, log

@@ -4,6 +4,7 @@ one secure round as a state machine (bytes in, bytes out), on cryptography, msgp
 import hashlib
 import os
 import sys
+from math import isqrt
 from pathlib import Path
 
 import msgpack
@@ -286,13 +287,15 @@ class Session:
         self.state = "ready"
         return self.masked()
 
-    def submit(self, x):  # the integer input, |x_i| <= Q; -> mx once sf is in, else None
+    def submit(self, x, modular=False):  # |x_i| <= Q, or any int64 reduced mod 2^b (modular)
         if self.x is not None or self.state in ("masked", "done", "aborted"):
             raise ValueError("submit: already submitted, or the session is closed")
         x = np.asarray(x)
         if x.shape != (self.d,) or not (x.dtype.kind in "iu" or x.size == 0):
             raise ValueError(f"submit: expected {self.d} integers, got {x.dtype} {x.shape}")
-        if x.size and int(np.abs(x.astype(object)).max()) > self.q:
+        if modular and x.size and x.dtype.kind == "u" and int(x.max()) >= 2**63:
+            raise ValueError("submit: modular values must be int64")
+        if not modular and x.size and int(np.abs(x.astype(object)).max()) > self.q:
             raise ValueError(f"submit: a value beyond Q = {self.q} could wrap the sum")
         self.x = x.astype(np.int64).astype(np.uint64)  # two's complement: x mod 2^64
         return self.masked() if self.state == "ready" else None
@@ -330,12 +333,198 @@ class Session:
         return pack("ua", self.r, self.nc, s=s)
 
 
+# --- distributed discrete Gaussian (spec section 12; docs/protocol.md, `distributed-gaussian`)
+DDG = "distributed-gaussian"
+SQRT_2_LN_1_OVER_BETA = 1.0  # β = e^(-1/2), a constant of the mechanism: √(2 ln(1/β)) = 1
+
+
+def round_seed(job, r, nc):  # the public round seed: HKDF(nc, salt empty, context("round-seed"))
+    return hkdf(nc, b"", context("round-seed", job, r))
+
+
+def padded(d):  # D′: the next power of two >= d
+    return 1 << max(0, (d - 1).bit_length())
+
+
+def signs(seed, dp):  # ±1 from the ChaCha20 keystream of the seed: bit i, LSB first, 1 -> +1
+    bits = np.unpackbits(np.frombuffer(keystream(seed, -(-dp // 8)), np.uint8), bitorder="little")
+    return np.where(bits[:dp] == 1, 1.0, -1.0)
+
+
+def walsh_hadamard(x):  # H x, H Sylvester-ordered (H_2n = [[H, H], [H, -H]]), unnormalised
+    y = np.array(x, dtype=np.float64)
+    n, h = len(y), 1
+    if n & (n - 1):
+        raise ValueError("walsh_hadamard: the length must be a power of two")
+    while h < n:
+        y = y.reshape(-1, 2, h)
+        y = np.stack((y[:, 0] + y[:, 1], y[:, 0] - y[:, 1]), axis=1).reshape(-1)
+        h *= 2
+    return y
+
+
+def rotate(x, s):  # H·diag(s)·x / √D′, x zero-padded to D′ = len(s)
+    z = np.zeros(len(s))
+    z[: len(x)] = x
+    return walsh_hadamard(s * z) / np.sqrt(len(s))
+
+
+def unrotate(y, s, d):  # the inverse (H² = D′ I): diag(s)·H·y / √D′, its first d values
+    return (s * walsh_hadamard(y) / np.sqrt(len(s)))[:d]
+
+
+def delta2(clip, g, dp):  # Δ₂ = min(c/γ + √D′, √((c/γ)² + D′/4 + √(2 ln 1/β) (c/γ + √D′/2)))
+    cg = clip / g
+    tight = np.sqrt(cg**2 + dp / 4 + SQRT_2_LN_1_OVER_BETA * (cg + np.sqrt(dp) / 2))
+    return float(min(cg + np.sqrt(dp), tight))
+
+
+def ring_bits(n, d2, s2, sds=7):  # bit_length(⌈n Δ₂ + sds √(n σ²)⌉) + 1
+    return int(np.ceil(n * d2 + sds * np.sqrt(n * float(s2)))).bit_length() + 1
+
+
+class Generator:
+    """A ChaCha20-keyed generator (key from the device's CSPRNG unless given): bytes, uniform
+    integers by rejection on whole bytes, Bernoulli(a/b), and 53-bit uniform floats."""
+
+    def __init__(self, key=None):
+        key = os.urandom(32) if key is None else key
+        self.enc = Cipher(algorithms.ChaCha20(key, bytes(16)), None).encryptor()
+        self.buf, self.pos = b"", 0
+
+    def bytes(self, n):
+        if self.pos + n > len(self.buf):
+            self.buf, self.pos = self.buf[self.pos :] + self.enc.update(bytes(max(n, 1 << 16))), 0
+        out, self.pos = self.buf[self.pos : self.pos + n], self.pos + n
+        return out
+
+    def below(self, n):  # uniform in [0, n): whole bytes, masked to n−1's bit length, redrawn
+        bits = (n - 1).bit_length()
+        mask, size = (1 << bits) - 1, -(-bits // 8)
+        while (v := int.from_bytes(self.bytes(size), "little") & mask) >= n:
+            pass
+        return v
+
+    def bernoulli(self, a, b):  # P = a/b, integers 0 <= a <= b
+        return self.below(b) < a
+
+    def uniform(self, n):  # n floats uniform in [0, 1), 53 bits each
+        return (np.frombuffer(self.bytes(8 * n), "<u8") >> np.uint64(11)) / 2.0**53
+
+
+def bernoulli_exp(a, b, rng):  # Bernoulli(exp(−a/b)), a >= 0, b > 0 integers (CKS20, Alg. 1)
+    while a > b:  # γ > 1: ⌊γ⌋ draws of Bernoulli(e^−1), then the rest
+        if not bernoulli_exp(1, 1, rng):
+            return False
+        a -= b
+    k = 1
+    while rng.bernoulli(a, b * k):  # γ <= 1: K <- K + 1 while Bernoulli(γ/K); return K odd
+        k += 1
+    return k % 2 == 1
+
+
+def discrete_laplace(t, rng):  # P(y) ∝ exp(−|y|/t), t >= 1 integer, by its geometric decomposition
+    while True:
+        u = rng.below(t)
+        if not bernoulli_exp(u, t, rng):
+            continue
+        v = 0
+        while bernoulli_exp(1, 1, rng):
+            v += 1
+        y, negative = u + t * v, rng.below(2) == 1
+        if negative and y == 0:
+            continue
+        return -y if negative else y
+
+
+def sigma2_fraction(s2):  # mp.s2: an integer, or thousandths below 1 -> (numerator, denominator)
+    if s2 >= 1:
+        if s2 != int(s2):
+            raise ValueError(f"out_of_range: mp.s2 = {s2} is neither an integer nor below 1")
+        return int(s2), 1
+    num = round(s2 * 1000)
+    if not 1 <= num < 1000 or abs(num / 1000 - s2) > 1e-12:
+        raise ValueError(f"out_of_range: mp.s2 = {s2} is not a whole number of thousandths")
+    return num, 1000
+
+
+def discrete_gaussian(s2, n, rng):  # n exact draws of N_Z(0, σ²), σ² = a/b rational (CKS20)
+    a, b = s2 if isinstance(s2, tuple) else sigma2_fraction(s2)
+    t = isqrt(a // b) + 1  # ⌊σ⌋ + 1
+    out = np.empty(n, np.int64)
+    for i in range(n):
+        while True:
+            y = discrete_laplace(t, rng)
+            # accept with exp(−(|y| − σ²/t)² / 2σ²) = exp(−(|y| b t − a)² / (2 a b t²))
+            if bernoulli_exp((abs(y) * b * t - a) ** 2, 2 * a * b * t * t, rng):
+                out[i] = y
+                break
+    return out
+
+
+def conditional_round(z, bound, rng):  # up with probability frac, again until ‖·‖₂ <= bound
+    low = np.floor(z)
+    while True:
+        x = low + (rng.uniform(len(z)) < z - low)
+        if float(np.sqrt(np.sum(x * x))) <= bound:
+            return x.astype(np.int64)
+
+
+def check_ddg(mp, sa, d):  # -> mp's values; ValueError names the key, as the protocol's reasons
+    spec = {"clip": "num", "g": "num", "s2": "num", "nmin": "int", "dp": "int", "b": "int"}
+    bad = [k for k, t in spec.items() if not plain.is_a(mp.get(k), t)]
+    if bad:
+        raise ValueError(f"missing_field/bad_type: mp.{bad[0]}")
+    for key in ("clip", "g", "s2"):
+        if not mp[key] > 0:
+            raise ValueError(f"out_of_range: mp.{key} = {mp[key]}")
+    sigma2_fraction(mp["s2"])
+    if mp["dp"] != padded(d):
+        raise ValueError(f"out_of_range: mp.dp = {mp['dp']}, not the next power of two >= {d}")
+    if not 1 <= mp["nmin"] <= 2**40 or not 2 <= mp["b"] <= 64:
+        raise ValueError("out_of_range: mp.nmin or mp.b")
+    # sa.q is not checked: section 7 says "Q is then 0 on the wire", the aggregator sends ⌈Δ₂⌉
+    if not sa["md"] or sa["n"] != mp["dp"] or sa["b"] != mp["b"]:
+        raise ValueError(f"out_of_range: sa (md {sa['md']}, n {sa['n']}, b {sa['b']}) disagrees"
+                         f" with mp (dp {mp['dp']}, b {mp['b']})")  # fmt: skip
+    if mp["nmin"] > sa["ms"]:
+        raise ValueError(f"out_of_range: mp.nmin = {mp['nmin']} above sa.ms = {sa['ms']}")
+    return mp
+
+
+def check_cal(mp, d, config, cal):  # mp against the job document's `cal` row for its arguments
+    # (ε, δ, T from the job's config; c, γ, n_min from mp; d = len(w)); -> the row, or None
+    if config is None:
+        return None
+    pv, rounds = config["privacy"], config["rounds"]["rounds"]
+    if float(mp["clip"]) != float(pv["clip"]):
+        raise ValueError(f"mp.clip = {mp['clip']} is not the job's privacy.clip {pv['clip']}")
+    want = [DDG, pv["epsilon"], pv["delta"], rounds, pv["clip"], mp["g"], d, mp["nmin"]]
+    rows = [row for row in cal or [] if list(row[:-1]) == want]
+    if not rows:
+        return None  # no row for these arguments: mp is taken from the signed global alone
+    if mp["s2"] != rows[0][-1]:  # the row's value is σ² as it travels in mp (float, exact)
+        raise ValueError(f"mp.s2 = {mp['s2']} disagrees with the job's cal row {rows[0]}")
+    return rows[0]
+
+
+def ddg_encode(u, mp, job, r, nc, rng=None):  # -> the D′ integers before reduction mod 2^b
+    rng = rng or Generator()
+    clip, g, dp = float(mp["clip"]), float(mp["g"]), mp["dp"]
+    u = np.asarray(u, np.float64)
+    u = u * min(1.0, clip / max(float(np.linalg.norm(u)), 1e-300))
+    z = rotate(u, signs(round_seed(job, r, nc), dp)) / g
+    x = conditional_round(z, delta2(clip, g, dp), rng)
+    return x + discrete_gaussian(mp["s2"], dp, rng)
+
+
 # --- the MQTT device: devices/minimal/device.py plus secure rounds (docs/protocol.md, "Secure
 # aggregation": the `sa` map, inbox/<device>, ak at once then training, mx when sf and x are in)
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import device as plain  # noqa: E402  (the folder's plain device: decoding, training, the MQTT loop)
 
 plain.GLOBAL["sa"] = "map"  # a secure round's parameters, inside the signed global body
+plain.MP[DDG] = "clip:num g:num s2:num nmin:int dp:int b:int"  # secure rounds only
 SA = {"b": (2, 64), "k": (1, None), "md": None, "ms": (2, None), "n": (1, 2**31), "q": (0, 2**62),
       "t": (1, None)}  # fmt: skip
 
@@ -372,6 +561,7 @@ class SecureDevice(plain.Device):
     def __init__(self, a):
         super().__init__(a)
         pre, self.session, self.clip = f"{a.prefix or 'edgefl'}/{a.job}", None, (a.clip, a.step)
+        self.config = self.cal = None  # the job document's config and cal rows, once it arrived
         self.t_inbox, self.t_job = f"{pre}/inbox/{a.id}", f"{pre}/job"
 
     def on_connect(self, client, userdata, flags, reason, props):  # the inbox before the status
@@ -415,6 +605,7 @@ class SecureDevice(plain.Device):
         except Exception as e:
             return plain.log.warning("job document ignored: %s %s", type(e).__name__, e)
         self.clip = (self.a.clip or clip, self.a.step or step)
+        self.config, self.cal = config, body.get("cal")
         plain.log.info("job document: clip %s, step %s", *self.clip)
 
     def publish(self, body, what):
@@ -435,13 +626,17 @@ class SecureDevice(plain.Device):
         if "sa" not in g:
             return super().answer(g)
         sa, roster = check_sa(g)
-        if self.clip[0] is None:  # checked before anything is sent: the round can still be answered
+        ddg = (g.get("mp") or {}).get("m") == DDG  # its clip travels in mp
+        if self.clip[0] is None and not ddg:  # checked before anything is sent
             raise ValueError("no clip: give --clip or let the job document arrive")
         if g["rnd"] <= self.answered or self.stopped or self.halted or self.id not in roster:
             return False
         self.answered, mp = g["rnd"], plain.check_mp(g.get("mp"))
-        if mp["m"] != "none" or sa["md"]:  # refused before ak: joining would cost the round
-            raise ValueError(f"mechanism {mp['m']!r}: no secure encoding here (only none)")
+        if ddg:  # refused before ak when mp disagrees with sa, the model or the job's calibration
+            check_ddg(mp, sa, len(g["w"]))
+            check_cal(mp, len(g["w"]), self.config, self.cal)
+        elif mp["m"] != "none" or sa["md"]:  # refused before ak: joining would cost the round
+            raise ValueError(f"mechanism {mp['m']!r}: no secure encoding here (none, {DDG})")
         if self.session and self.session.nc == g["nc"]:  # the same round again: nothing new
             return False
         self.session = Session(self.id, self.a.job, g["rnd"], g["nc"], roster, sa["k"], sa["t"],
@@ -450,7 +645,11 @@ class SecureDevice(plain.Device):
         f, c, d = self.X.shape[1], self.a.classes, len(g["w"])
         self.shapes = self.shapes or plain.layout(self.a.model, f, c, d)
         u = plain.train(g["w"], self.shapes, self.X, self.y, mp["lr"], mp["ep"], mp["bs"])
-        out = self.session.submit(encode(u, mp, sa, *self.clip))
+        if ddg:
+            x = ddg_encode(u, mp, self.a.job, g["rnd"], g["nc"])
+            out = self.session.submit(x, modular=True)
+        else:
+            out = self.session.submit(encode(u, mp, sa, *self.clip))
         self.uploads += 1
         if out:
             self.publish(out, "mx")
