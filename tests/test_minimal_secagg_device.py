@@ -892,3 +892,25 @@ def test_distributed_gaussian_mixed_fleet_with_the_real_aggregator(mosquitto, tm
         for kind in ("ak", "sh", "mx", "ua"):
             assert log.count(f"sent {kind},") == 2, log
         assert "ignored" not in log and "left the secure round" not in log, log
+
+
+def test_distributed_gaussian_vectors():
+    """tests/secagg_vectors.json's distributed_gaussian section: the minimal device's rotation,
+    grid bound, ring width and decode give the reference's numbers (rotation and decode to
+    float64 rounding: the two Walsh-Hadamard transforms add in different orders)."""
+    g = V["distributed_gaussian"]
+    seed = sa.round_seed(g["job"], g["round"], bytes.fromhex(g["nonce"]))
+    assert seed.hex() == g["round_seed"]
+    s = sa.signs(seed, sa.padded(len(g["delta"])))
+    assert s.astype(int).tolist() == g["signs"]
+    delta = np.array(g["delta"])
+    clipped = delta * min(1.0, g["clip"] / np.linalg.norm(delta))
+    assert clipped.tolist() == g["clipped"]
+    np.testing.assert_allclose(sa.rotate(clipped, s), g["rotated"], rtol=0, atol=1e-15)
+    d2 = sa.delta2(g["clip"], g["gamma"], g["padded"])
+    assert d2 == pytest.approx(g["delta2"], rel=1e-15)
+    n = g["selected"]
+    bits = max(sa.ring_bits(n, d2, g["sigma2"]), (n * int(np.ceil(d2))).bit_length() + 1)
+    assert bits == g["bits"]
+    decoded = sa.unrotate(np.array(g["sum"], dtype=np.float64) * g["gamma"], s, len(g["delta"]))
+    np.testing.assert_allclose(decoded, g["decoded"], rtol=0, atol=1e-12)

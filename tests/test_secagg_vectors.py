@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import sys
 from pathlib import Path
 from typing import Any
@@ -138,6 +139,7 @@ def build() -> dict[str, Any]:
         "contributors": list(trace.outcome.contributors),
         "sum": trace.outcome.total.tolist(),
     }
+    ddg_vectors = distributed_gaussian()
     return {
         "about": "SecAgg+ test vectors, docs/specs/secagg.md section 8; checked by tests/test_secagg_vectors.py",
         "key_agreement": agreement,
@@ -146,7 +148,46 @@ def build() -> dict[str, Any]:
         "masking": masking,
         "graph": graph,
         "round_with_dropout": round_,
+        "distributed_gaussian": ddg_vectors,
     }
+
+
+def distributed_gaussian() -> dict[str, Any]:
+    """The deterministic parts of distributed-gaussian (docs/specs/secagg.md section 12): the
+    round seed, the rotation's signs, a delta clipped, rotated and scaled to the grid, the
+    default grid step, Delta_2, the ring's bit width, and the decode of a sum (floats are
+    float64, exact in JSON)."""
+    from fractions import Fraction
+
+    from edge_fl.mechanisms.distributed_gaussian import BETA, default_gamma
+    from edge_fl.protocol.secure import round_seed
+    from edge_fl.secagg import ddg
+
+    seed = round_seed(JOB, ROUND, NONCE)
+    delta = np.array([0.5, -0.25, 0.125, 1.0, -0.75])
+    clip, sigma2, n_min, selected = 1.0, 100, 3, 4
+    dim_padded = ddg.padded(delta.size)
+    gamma = default_gamma(clip, dim_padded)
+    p = ddg.DdgParams(clip, gamma, Fraction(sigma2), BETA, delta.size, n_min)
+    clipped = delta * min(1.0, clip / float(np.linalg.norm(delta)))
+    rotated = ddg.rotate(clipped, seed)
+    total = np.array([3, -1, 4, 1, -5, 9, -2, 6])
+    bits = max(ddg.ring_bits(p, selected), (selected * math.ceil(p.l2)).bit_length() + 1)
+    return {
+        "job": JOB, "round": ROUND, "nonce": NONCE.hex(),
+        "round_seed": seed.hex(),
+        "delta": delta.tolist(), "clip": clip, "padded": dim_padded,
+        "signs": ddg.signs(seed, dim_padded).astype(int).tolist(),
+        "clipped": clipped.tolist(),
+        "rotated": rotated.tolist(),
+        "gamma": gamma,
+        "scaled": (rotated / gamma).tolist(),
+        "delta2": p.l2,
+        "sigma2": sigma2, "selected": selected,
+        "bits": bits,
+        "sum": total.tolist(),
+        "decoded": ddg.server_decode(total, p, seed).tolist(),
+    }  # fmt: skip
 
 
 def test_the_code_reproduces_the_vectors() -> None:
@@ -176,6 +217,12 @@ def test_the_vectors_mean_what_they_say() -> None:
     kinds = [(msg["dir"], msg["k"]) for msg in r["messages"]]
     assert ("up", "mx") in kinds and ("up", "ua") in kinds
     assert not any(msg["device"] == "d3" and msg["k"] == "mx" for msg in r["messages"])
+    g = v["distributed_gaussian"]
+    # the rotation is orthogonal: it keeps the clipped delta's norm, and the decode of the
+    # rotated delta on the grid gives the clipped delta back
+    assert np.isclose(np.linalg.norm(g["rotated"]), g["clip"])
+    assert set(g["signs"]) <= {-1, 1} and len(g["signs"]) == g["padded"] == 8
+    assert g["delta2"] <= 1.05 * g["clip"] / g["gamma"] * (1 + 1e-12)
 
 
 if __name__ == "__main__":

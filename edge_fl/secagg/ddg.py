@@ -190,7 +190,9 @@ def padded(dim: int) -> int:
     return 1 << max(0, (dim - 1).bit_length())
 
 
-def _signs(seed: bytes, n: int) -> np.ndarray:
+def signs(seed: bytes, n: int) -> np.ndarray:
+    """The rotation's n signs: bit i of the ChaCha20 keystream keyed by ``seed`` (zero nonce,
+    counter 0), least significant bit of each byte first; 1 -> +1, 0 -> -1."""
     stream = Cipher(algorithms.ChaCha20(seed, bytes(16)), mode=None).encryptor()
     bits = np.unpackbits(
         np.frombuffer(stream.update(bytes((n + 7) // 8)), dtype=np.uint8), bitorder="little"
@@ -213,11 +215,11 @@ def rotate(x: np.ndarray, seed: bytes) -> np.ndarray:
     n = padded(x.size)
     v = np.zeros(n)
     v[: x.size] = x
-    return _hadamard(v * _signs(seed, n))
+    return _hadamard(v * signs(seed, n))
 
 
 def unrotate(y: np.ndarray, seed: bytes, dim: int) -> np.ndarray:
-    return (_hadamard(y) * _signs(seed, y.size))[:dim]
+    return (_hadamard(y) * signs(seed, y.size))[:dim]
 
 
 def rounded_bound(norm: float, dim: int, beta: float) -> float:
