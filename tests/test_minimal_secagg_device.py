@@ -356,34 +356,16 @@ def records(out: Path) -> list[dict]:
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
-@pytest.mark.broker
-@pytest.mark.parametrize("signed", [False, True])
-def test_mixed_secure_fleet_with_the_real_aggregator(mosquitto, tmp_path, signed):
-    """4 devices, 2 secure rounds, all selected: d00000 and d00001 are `edge-fl device`, d00002
-    and d00003 this file's device; every round sums with all four among the contributors. Signed:
-    the aggregator signs (security.signing_key) and every device verifies (--public-key)."""
-    job, out, key, config = f"mini-sa-{uuid.uuid4().hex[:6]}", tmp_path / "run", [], ""
-    if signed:
-        subprocess.run([EDGE_FL, "keygen", str(tmp_path / "keys")], check=True, capture_output=True)
-        pem = tmp_path / "keys" / "aggregator_ed25519.pem"
-        pub = (tmp_path / "keys" / "aggregator_ed25519.pub").read_text().strip()
-        key, config = ["--public-key", pub], f"security:\n  signing_key: {pem}\n"
-    agg = secure_aggregator(mosquitto.url, job, out, 4, 2, extra_config=config)
+def run_mixed_fleet(url: str, job: str, out: Path, tmp_path: Path, config: str, key: list[str],
+                    timeout: float = 200) -> None:  # fmt: skip
+    """2 `edge-fl device` and 2 of this file's devices (processes), 2 secure rounds of 4 with the
+    real aggregator: each closes summed with all four among the contributors."""
+    agg = secure_aggregator(url, job, out, 4, 2, extra_config=config)
     procs = [agg]
     try:
         procs += [
             subprocess.Popen(
-                [
-                    EDGE_FL,
-                    "device",
-                    "--broker",
-                    mosquitto.url,
-                    "--job",
-                    job,
-                    "--id",
-                    f"d0000{i}",
-                    *key,
-                ],
+                [EDGE_FL, "device", "--broker", url, "--job", job, "--id", f"d0000{i}", *key],
                 stderr=subprocess.PIPE,
                 text=True,
             )
@@ -395,7 +377,7 @@ def test_mixed_secure_fleet_with_the_real_aggregator(mosquitto, tmp_path, signed
                     sys.executable,
                     str(FILE),
                     "--broker",
-                    mosquitto.url,
+                    url,
                     "--job",
                     job,
                     "--id",
@@ -411,14 +393,13 @@ def test_mixed_secure_fleet_with_the_real_aggregator(mosquitto, tmp_path, signed
             for name, part in (("d00002", slice(0, 90)), ("d00003", slice(90, 180)))
         }
         procs += list(minis.values())
-        _, stderr = agg.communicate(timeout=200)
+        _, stderr = agg.communicate(timeout=timeout)
         logs = {name: p.communicate(timeout=30)[1] for name, p in minis.items()}
     finally:
         stop(*procs)
     assert agg.returncode == 0, stderr
     recs = records(out)
-    print([(r["round"], r["status"], r["received"], r.get("secure")) for r in recs])
-    assert [(r["status"], r["received"]) for r in recs] == [("closed", 4)] * 2
+    assert [(r["status"], r["received"]) for r in recs] == [("closed", 4)] * 2, recs
     for r in recs:
         assert r["secure"]["outcome"] == "summed" and r["secure"]["rejected_by_reason"] == {}
         assert r["secure"]["phases"] == {"keys": 4, "shares": 4, "masked": 4, "unmask": 4}
@@ -426,6 +407,21 @@ def test_mixed_secure_fleet_with_the_real_aggregator(mosquitto, tmp_path, signed
         for kind in ("ak", "sh", "mx", "ua"):
             assert log.count(f"sent {kind},") == 2, log
         assert "ignored" not in log and "left the secure round" not in log, log
+
+
+@pytest.mark.broker
+@pytest.mark.parametrize("signed", [False, True])
+def test_mixed_secure_fleet_with_the_real_aggregator(mosquitto, tmp_path, signed):
+    """4 devices, 2 secure rounds, all selected: d00000 and d00001 are `edge-fl device`, d00002
+    and d00003 this file's device; every round sums with all four among the contributors. Signed:
+    the aggregator signs (security.signing_key) and every device verifies (--public-key)."""
+    job, out, key, config = f"mini-sa-{uuid.uuid4().hex[:6]}", tmp_path / "run", [], ""
+    if signed:
+        subprocess.run([EDGE_FL, "keygen", str(tmp_path / "keys")], check=True, capture_output=True)
+        pem = tmp_path / "keys" / "aggregator_ed25519.pem"
+        pub = (tmp_path / "keys" / "aggregator_ed25519.pub").read_text().strip()
+        key, config = ["--public-key", pub], f"security:\n  signing_key: {pem}\n"
+    run_mixed_fleet(mosquitto.url, job, out, tmp_path, config, key)
 
 
 @pytest.mark.broker
@@ -845,53 +841,7 @@ def test_distributed_gaussian_mixed_fleet_with_the_real_aggregator(mosquitto, tm
     """2 `edge-fl device` and 2 of this file's devices (as processes), 2 distributed-gaussian
     rounds: each closes summed with all four among the contributors."""
     job, out = f"mini-ddg-{uuid.uuid4().hex[:6]}", tmp_path / "run"
-    agg = secure_aggregator(mosquitto.url, job, out, 4, 2, extra_config=DDG_CONFIG)
-    procs = [agg]
-    try:
-        procs += [
-            subprocess.Popen(
-                [EDGE_FL, "device", "--broker", mosquitto.url, "--job", job, "--id", f"d0000{i}"],
-                stderr=subprocess.PIPE,
-                text=True,
-            )
-            for i in (0, 1)
-        ]
-        minis = {
-            name: subprocess.Popen(
-                [
-                    sys.executable,
-                    str(FILE),
-                    "--broker",
-                    mosquitto.url,
-                    "--job",
-                    job,
-                    "--id",
-                    name,
-                    "--data",
-                    str(digits_share(tmp_path / f"{name}.npz", part)),
-                    "-v",
-                ],
-                stderr=subprocess.PIPE,
-                text=True,
-            )
-            for name, part in (("d00002", slice(0, 90)), ("d00003", slice(90, 180)))
-        }
-        procs += list(minis.values())
-        _, stderr = agg.communicate(timeout=240)
-        logs = {name: p.communicate(timeout=30)[1] for name, p in minis.items()}
-    finally:
-        stop(*procs)
-    assert agg.returncode == 0, stderr
-    recs = records(out)
-    print([(r["round"], r["status"], r["received"], r.get("secure")) for r in recs])
-    assert [(r["status"], r["received"]) for r in recs] == [("closed", 4)] * 2
-    for r in recs:
-        assert r["secure"]["outcome"] == "summed" and r["secure"]["rejected_by_reason"] == {}
-        assert r["secure"]["phases"] == {"keys": 4, "shares": 4, "masked": 4, "unmask": 4}
-    for log in logs.values():
-        for kind in ("ak", "sh", "mx", "ua"):
-            assert log.count(f"sent {kind},") == 2, log
-        assert "ignored" not in log and "left the secure round" not in log, log
+    run_mixed_fleet(mosquitto.url, job, out, tmp_path, DDG_CONFIG, [], timeout=240)
 
 
 def test_distributed_gaussian_vectors():

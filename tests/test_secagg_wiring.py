@@ -410,23 +410,20 @@ def test_the_fleets_dropout_model_vanishes_devices_mid_protocol(mosquitto, tmp_p
             assert r["round"] not in sums
 
 
-def test_the_single_device_runtime_runs_secure_rounds(mosquitto, tmp_path):
-    """``edge-fl device``'s runtime (one MQTT session per device, its own inbox subscription)
-    against the real aggregator: every round sums all four devices exactly."""
+def run_single_devices(job, out, agents) -> tuple[Any, list[int], list[np.ndarray]]:
+    """The aggregator and ``edge-fl device``'s runtime for each agent (one MQTT session each)
+    on this loop: (run, updates each device sent, the sums the aggregator's sessions made)."""
     from edge_fl.device.runtime import run_device
-    from edge_fl.job import build_job
     from edge_fl.protocol.signing import Signer
     from edge_fl.simulation import open_run
     from edge_fl.transport.url import parse_broker_url
 
-    job = build_job(config(mosquitto, **{"data.devices": 4, "rounds.clients_per_round": 4,
-                                         "rounds.rounds": 2}))  # fmt: skip
     sums: list[np.ndarray] = []
 
     async def main():
         broker = parse_broker_url(job.cfg.broker.url)
         signer = Signer.generate()
-        run = open_run(job, tmp_path / "run")
+        run = open_run(job, out)
         service = run.make_service(broker, signer=signer)
         service.secure_observer = lambda label, v: sums.append(v) if label == "sum" else None
         aggregator = asyncio.create_task(service.run())
@@ -435,15 +432,26 @@ def test_the_single_device_runtime_runs_secure_rounds(mosquitto, tmp_path):
             asyncio.create_task(
                 run_device(agent, broker, job.topics, trust=job.trust(signer.verifier))
             )
-            for agent in job.agents()
+            for agent in agents
         ]
         try:
             await asyncio.wait_for(aggregator, 120)
         finally:
             run.close()
-        return run, await asyncio.wait_for(asyncio.gather(*devices), 10)
+        return run, await asyncio.wait_for(asyncio.gather(*devices), 30)
 
     run, sent = asyncio.run(main())
+    return run, sent, sums
+
+
+def test_the_single_device_runtime_runs_secure_rounds(mosquitto, tmp_path):
+    """``edge-fl device``'s runtime (one MQTT session per device, its own inbox subscription)
+    against the real aggregator: every round sums all four devices exactly."""
+    from edge_fl.job import build_job
+
+    job = build_job(config(mosquitto, **{"data.devices": 4, "rounds.clients_per_round": 4,
+                                         "rounds.rounds": 2}))  # fmt: skip
+    run, sent, sums = run_single_devices(job, tmp_path / "run", job.agents())
     assert [r["status"] for r in run.recorder.records] == ["closed", "closed"]
     assert sent == [2, 2, 2, 2]
     devices = [f"d{i:05d}" for i in range(4)]
@@ -655,18 +663,13 @@ def test_a_device_slower_than_the_phase_timeout_contributes_within_the_round_dea
     masked input summed."""
     import time as _time
 
-    from edge_fl.device.runtime import run_device
     from edge_fl.job import build_job
-    from edge_fl.protocol.signing import Signer
-    from edge_fl.simulation import open_run
-    from edge_fl.transport.url import parse_broker_url
 
     timeout_s, slow_s = 3.0, 8.0
     job = build_job(config(mosquitto, **{
         "data.devices": 4, "rounds.clients_per_round": 4, "rounds.rounds": 1,
         "rounds.deadline_s": 60, "secure_aggregation.phase_timeout_s": timeout_s,
     }))  # fmt: skip
-    sums: list[np.ndarray] = []
     agents = job.agents()
     slow = agents[0]
     train = slow.on_global
@@ -676,28 +679,7 @@ def test_a_device_slower_than_the_phase_timeout_contributes_within_the_round_dea
         return train(msg)
 
     slow.on_global = slow_train
-
-    async def main():
-        broker = parse_broker_url(job.cfg.broker.url)
-        signer = Signer.generate()
-        run = open_run(job, tmp_path / "run")
-        service = run.make_service(broker, signer=signer)
-        service.secure_observer = lambda label, v: sums.append(v) if label == "sum" else None
-        aggregator = asyncio.create_task(service.run())
-        await service.connected.wait()
-        devices = [
-            asyncio.create_task(
-                run_device(agent, broker, job.topics, trust=job.trust(signer.verifier))
-            )
-            for agent in agents
-        ]
-        try:
-            await asyncio.wait_for(aggregator, 120)
-        finally:
-            run.close()
-        return run, await asyncio.wait_for(asyncio.gather(*devices), 30)
-
-    run, sent = asyncio.run(main())
+    run, sent, sums = run_single_devices(job, tmp_path / "run", agents)
     [record] = run.recorder.records
     assert record["status"] == "closed" and sent == [1, 1, 1, 1]
     assert np.array_equal(sums[0], contributions(1, [f"d{i:05d}" for i in range(4)]))
