@@ -50,6 +50,9 @@ DEVICE_LOCAL_SECTIONS = {"broker", "security", "fleet", "device", "ingest"}
 #: config sections a job document carries only when enabled (an existing job's document, and
 #: its config digest, stay what they were)
 OPTIONAL_SECTIONS = {"secure_aggregation"}
+#: config keys ("section.key") a job document carries only when set (not None), for the same
+#: reason: the aggregator's own settings added after documents were first published
+OPTIONAL_KEYS = {"rounds.period_s"}
 
 
 #: ``device_factory(job, index) -> DeviceAgent``: the agent of device ``index`` (e.g. an attacker
@@ -412,8 +415,10 @@ class Job:
         if not self.cfg.secure_aggregation.enabled:
             local |= OPTIONAL_SECTIONS  # an existing job's document stays as it was
         config = self.cfg.model_dump(mode="json", exclude=local)
-        if config["rounds"]["period_s"] is None:
-            del config["rounds"]["period_s"]  # the aggregator's pacing: absent, as it was
+        for key in OPTIONAL_KEYS:
+            section, name = key.split(".")
+            if config[section][name] is None:
+                del config[section][name]
         config["data"]["data_dir"] = None  # where the data lives is each device's own business
         cal = calibration.table(self.calibrations)  # this job's rows, not the process's
         return JobDocument(self.cfg.job, self.cfg.digest(), config, cal)
