@@ -47,6 +47,7 @@ TABLE: list[tuple[str, str, str, str]] = [
      "needs a broker on 1883; tests/test_sharded_e2e.py runs the same commands on its own"),
     ("README.md", r"edge-fl ingest --config job\.yaml ", PARSE,
      "needs site brokers; tests/test_sharded_e2e.py runs site aggregators behind two bridges"),
+    ("README.md", r"edge-fl keygen keys --devices ", RUN, "seconds: device signing keys"),
     ("README.md", r"edge-fl (keygen|aggregator|fleet|device) ", DEPLOYMENT, "the deployment"),
     ("README.md", r"sudo devices/raspberry-pi/install\.sh ", SKIP,
      "root, a wheel and systemd: the emulated-Pi tool in tools/ runs it"),
