@@ -143,6 +143,30 @@ class Job:
             agent.secure = agent.secure.signed(agent.device_id, signer, keys)
         return agent
 
+    def check_device_keys(self, indices: range | None = None) -> None:
+        """A simulated fleet's devices each have their minted private key, the one the
+        directory lists (``security.device_keys``); ConfigError in one line otherwise."""
+        keys = self.device_keys
+        if keys is None:
+            return
+        from edge_fl.protocol.device_keys import private_key_path
+        from edge_fl.protocol.signing import Signer
+
+        directory = Path(self.cfg.security.device_keys or "").parent
+        for index in indices or range(self.cfg.data.devices):
+            device = device_id(index)
+            path = private_key_path(directory, device)
+            try:
+                own = Signer.load(path).verifier.hex()
+            except ValueError as exc:
+                raise ConfigError(f"security.device_keys: {device}: {exc}") from None
+            if device not in keys or keys.key_of(device).hex() != own:
+                raise ConfigError(
+                    f"security.device_keys: {path} is not the key the directory lists for "
+                    f"{device} (mint the keys and the directory together: edge-fl keygen DIR "
+                    "--devices N)"
+                )
+
     @cached_property
     def device_keys(self) -> Any:
         """The devices' public signing keys (``security.device_keys``:
@@ -188,7 +212,9 @@ class Job:
         from edge_fl.device.agent import SecureDevice
 
         return SecureDevice(plan.mechanism, plan.job, plan.layout,
-                            reproducible=self.cfg.reproducible, seed=self.cfg.seed)  # fmt: skip
+                            reproducible=self.cfg.reproducible, seed=self.cfg.seed,
+                            neighbours=plan.neighbours, threshold=plan.threshold,
+                            min_survivors=plan.min_survivors)  # fmt: skip
 
     def agents(self, indices: range | None = None) -> list[DeviceAgent]:
         return [self.agent(i) for i in indices or range(self.cfg.data.devices)]
@@ -283,7 +309,15 @@ class Job:
         with calibration.scope(self.calibrations):
             plan = plan_secure(sa, mech, self.model.n_params, min(selected, self.cfg.data.devices))
         keys = self.device_keys
-        return plan if keys is None else dataclasses.replace(plan, device_key=keys.key_of)
+        if keys is None:
+            return plan
+        if not 2 * plan.threshold > plan.neighbours:
+            raise ValueError(
+                "security.device_keys (a malicious operator) needs a threshold above half the "
+                f"neighbours (2t > k; here k = {plan.neighbours}, t = {plan.threshold}): set "
+                f"secure_aggregation.threshold to at least {plan.neighbours // 2 + 1}"
+            )
+        return dataclasses.replace(plan, device_keys=keys)
 
     @cached_property
     def onnx(self) -> Callable[[np.ndarray], bytes] | None:
@@ -372,7 +406,11 @@ class Job:
 
             verifier = load_verifier(self.cfg.security.public_key)
         rounds = self.cfg.rounds.rounds
-        return Trust(verifier=verifier, window=GlobalWindow(max_round=rounds, max_version=rounds))
+        return Trust(
+            verifier=verifier,
+            window=GlobalWindow(max_round=rounds, max_version=rounds),
+            secure=self.cfg.secure_aggregation.enabled,
+        )
 
     def fleet_runtime(
         self,

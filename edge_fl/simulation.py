@@ -568,6 +568,7 @@ async def run_simulation_async(
     cfg = job.cfg
     if resume:
         refuse_resume(cfg, out_dir)  # before the broker starts and onnx loads on a thread
+    job.check_device_keys()  # the simulated devices' own keys: before anything is written
     if cfg.model.evaluate_with == "onnxruntime" and job.onnx is not None:
         _preload("edge_fl.models.onnx_export", "edge_fl.models.onnx_runtime")
     timings = {"build_s": round(time.perf_counter() - t_start, 4)}

@@ -413,3 +413,47 @@ def test_a_key_altered_on_its_way_to_one_device_aborts_it_instead_of_a_wrong_sum
     assert "do not authenticate" in trace.aborted["d0"]
     assert isinstance(trace.outcome, Summed) and "d0" not in trace.outcome.contributors
     assert np.array_equal(trace.outcome.total, sum(xs[d] for d in trace.outcome.contributors))
+
+
+def _rewrite_commitment_and_seed_shares(p: RoundParams, victim: str, fake_seed: int):
+    """A broker's tamper: ``victim``'s seed commitment in its ``ak`` becomes that of
+    ``fake_seed``, and every seed share of it asked for in an unmask request is answered with a
+    share of the constant polynomial ``fake_seed`` (valid t-of-n shares of it)."""
+
+    asked: dict[str, list[int]] = {}  # device -> its unmask request (1: a seed share)
+
+    def tamper(way: str, device: str, payload: bytes) -> bytes:
+        m = msgpack.unpackb(payload, raw=False)
+        if way == "down":
+            if m["k"] == "uq":
+                asked[device] = list(m["a"])
+            return payload
+        near = p.graph.neighbours(device)
+        if m["k"] == "ak" and device == victim:
+            m["bh"] = P.seed_commitment(p.job, p.round, p.nonce, victim, fake_seed)
+        elif m["k"] == "ua" and victim in near and asked[device][near.index(victim)] == 1:
+            m["s"][near.index(victim)] = P.share_bytes(fake_seed)
+        else:
+            return payload
+        return raw(m)
+
+    return tamper
+
+
+def test_a_rewritten_seed_commitment_cannot_change_the_sum() -> None:
+    """The red team's attack: a broker rewrites d3's seed commitment and every share of its
+    seed, so the aggregator would rebuild a seed of the broker's choosing and remove the wrong
+    self mask. Signed: ``mx``'s signature covers the commitment d3 made, so its masked input is
+    refused against the rewritten one, d3 counts as dropped and the others' sum is exact.
+    Unsigned (no directory: the model against an honest-but-curious operator only), the
+    range check still turns the wrong sum into a failed round."""
+    p = RoundParams("job1", 7, NONCE, tuple(f"d{i}" for i in range(6)), 4, 3, 20, 8, 50)
+    xs = {d: np.arange(8, dtype=np.int64) * (i + 1) - 20 for i, d in enumerate(p.roster)}
+    tamper = _rewrite_commitment_and_seed_shares(p, "d3", 42)
+    signed = run_round(p, xs, tamper=tamper, signers=SIGNERS, directory=DIRECTORY)
+    assert isinstance(signed.outcome, Summed), signed.outcome
+    assert "d3" not in signed.outcome.contributors
+    assert np.array_equal(signed.outcome.total, sum(xs[d] for d in signed.outcome.contributors))
+    unsigned = run_round(p, xs, tamper=tamper)
+    assert isinstance(unsigned.outcome, Failed), unsigned.outcome
+    assert "beyond what the inputs can reach" in unsigned.outcome.reason

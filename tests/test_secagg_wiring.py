@@ -703,6 +703,7 @@ def test_device_signing_keys_sign_every_advert_and_an_unsigned_device_is_left_ou
     job = build_job(config(mosquitto, **{
         "data.devices": 6, "rounds.clients_per_round": 6, "rounds.rounds": 2,
         "secure_aggregation.min_survivors": 3, "security.device_keys": str(directory),
+        "secure_aggregation.neighbours": 4, "secure_aggregation.threshold": 3,
     }))  # fmt: skip
     signer = SIGNER.setdefault("key", Signer.generate())
     fleet = job.fleet_runtime(parse_broker_url(mosquitto.url), trust=job.trust(signer.verifier))

@@ -200,8 +200,9 @@ class Session:
             raise Rejected("wrong_phase")
         self.state = "advertised"
         bh = hashlib.sha256(self.ctx("seed-commitment", self.me) + self.nc + le32(self.beta))
+        self.bh = bh.digest()  # signed again in mx (the advert's signature does not cover it)
         sig = self.sign and self.sign(self.ctx("advert", self.me) + self.nc + self.ck + self.sk)
-        body = {"ck": self.ck, "sk": self.sk, "bh": bh.digest(), **({"sig": sig} if sig else {})}
+        body = {"ck": self.ck, "sk": self.sk, "bh": self.bh, **({"sig": sig} if sig else {})}
         return pack("ak", self.r, self.nc, **body)
 
     def receive(self, payload):
@@ -314,7 +315,7 @@ class Session:
         m = sum(1 << i for i, v in enumerate(self.nb) if v in self.held)
         m = m.to_bytes(-(-len(self.nb) // 8), "little")
         y = y.astype("<u8").view(np.uint8).reshape(-1, 8)[:, : -(-self.b // 8)].tobytes()
-        sig = self.sign and self.sign(self.ctx("masked", self.me) + self.nc + m + y)
+        sig = self.sign and self.sign(self.ctx("masked", self.me) + self.nc + self.bh + m + y)
         self.state = "masked"
         self.mx = pack("mx", self.r, self.nc, b=self.b, m=m, y=y, **({"sig": sig} if sig else {}))
         return self.mx
@@ -545,6 +546,8 @@ def check_sa(g):  # -> sa, the roster; ValueError names the key (`out_of_range: 
             raise ValueError(f"out_of_range: sa.{key} = {sa[key]}")
     if not sa["md"] and n * sa["q"] >= 2 ** (sa["b"] - 1):
         raise ValueError("out_of_range: sa.q (n q >= 2^(b-1))")
+    if not 2 * sa["t"] > sa["k"]:  # else one neighbour's share could reveal a secret
+        raise ValueError(f"out_of_range: sa.t = {sa['t']} (2t must exceed k = {sa['k']})")
     return sa, sorted(sel)
 
 

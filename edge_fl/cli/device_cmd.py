@@ -121,6 +121,13 @@ def device(url, device_id, data_dir, public_key, job, prefix, index, config, wai
         fail("a device needs --broker URL (or broker.url in --config)")
     if not s["id"]:
         fail("which device is this? give --id (its MQTT username, e.g. d00007)")
+    if s["signing_key"] and not s["device_keys"]:
+        fail("--signing-key signs secure-aggregation messages only with --device-keys FILE")
+    if s["device_keys"] and not s["public_key"]:
+        fail(
+            "--device-keys needs --public-key: an unsigned round could drop its secure "
+            "parameters (this device's update in the clear) or lower its threshold"
+        )
     from edge_fl.identity import device_index
 
     index = s["index"] if s["index"] is not None else device_index(s["id"])
@@ -158,6 +165,7 @@ async def _serve(s: dict[str, Any], index: int, retry_forever: bool, wait: float
             "no --public-key: this device cannot tell the aggregator's job and models from a "
             "forgery by anyone who may publish on the broker"
         )
+    keys = _device_keys(s) if s["device_keys"] else None  # before connecting: said at once
     doc = await _fetch(spec, s, verifier, retry_forever, wait)
     local = {
         "broker": {"url": s["url"], "prefix": s["prefix"]},
@@ -174,8 +182,13 @@ async def _serve(s: dict[str, Any], index: int, retry_forever: bool, wait: float
     _check_budget_support(job)
     agent = job.agent(index)
     agent.device_id = s["id"]
-    if s["device_keys"]:
-        _sign_secure_rounds(agent, s)
+    if keys is not None:
+        if agent.secure is None:
+            raise RuntimeError("--device-keys: this job does not run secure aggregation")
+        try:
+            agent.secure = agent.secure.signed(s["id"], *keys)
+        except ValueError as exc:
+            raise RuntimeError(f"--device-keys: {exc}") from None
     log.info(
         "joined job %s (digest %s, %s, %s mechanism, %d examples)",
         doc.job,
@@ -258,18 +271,22 @@ def _check_budget_support(job: Any) -> None:
             ) from None
 
 
-def _sign_secure_rounds(agent: Any, s: dict[str, Any]) -> None:
-    """The device signs its SecAgg+ messages and checks its neighbours' (--device-keys)."""
+def _device_keys(s: dict[str, Any]) -> tuple[Any, Any]:
+    """(this device's signer, the directory) for --device-keys; RuntimeError in one line."""
     from pathlib import Path
 
     from edge_fl.protocol.device_keys import DeviceKeys, private_key_path
     from edge_fl.protocol.signing import Signer
 
-    if agent.secure is None:
-        raise RuntimeError("--device-keys: this job does not run secure aggregation")
     key = s["signing_key"] or private_key_path(Path(s["device_keys"]).parent, s["id"])
     try:
         keys = DeviceKeys.load(s["device_keys"])
-        agent.secure = agent.secure.signed(s["id"], Signer.load(key), keys)
     except ValueError as exc:  # SigningKeyError included
         raise RuntimeError(f"--device-keys: {exc}") from None
+    try:
+        signer = Signer.load(key)
+    except ValueError as exc:
+        raise RuntimeError(f"--signing-key {key}: {exc}") from None
+    if s["id"] not in keys:
+        raise RuntimeError(f"--device-keys: {s['id']} is not in {s['device_keys']}")
+    return signer, keys

@@ -159,6 +159,12 @@ def _run_aggregator(cfg, out, resume, overwrite, signals) -> dict:
         if out and not resume and not overwrite:
             refuse_earlier_run(out)  # before the job is built: the cheap refusal first
         job = build_job(cfg)
+        if cfg.security.device_keys is not None and job.signer is None:
+            fail(
+                "security.device_keys needs security.signing_key: unsigned global messages "
+                "would let the broker drop a round's secure parameters or lower its threshold "
+                "(create one with `edge-fl keygen DIR`)"
+            )
         run = open_run(job, out, resume=resume, overwrite=overwrite)
     except (RunDirError, ValueError) as exc:
         fail(str(exc))
@@ -298,6 +304,10 @@ def fleet(shard, indices, credentials, verbose, config, **kw) -> None:
     selected = pool[part.start :: part.step]
     if not selected:
         fail(f"--shard {shard} of --indices {indices} holds no device")
+    try:
+        job.check_device_keys(selected)
+    except ValueError as exc:
+        fail(str(exc))
     base = parse_broker_url(cfg.broker.url) if cfg.broker.url else None
     if base is not None:
         spec = base

@@ -48,7 +48,7 @@ from edge_fl.protocol import (
 )
 from edge_fl.protocol.codecs import Codec, CodecState
 from edge_fl.protocol.secure import round_seed
-from edge_fl.secagg import Aborted, DeviceSession, Send, params_from_wire
+from edge_fl.secagg import Aborted, DeviceSession, Send, params_from_wire, roster_graph
 
 log = logging.getLogger("edge_fl.device")
 
@@ -69,6 +69,12 @@ class SecureDevice:
     #: keys (``edge_fl.protocol.device_keys``): None = unsigned (honest-but-curious operator)
     signer: Any = None
     peer_key: Callable[[str], Any] | None = None
+    #: the job's calibrated graph degree, threshold and survivors floor (``SecurePlan``'s): a
+    #: round's signed ``sa`` must carry exactly these, so an operator cannot lower the
+    #: threshold to have one share reveal a device's secret
+    neighbours: int = 0
+    threshold: int = 0
+    min_survivors: int = 0
 
     def signed(self, device: str, signer: Any, keys: Any) -> SecureDevice:
         """This device's secure side with its signing key and the job's key directory;
@@ -87,15 +93,28 @@ class SecureDevice:
         key = hashlib.sha256(f"edge-fl/secagg-test/{self.seed}/{device}/{rnd}".encode() + nonce)
         return np.random.default_rng(int.from_bytes(key.digest(), "big")).bytes
 
-    def matches(self, sa: dict[str, Any]) -> bool:
-        """Whether the round's signed parameters describe this job's integers."""
+    def mismatch(self, sa: dict[str, Any], roster: int) -> str | None:
+        """Why the round's signed parameters are not this job's, or None: its integers
+        (``n q b md``) and, for a roster of ``roster`` devices, its graph (``k t``; 2t > k with
+        device keys) and survivors floor (``ms``)."""
         lay = self.layout
-        return (sa["n"], sa["q"], sa["b"], sa["md"]) == (
+        if (sa["n"], sa["q"], sa["b"], sa["md"]) != (
             lay.length,
             lay.max_int,
             lay.bits,
             lay.modular,
-        )
+        ):
+            return "its integers (n, q, b, md) are not this job's"
+        k, t = roster_graph(self.neighbours, self.threshold, roster)
+        if (sa["k"], sa["t"]) != (k, t):
+            return f"its graph (k {sa['k']}, t {sa['t']}) is not this job's (k {k}, t {t})"
+        if self.signer is not None and not 2 * t > k:
+            # against a malicious operator one neighbour's request of each kind must not
+            # reach t shares of both of a device's secrets
+            return f"with device keys the threshold must exceed half the neighbours (k {k}, t {t})"
+        if sa["ms"] != self.min_survivors:
+            return f"its survivors floor ms {sa['ms']} is not this job's {self.min_survivors}"
+        return None
 
 
 #: the protocol phase a SecAgg+ message of a device belongs to
@@ -204,8 +223,9 @@ class DeviceAgent:
         if sec is None or msg.nonce is None or not msg.selected:
             log.warning("round %d is secure; this device has no secure aggregation", msg.round)
             return []
-        if not sec.matches(sa):
-            log.warning("round %d: the round's secure parameters are not this job's", msg.round)
+        problem = sec.mismatch(sa, len(msg.selected))
+        if problem is not None:
+            log.warning("round %d: refused before advertising keys: %s", msg.round, problem)
             return []
         try:
             params = params_from_wire(msg.job, msg.round, msg.nonce, tuple(msg.selected), sa)
@@ -283,6 +303,8 @@ class DeviceAgent:
         if msg.secure is not None:
             self._secure_train(msg)
             return None
+        if self.secure is not None:
+            return None  # a secure job's round without sa: never a plain update (Trust refuses it)
         if not self.wants(msg):
             return None
         self.state.answered_round = msg.round

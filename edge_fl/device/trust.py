@@ -44,6 +44,9 @@ log = logging.getLogger("edge_fl.device")
 DIGEST_MISMATCH = "config_digest"
 #: the counter key of global messages refused for carrying another run's id (or none)
 WRONG_RUN = "wrong_run"
+#: a round without secure parameters (``sa``) in a job that runs secure aggregation: training
+#: on it would put this device's update on the broker in the clear (a downgrade)
+NOT_SECURE = "not_secure"
 #: no device trains from a model with a parameter beyond this: a finite but extreme one (a forged
 #: q8 block with lo = 3e38) overflows training into a non-finite update. Real models stay far
 #: below it; the bound keeps float32 training of every shipped model finite (issue 24, item 10)
@@ -71,6 +74,8 @@ class Trust:
     run: bytes | None = None
     #: ``run`` came from the job document the device joined with: it never changes
     run_bound: bool = False
+    #: the job runs secure aggregation: a round must carry its signed ``sa`` map
+    secure: bool = False
 
     def bind_run(self, run: bytes | None) -> None:
         """Take part in ``run`` only (the job document's); None: learn it from the first round."""
@@ -153,6 +158,15 @@ class Trust:
                 f"round {msg.round}: the aggregator's config digest {msg.config_digest} differs "
                 f"from this device's {digest} (model, data, training or privacy settings "
                 "disagree); not training",
+                level=logging.ERROR,
+            )
+            return None
+        if self.secure and msg.secure is None:
+            self._count(
+                NOT_SECURE,
+                f"round {msg.round}: this job runs secure aggregation but the global message "
+                "carries no secure parameters (sa): a downgrade that would publish this "
+                "device's update in the clear; not training",
                 level=logging.ERROR,
             )
             return None

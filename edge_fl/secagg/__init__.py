@@ -8,7 +8,13 @@ edge_fl but the wire layer. Specification: docs/specs/secagg.md.
 """
 
 from edge_fl.secagg.aggregator import AggregatorSession
-from edge_fl.secagg.calibration import Calibration, CalibrationError, calibrate, check
+from edge_fl.secagg.calibration import (
+    Calibration,
+    CalibrationError,
+    calibrate,
+    check,
+    roster_graph,
+)
 from edge_fl.secagg.device import DeviceSession
 from edge_fl.secagg.session import (
     Aborted,
@@ -40,4 +46,5 @@ __all__ = [
     "calibrate",
     "check",
     "params_from_wire",
+    "roster_graph",
 ]

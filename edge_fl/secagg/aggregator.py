@@ -152,7 +152,11 @@ class AggregatorSession:
             return f"bit width {msg.body['b']}, the round's is {p.bits}"
         b = msg.body
         why = self._check_signature(
-            device, b["sig"], M.masked_body(p.job, p.round, p.nonce, device, b["m"], b["y"])
+            device,
+            b["sig"],
+            M.masked_body(
+                p.job, p.round, p.nonce, device, self._adverts[device][2], b["m"], b["y"]
+            ),
         )
         if why is not None:
             return why
@@ -186,6 +190,11 @@ class AggregatorSession:
             self._shares.setdefault(v, []).append((point, value))
         self._answered += 1
         return None
+
+    def commitments(self) -> dict[str, bytes]:
+        """Each device whose keys were accepted: its seed commitment ``bh`` (what its signed
+        ``mx`` covers)."""
+        return {device: advert[2] for device, advert in self._adverts.items()}
 
     def _check_signature(self, device: str, sig: bytes | None, body: bytes) -> str | None:
         verifier = self._device_key(device) if self._device_key is not None else None
@@ -290,6 +299,10 @@ class AggregatorSession:
                     self._sum += mask
         self._sum &= P.ring_mask(p.bits)
         total = P.from_ring(self._sum, p.bits)
+        if p.max_int and int(np.abs(total).max(initial=0)) > len(u3) * p.max_int:
+            # bounded inputs cannot sum beyond this: a mask was not removed (an altered share
+            # or masked vector that no check caught); never a wrong model
+            return self._fail("unmask", "the unmasked sum is beyond what the inputs can reach")
         self._notify("sum", total)
         self.phase = "done"
         self.outcome = Summed(total, tuple(sorted(u3)))

@@ -82,6 +82,13 @@ class Calibration:
         return self.neighbours >= self.n - 1
 
 
+def roster_graph(neighbours: int, threshold: int, n: int) -> tuple[int, int]:
+    """(k, t) of a round of ``n`` devices for a job calibrated to ``neighbours`` and
+    ``threshold``: the graph capped at the complete one when fewer devices were available."""
+    k = min(neighbours, n - 1)
+    return k, min(threshold, k)
+
+
 def max_int(clip: float, step: float) -> int:
     return math.ceil(clip / step)
 

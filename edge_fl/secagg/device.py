@@ -63,6 +63,7 @@ class DeviceSession:
         self._replies: dict[bytes, bytes] = {}  # a payload answered -> the answer
         self._c = self._s = self._seed = 0
         self._own = b""  # this device's ck || sk
+        self._bh = b""  # its seed commitment
         # per neighbour with keys: (sealing key, opening key, opening AAD, pair-mask seed)
         self._derived: dict[str, tuple[bytes, bytes, bytes, bytes]] = {}
 
@@ -76,11 +77,8 @@ class DeviceSession:
         self._seed = P.new_seed(self._rand)
         ck, sk = P.public_bytes(self._c), P.public_bytes(self._s)
         self._own = ck + sk
-        fields: dict[str, bytes] = {
-            "ck": ck,
-            "sk": sk,
-            "bh": P.seed_commitment(p.job, p.round, p.nonce, self.device, self._seed),
-        }
+        self._bh = P.seed_commitment(p.job, p.round, p.nonce, self.device, self._seed)
+        fields: dict[str, bytes] = {"ck": ck, "sk": sk, "bh": self._bh}
         if self._signer is not None:
             fields["sig"] = self._signer.sign(
                 M.advert_body(p.job, p.round, p.nonce, self.device, ck, sk)
@@ -217,7 +215,7 @@ class DeviceSession:
         fields: dict[str, object] = {"b": p.bits, "m": mask_set, "y": blob}
         if self._signer is not None:
             fields["sig"] = self._signer.sign(
-                M.masked_body(p.job, p.round, p.nonce, self.device, mask_set, blob)
+                M.masked_body(p.job, p.round, p.nonce, self.device, self._bh, mask_set, blob)
             )
         return [Send(M.encode("mx", p.round, p.nonce, **fields))]
 

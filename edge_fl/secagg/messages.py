@@ -160,9 +160,14 @@ def advert_body(job: str, rnd: int, nonce: bytes, device: str, ck: bytes, sk: by
     return context("advert", job, rnd, device) + nonce + ck + sk
 
 
-def masked_body(job: str, rnd: int, nonce: bytes, device: str, m: bytes, y: bytes) -> bytes:
-    """What a device's signing key signs in ``mx``: its mask set and masked vector in context."""
-    return context("masked", job, rnd, device) + nonce + m + y
+def masked_body(
+    job: str, rnd: int, nonce: bytes, device: str, bh: bytes, m: bytes, y: bytes
+) -> bytes:
+    """What a device's signing key signs in ``mx``: its seed commitment (``bh`` of its ``ak``,
+    which the advert's signature does not cover: a broker that replaced it could otherwise
+    have the aggregator accept forged seed shares), its mask set and masked vector, in
+    context."""
+    return context("masked", job, rnd, device) + nonce + bh + m + y
 
 
 def bitmap(flags: list[bool]) -> bytes:

@@ -302,6 +302,9 @@ class AggregatorCore:
         self.secure: Any = None
         #: the open secure round's session (``edge_fl.server.secure.SecureRound``), or None
         self.secure_round: Any = None
+        #: with device keys: each secure round's accepted seed commitments (round -> device ->
+        #: bh), so a late masked input is charged only if its device signed it
+        self.secure_commitments: dict[int, dict[str, bytes]] = {}
 
     def configure_as_worker(self) -> None:
         """A sharded ingest worker: the coordinator keeps the ledger (this core only lists the
@@ -328,6 +331,16 @@ class AggregatorCore:
                     population,
                     population - 1,
                 )
+            return
+        plan = self.secure
+        if plan is not None and plan.device_keys is not None and device not in plan.device_keys:
+            # not in the device-key directory: its keys would be refused, so a round that
+            # selected it could only lose a slot (a broker could fill rosters with such ids)
+            self.tally.foreign_status += 1
+            self.foreign_seen += 1
+            if self.foreign_seen <= 3 or self.foreign_seen % 1000 == 0:
+                log.warning("ignoring the status of %r (%d so far): not in security.device_keys",
+                            device, self.foreign_seen)  # fmt: skip
             return
         if not payload:  # a cleared retained message
             self.devices.pop(device, None)
@@ -711,10 +724,27 @@ class AggregatorCore:
         self._released.add((device, round_number))
         self.releases.append((device, round_number, n_samples))
 
-    def charge_secure(self, device: str, round_number: int) -> bool:
-        """A masked input the open secure round accepted: charged once (True if it was now)."""
+    def charge_secure(self, device: str, round_number: int, payload: bytes = b"") -> bool:
+        """A masked input of ``device`` for a round that selected it: charged once (True if it
+        was now). With device keys, only one its device signed (a forgery under its name, which
+        the round refuses, is no release of that device); a round whose commitments this
+        process no longer holds (a restart) is charged as before, conservatively."""
         if (device, round_number) in self._released:
             return False
+        plan = self.secure
+        if plan is not None and plan.device_key is not None:
+            from edge_fl.server.secure import masked_signed
+
+            sr = self.secure_round
+            current = self.current
+            if sr is not None and current is not None and current.number == round_number:
+                known: dict[str, bytes] | None = sr.commitments()
+            else:  # a closed round's; None after a restart: then charged, conservatively
+                known = self.secure_commitments.get(round_number)
+            if known is not None:
+                bh = known.get(device)
+                if bh is None or not masked_signed(plan, self.settings.job, device, payload, bh):
+                    return False
         self.record_release(device, round_number, SECURE_RELEASE)
         return True
 
@@ -754,6 +784,9 @@ class AggregatorCore:
         sr, self.secure_round = self.secure_round, None
         if sr is not None:
             outcome, info = sr.result(why)
+            if self.secure is not None and self.secure.device_key is not None:
+                assert self.current is not None
+                self.secure_commitments[self.current.number] = sr.commitments()
         else:  # rebuilt from a journal: its session died with the process
             outcome = Failed("keys", why or "the round ended unfinished")
             info = {"phases": {}, "outcome": "failed", "rejected_by_reason": {},

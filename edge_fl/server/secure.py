@@ -26,6 +26,7 @@ from edge_fl.secagg import (
     RoundParams,
     calibrate,
     check,
+    roster_graph,
 )
 
 __all__ = ["SecurePlan", "SecureRound", "plan_secure", "round_seed"]
@@ -45,14 +46,18 @@ class SecurePlan:
     phase_timeout_s: float
     dropout: float
     collude: float
-    #: a device id -> its public signing key (``security.device_keys``), or None: unsigned
-    device_key: Any = None
+    #: the devices' signing keys (``security.device_keys``: ``edge_fl.protocol.device_keys.
+    #: DeviceKeys``), or None: SecAgg+ messages unsigned
+    device_keys: Any = None
+
+    @property
+    def device_key(self) -> Any:
+        """A device id -> its public signing key (None: nothing is signed)."""
+        return None if self.device_keys is None else self.device_keys.key_of
 
     def for_roster(self, n: int) -> tuple[int, int]:
-        """(k, t) for a round of ``n`` devices: the job's, with the graph capped at the
-        complete one when fewer than ``selected`` were available."""
-        k = min(self.neighbours, n - 1)
-        return k, min(self.threshold, k)
+        """(k, t) for a round of ``n`` devices (``edge_fl.secagg.roster_graph``)."""
+        return roster_graph(self.neighbours, self.threshold, n)
 
     def wire(self, n: int) -> dict[str, Any]:
         """The global message's ``sa`` map for a roster of ``n`` devices."""
@@ -131,6 +136,25 @@ def plan_secure(
     )
 
 
+def masked_signed(plan: SecurePlan, job: str, device: str, payload: bytes, bh: bytes) -> bool:
+    """Whether ``payload`` (an ``mx``) carries ``device``'s valid signature over ``bh`` and its
+    masked vector (``security.device_keys``; True without a directory: nothing is signed)."""
+    if plan.device_key is None:
+        return True
+    import edge_fl.secagg.messages as M
+    from edge_fl.protocol import PayloadRejected
+
+    try:
+        msg = M.decode(payload, len(payload))
+    except PayloadRejected:
+        return False
+    b = msg.body
+    if msg.kind != "mx" or b.get("sig") is None:
+        return False
+    body = M.masked_body(job, msg.round, msg.nonce, device, bh, b["m"], b["y"])
+    return bool(plan.device_key(device).verify(body, b["sig"]))
+
+
 class SecureRound:
     """The open sync round's SecAgg+ session, its phase deadlines and what it refused.
 
@@ -181,6 +205,10 @@ class SecureRound:
 
     def late(self) -> None:
         self.rejected["late"] += 1
+
+    def commitments(self) -> dict[str, bytes]:
+        """The seed commitments of the devices whose keys the round accepted."""
+        return self.session.commitments()
 
     def result(self, why: str | None = None) -> tuple[Any, dict[str, Any]]:
         """The outcome (a ``Failed`` one with ``why`` if the round ends unfinished: a stop, a

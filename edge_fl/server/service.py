@@ -297,14 +297,14 @@ class AggregatorService:
         if head is not None:
             facts = core.round_facts(head[0])
             if facts is not None and facts[0] == head[1] and device in facts[1]:
-                self._secure_charge(device, head[0])
+                self._secure_charge(device, head[0], payload)
         sr = core.secure_round
         if sr is None or core.current is None:
             return  # between rounds: a late message, nothing to take it
         self._secure_deliver(sr, sr.receive(device, payload, self._now()))
 
-    def _secure_charge(self, device: str, rnd: int) -> None:
-        if self.core.charge_secure(device, rnd) and self.journal is not None:
+    def _secure_charge(self, device: str, rnd: int, payload: bytes) -> None:
+        if self.core.charge_secure(device, rnd, payload) and self.journal is not None:
             self.journal.append("release", d=device, r=rnd, n=SECURE_RELEASE)
             self.stats["journaled"] += 1
 
