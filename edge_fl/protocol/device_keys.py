@@ -103,6 +103,11 @@ def mint_device_keys(
     target = directory / DIRECTORY_FILE
     if target.exists() and not overwrite:
         raise SigningKeyError(f"{target} exists; refusing to re-key its devices (--force)")
+    if not overwrite:  # refused before any key is written: a retry is never half done
+        taken = [private_key_path(directory, d) for d in ids]
+        taken = [path for path in taken if path.exists()]
+        if taken:
+            raise SigningKeyError(f"{taken[0]} exists; refusing to re-key its device (--force)")
     verifiers: dict[str, Verifier] = {}
     for device in ids:
         signer = Signer.generate()
