@@ -110,6 +110,10 @@ def test_fedbuff_sends_each_model_once_and_selections_as_dispatches(mosquitto, t
     assert recs[-1]["timeouts"] == 0  # every device a dispatch asked answered in time
 
 
+#: the four minimal devices' rows of digits: 60 to 480, so their training times differ
+SHARES = [slice(0, 60), slice(60, 180), slice(180, 420), slice(420, 900)]
+
+
 def test_the_minimal_device_answers_the_real_aggregators_dispatches(mosquitto, tmp_path):
     """Four minimal devices, FedBuff K = 2, C = 2: whenever an update arrives the aggregator asks
     the next device with a dispatch message; the minimal device trains on the model it holds
@@ -117,7 +121,10 @@ def test_the_minimal_device_answers_the_real_aggregators_dispatches(mosquitto, t
     job, out = f"mini-d-{uuid.uuid4().hex[:6]}", tmp_path / "run"
     topics = Topics(job)
     cmd = [EDGE_FL, "aggregator", "--broker", mosquitto.url, "--job", job, "--devices", "4"]
-    cmd += ["--rounds", "4", "--clients-per-round", "2", "--deadline", "30", "--mode", "fedbuff"]
+    # 8 windows, devices of different sizes: some window must take its updates apart (one,
+    # a dispatch, the next); with 4 of equal size, under two CPU hogs every window's pair
+    # once arrived together, closing it before any replacement was asked (1 run of 5)
+    cmd += ["--rounds", "8", "--clients-per-round", "2", "--deadline", "30", "--mode", "fedbuff"]
     cmd += ["--buffer-size", "2", "--concurrency", "2", "--max-staleness", "10"]
     with UpdateTap(mosquitto.url, topics, identifier=f"tap-{job}", topic=f"{topics.base}/#") as tap:
         agg = subprocess.Popen(
@@ -131,7 +138,7 @@ def test_the_minimal_device_answers_the_real_aggregators_dispatches(mosquitto, t
                     mosquitto.url,
                     job,
                     f"m{i}",
-                    digits_share(tmp_path / f"m{i}.npz", slice(80 * i, 80 * i + 80)),
+                    digits_share(tmp_path / f"m{i}.npz", SHARES[i]),
                     "--digest",
                     digest,
                 )
@@ -145,7 +152,7 @@ def test_the_minimal_device_answers_the_real_aggregators_dispatches(mosquitto, t
     assert agg.returncode == 0, stderr
     recs = [json.loads(line) for line in Path(out / "metrics.jsonl").read_text().splitlines()]
     print([(r["round"], r["received"], r["dispatched"], r["timeouts"]) for r in recs])
-    assert [r["status"] for r in recs] == ["closed"] * 4
+    assert [r["status"] for r in recs] == ["closed"] * 8
     assert all(r["rejected"] == 0 for r in recs), recs
     _, dispatches, answers = sniffed(tap, topics)
     assert dispatches, "the aggregator published no dispatch message"

@@ -123,9 +123,10 @@ async def run_secure(job, out, *, vanish=None, observer=None, resume=False, flee
         fleet.secure_vanish = dict(vanish or {})
     aggregator = asyncio.create_task(service.run())
     await service.connected.wait()
-    fleet_task = FLEETS.get(id(fleet))
-    if fleet_task is None:
-        fleet_task = FLEETS[id(fleet)] = asyncio.create_task(fleet.run())
+    entry = FLEETS.get(id(fleet))
+    if entry is None or entry[0] is not fleet:  # (an id is reused once its object is gone)
+        entry = FLEETS[id(fleet)] = (fleet, asyncio.create_task(fleet.run()))
+    fleet_task = entry[1]
     error = None
     try:
         await asyncio.wait_for(aggregator, timeout)
@@ -140,7 +141,9 @@ async def run_secure(job, out, *, vanish=None, observer=None, resume=False, flee
 
 
 SIGNER: dict[str, Any] = {}
-FLEETS: dict[int, asyncio.Task] = {}
+#: a fleet run across calls (the crash test's): its task, by the fleet (held, so its id stays
+#: its own)
+FLEETS: dict[int, tuple[Any, asyncio.Task]] = {}
 
 
 def contributions(rnd: int, devices) -> np.ndarray:
