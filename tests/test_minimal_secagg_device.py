@@ -3,6 +3,7 @@ alone) against tests/secagg_vectors.json byte for byte, and its section 7 rules.
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 import importlib.util
 import json
@@ -352,6 +353,14 @@ def stop(*procs: subprocess.Popen) -> None:
             p.wait(timeout=10)
 
 
+def device_args(url: str, job: str, name: str, tmp_path: Path, rows: slice) -> argparse.Namespace:
+    """The command line of this file's device run in a thread (its own rows of digits)."""
+    return argparse.Namespace(broker=url, job=job, id=name, password=None, username=None,
+                              prefix=None, digest=None, public_key=None, model="auto", classes=10,
+                              verbose=False, clip=None, step=None,
+                              data=digits_share(tmp_path / f"{name}.npz", rows))  # fmt: skip
+
+
 def records(out: Path) -> list[dict]:
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
@@ -428,7 +437,7 @@ def test_mixed_secure_fleet_with_the_real_aggregator(mosquitto, tmp_path, signed
 def test_the_aggregator_applies_exactly_the_mean_of_the_submitted_integers(mosquitto, tmp_path):
     """3 of this file's devices in one process, their integers recorded: the aggregator's next
     model is the last one plus step · mean(x), step = clip / sa.q (the sum is exact)."""
-    import argparse
+
     import threading
 
     job, out = f"mini-sa-{uuid.uuid4().hex[:6]}", tmp_path / "run"
@@ -454,10 +463,7 @@ def test_the_aggregator_applies_exactly_the_mean_of_the_submitted_integers(mosqu
         threads = []
         for i in range(3):
             name = f"d0000{i}"
-            a = argparse.Namespace(broker=mosquitto.url, job=job, id=name, password=None,
-                                   username=None, prefix=None, digest=None, public_key=None,
-                                   model="auto", classes=10, verbose=False, clip=None, step=None,
-                                   data=digits_share(tmp_path / f"{name}.npz", slice(90 * i, 90 * i + 90)))  # fmt: skip
+            a = device_args(mosquitto.url, job, name, tmp_path, slice(90 * i, 90 * i + 90))
             threads.append(threading.Thread(target=sa.SecureDevice(a).run, name=name, daemon=True))
             threads[-1].start()
         _, stderr = agg.communicate(timeout=200)
@@ -487,7 +493,7 @@ def test_the_aggregator_applies_exactly_the_mean_of_the_submitted_integers(mosqu
 def test_a_device_vanishing_after_its_shares_is_unmasked_by_its_neighbours(mosquitto, tmp_path):
     """d00003 (this file's device) sends keys and shares, then never its masked input: the
     others, this file's d00002 among them, send its key share and the round sums over 3."""
-    import argparse
+
     import threading
 
     class Recording(sa.SecureDevice):
@@ -515,10 +521,7 @@ def test_a_device_vanishing_after_its_shares_is_unmasked_by_its_neighbours(mosqu
         ]
         for i, cls in ((2, Recording), (3, Vanishing)):
             name = f"d0000{i}"
-            a = argparse.Namespace(broker=mosquitto.url, job=job, id=name, password=None,
-                                   username=None, prefix=None, digest=None, public_key=None,
-                                   model="auto", classes=10, verbose=False, clip=None, step=None,
-                                   data=digits_share(tmp_path / f"{name}.npz", slice(90 * i, 90 * i + 90)))  # fmt: skip
+            a = device_args(mosquitto.url, job, name, tmp_path, slice(90 * i, 90 * i + 90))
             devices[name] = cls(a)
             threads.append(threading.Thread(target=devices[name].run, daemon=True))
             threads[-1].start()
@@ -764,7 +767,7 @@ def test_distributed_gaussian_rounds_sum_exactly_the_minimal_devices_integers(mo
     model is exactly the last one plus γ · the inverse rotation of the sum of the integers they
     submitted (noise included), over 3: the aggregator took the devices' rotation, grid and noisy
     integers as the device computed them."""
-    import argparse
+
     import threading
 
     job, out = f"mini-ddg-{uuid.uuid4().hex[:6]}", tmp_path / "run"
@@ -784,10 +787,7 @@ def test_distributed_gaussian_rounds_sum_exactly_the_minimal_devices_integers(mo
         threads = []
         for i in range(3):
             name = f"d0000{i}"
-            a = argparse.Namespace(broker=mosquitto.url, job=job, id=name, password=None,
-                                   username=None, prefix=None, digest=None, public_key=None,
-                                   model="auto", classes=10, verbose=False, clip=None, step=None,
-                                   data=digits_share(tmp_path / f"{name}.npz", slice(90 * i, 90 * i + 90)))  # fmt: skip
+            a = device_args(mosquitto.url, job, name, tmp_path, slice(90 * i, 90 * i + 90))
             devices[name] = sa.SecureDevice(a)
             threads.append(threading.Thread(target=devices[name].run, name=name, daemon=True))
             threads[-1].start()
