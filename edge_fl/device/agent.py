@@ -180,6 +180,7 @@ class DeviceAgent:
         self.session: DeviceSession | None = None
         self.session_key: tuple[int, bytes | None] | None = None
         self._secure_input: dict[tuple[int, bytes | None], np.ndarray] = {}
+        self._masked_rounds: set[int] = set()  # rounds whose masked input this device sent
 
     @property
     def n_samples(self) -> int:
@@ -247,6 +248,9 @@ class DeviceAgent:
             if isinstance(effect, Send):
                 kind = _kind_of(effect.payload)
                 out.append(Publish(rnd, kind, effect.payload))
+                if kind == "mx" and rnd not in self._masked_rounds:  # its update, sent masked
+                    self._masked_rounds.add(rnd)
+                    self.state.updates_sent += 1
             elif isinstance(effect, Aborted):
                 log.warning("device %s left secure round %d: %s", self.device_id, rnd,
                             effect.reason)  # fmt: skip
@@ -288,8 +292,7 @@ class DeviceAgent:
         values = sec.mechanism.secure_encode(self, msg, sec.layout, seed)
         if self.budget is not None:
             self.budget.events.extend(events)
-        self.state.exposures += 1
-        self.state.updates_sent += 1
+        self.state.exposures += 1  # released to its session: counted whatever happens next
         self._secure_input = {(msg.round, msg.nonce): np.asarray(values, dtype=np.int64)}
 
     def wants(self, msg: GlobalModel) -> bool:
