@@ -134,7 +134,8 @@ class Job:
             else self.default_agent(index)
         )
         keys = self.device_keys
-        if keys is not None and agent.secure is not None:  # a simulated device: its minted key
+        if keys is not None and agent.secure is not None and self.cfg.device.id is None:
+            # a simulated device: its minted key (``edge-fl device`` is given its own)
             from edge_fl.protocol.device_keys import private_key_path
             from edge_fl.protocol.signing import Signer
 
@@ -306,18 +307,12 @@ class Job:
         selected = math.ceil(self.target * self.cfg.rounds.over_selection)
         # the mechanism calibrates its secure layout here (distributed-gaussian's sigma^2): in
         # the job's scope, so its row reaches the job document for devices without dp-accounting
+        keys = self.device_keys  # a malicious operator: calibrated so that 2t > k
         with calibration.scope(self.calibrations):
-            plan = plan_secure(sa, mech, self.model.n_params, min(selected, self.cfg.data.devices))
-        keys = self.device_keys
-        if keys is None:
-            return plan
-        if not 2 * plan.threshold > plan.neighbours:
-            raise ValueError(
-                "security.device_keys (a malicious operator) needs a threshold above half the "
-                f"neighbours (2t > k; here k = {plan.neighbours}, t = {plan.threshold}): set "
-                f"secure_aggregation.threshold to at least {plan.neighbours // 2 + 1}"
-            )
-        return dataclasses.replace(plan, device_keys=keys)
+            plan = plan_secure(sa, mech, self.model.n_params,
+                               min(selected, self.cfg.data.devices),
+                               against_lying=keys is not None)  # fmt: skip
+        return plan if keys is None else dataclasses.replace(plan, device_keys=keys)
 
     @cached_property
     def onnx(self) -> Callable[[np.ndarray], bytes] | None:

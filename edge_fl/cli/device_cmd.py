@@ -169,7 +169,8 @@ async def _serve(s: dict[str, Any], index: int, retry_forever: bool, wait: float
     doc = await _fetch(spec, s, verifier, retry_forever, wait)
     local = {
         "broker": {"url": s["url"], "prefix": s["prefix"]},
-        "security": {"public_key": s["public_key"]},
+        # device keys: the job is calibrated as its aggregator's is (2t > k)
+        "security": {"public_key": s["public_key"], "device_keys": s["device_keys"]},
         "device": {"id": s["id"], "index": index},
         "data_dir": s["data_dir"],
     }
@@ -289,4 +290,8 @@ def _device_keys(s: dict[str, Any]) -> tuple[Any, Any]:
         raise RuntimeError(f"--signing-key {key}: {exc}") from None
     if s["id"] not in keys:
         raise RuntimeError(f"--device-keys: {s['id']} is not in {s['device_keys']}")
+    if keys.key_of(s["id"]).hex() != signer.verifier.hex():
+        raise RuntimeError(
+            f"--signing-key {key}: not the key {s['device_keys']} lists for {s['id']}"
+        )
     return signer, keys

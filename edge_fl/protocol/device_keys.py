@@ -36,6 +36,9 @@ class _NoKey:
     def verify(self, data: bytes, signature: bytes) -> bool:
         return False
 
+    def hex(self) -> str:
+        return ""  # equal to no real key's
+
 
 NO_KEY = _NoKey()
 

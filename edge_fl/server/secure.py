@@ -96,8 +96,11 @@ def plan_secure(
     mechanism: SecureSum,
     n_params: int,
     selected: int,
+    against_lying: bool = False,
 ) -> SecurePlan:
-    """Calibrate (``auto``) or check the job's setting; ValueError with one line if unsound."""
+    """Calibrate (``auto``) or check the job's setting; ValueError with one line if unsound.
+    ``against_lying``: an aggregator that lies about who dropped must not collect t shares of
+    both of a device's secrets (2t > k, ``edge_fl.secagg.calibrate``): a job with device keys."""
     if selected < 2:
         raise ValueError(f"secure aggregation needs at least 2 devices per round, got {selected}")
     ms = cfg.min_survivors
@@ -109,7 +112,7 @@ def plan_secure(
     layout = mechanism.secure_layout(sjob)
     # the core's bounds take (clip, step) with Q = ceil(clip / step): the layout's Q is max_int
     clip, step = (1.0, 1.0) if layout.modular else (float(max(layout.max_int, 1)), 1.0)
-    kw = {"dropout": cfg.dropout, "collude": cfg.collude}
+    kw = {"dropout": cfg.dropout, "collude": cfg.collude, "against_lying": against_lying}
     try:
         if cfg.neighbours == "auto" or cfg.threshold == "auto":
             cal = calibrate(selected, clip, step, **kw)
