@@ -178,3 +178,23 @@ def test_generator_states_only_for_seeded_runs(tmp_path):
     save_checkpoint(secure, tmp_path / "secure")
     state = json.loads((tmp_path / "secure" / "checkpoint.json").read_text())
     assert state["rng"] is None and state["noise_rng"] is None
+
+
+def test_records_with_inf_or_nan_are_written_as_strict_json():
+    """The fast path (no walk) and the walk give the same line; inf/nan become null."""
+    import json
+    import math
+
+    from edge_fl.storage import dumps_record
+
+    plain = {"round": 3, "loss": 0.25, "per": [1.5, (2, 3)], "nested": {"a": np.float32(0.5)}}
+    assert json.loads(dumps_record(plain)) == {
+        "round": 3,
+        "loss": 0.25,
+        "per": [1.5, [2, 3]],
+        "nested": {"a": 0.5},
+    }
+    bad = {"loss": math.inf, "per": [math.nan, 1.0], "nested": {"a": np.float64("nan")}}
+    line = dumps_record(bad)
+    assert json.loads(line) == {"loss": None, "per": [None, 1.0], "nested": {"a": None}}
+    assert "NaN" not in line and "Infinity" not in line
