@@ -4,6 +4,7 @@ FREEZE_SESSIONS on, freezes what it holds once connected (docs/bench/profile-10k
 from __future__ import annotations
 
 import gc
+import itertools
 import weakref
 
 import pytest
@@ -25,7 +26,7 @@ def test_the_block_runs_without_the_collector_and_restores_it(collector, freeze)
     with runtime.without_collector(freeze=freeze):
         assert not gc.isenabled()
         kept = [[] for _ in range(100)]
-        for a, b in zip(kept, kept[1:], strict=False):
+        for a, b in itertools.pairwise(kept):
             a.append(b)  # a chain the collector tracks
     assert gc.isenabled()
     assert (gc.get_freeze_count() > 0) is freeze
