@@ -345,6 +345,7 @@ class Fleet:
                     raise
                 spec = self.device_specs[agent.device_id]
                 raise DeviceConnectError(agent.device_id, spec, exc) from exc
+            client_adapter.no_delay(client)  # a publish right after a PUBACK must not wait
             self.clients[agent.device_id] = client
             if self.secure:  # before its status: it may be selected at once
                 await client.subscribe(self.topics.inbox(agent.device_id), qos=1)
@@ -948,8 +949,6 @@ class Fleet:
             await self.connect_all()
             if self.virtual:
                 self.vt_published += len(self.clients)  # each session announced its status
-                for client in self.clients.values():  # updates are on the clock's critical path
-                    client_adapter.no_delay(client)
             self._start_availability()
             self._spawn(self._watch_sessions())
             if clock_client is not None:

@@ -1069,8 +1069,12 @@ class AggregatorService:
                     await client.publish(self.topics.dispatch, b"", qos=1, retain=True)
                 if self.sharding is not None:  # and its last round's open, for the workers
                     await client.publish(self.topics.ingest_control, b"", qos=1, retain=True)
+            # each round's model is published right after the last round's record and waits
+            # for its PUBACK: with Nagle on, that publish waited for the broker's delayed ACK
+            # (40 ms of every round of the default job); under virtual time every step is such
+            # a round trip
+            client_adapter.no_delay(client)
             if self.vclock is not None:
-                client_adapter.no_delay(client)  # every step is a round trip through the broker
                 await client.subscribe(self._clock_in, qos=1)
             await client.subscribe(self.topics.all_status, qos=1)
             if self.sharding is None:

@@ -91,7 +91,7 @@ def raw_socket(client: MqttClient) -> Any:
 def no_delay(client: MqttClient) -> None:
     """Send small packets at once (TCP_NODELAY) on the current connection: paho leaves Nagle's
     algorithm on, so a PUBLISH written right after a PUBACK waits for the broker's delayed ACK
-    (about 40 ms on Linux). For exchanges where latency is the cost (virtual time's clock)."""
+    (about 40 ms on Linux). The aggregator's session, the fleet's sessions and the clocks'."""
     import socket
 
     sock = raw_socket(client)
