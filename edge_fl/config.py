@@ -635,14 +635,6 @@ class JobConfig(_Section):
         return self
 
     @model_validator(mode="after")
-    def _secure_wall_clock(self) -> JobConfig:
-        """Secure aggregation's phases run on real deadlines: ``fleet.clock: auto`` is wall
-        time then (an explicit ``virtual`` is refused when the job is assembled)."""
-        if self.secure_aggregation.enabled and self.fleet.clock == "auto" and self.fleet.virtual:
-            object.__setattr__(self.fleet, "clock", "wall")
-        return self
-
-    @model_validator(mode="after")
     def _fits_the_fleet(self) -> JobConfig:
         problem = fleet_problem(self.rounds, self.data.devices)
         if problem is not None:

@@ -636,8 +636,6 @@ def secure_refusal(cfg: JobConfig, mechanism: Mechanism) -> str | None:
         return (
             f"ingest.workers = {cfg.ingest.workers}: secure rounds are ingested by one aggregator"
         )
-    if cfg.fleet.clock == "virtual":
-        return "fleet.clock = 'virtual': secure rounds run on real phase deadlines; use 'wall'"
     if cfg.compression.uplink is not None:
         return (
             f"compression.uplink = {cfg.compression.uplink!r}: a masked input has its own "

@@ -505,6 +505,11 @@ def _virtual_time_summary(service: AggregatorService, fleet: Any, start_s: float
             "grants": vc.grants,
             "same_time_grants": vc.same_time,
             "fleet_published": vc.fleet_published,
+            # the aggregator's messages the clock counted, and those the fleet saw (models,
+            # dispatches, inbox messages): a message one side leaves uncounted can be handed
+            # over at a later simulated time than it was sent
+            "aggregator_published": vc.published,
+            "fleet_seen": fleet.vt_seen,
             "train_wall_s": round(fleet.vt_train_s, 3),
         }
     }

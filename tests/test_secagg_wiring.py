@@ -544,9 +544,9 @@ def test_a_disabled_section_changes_neither_digest_nor_job_document():
     assert doc["secure_aggregation"]["enabled"] is True
 
 
-def test_auto_clock_is_wall_time_under_secure_aggregation():
-    cfg = config(**{"fleet.profile": "phone-fleet"})
-    assert cfg.fleet.clock == "wall" and not cfg.fleet.virtual
+def test_auto_clock_is_virtual_time_under_secure_aggregation_too():
+    """Secure rounds' phase deadlines are simulated seconds (tests/test_secagg_virtual.py)."""
+    assert config(**{"fleet.profile": "phone-fleet"}).fleet.virtual
     assert load_config(None, {"fleet.profile": "phone-fleet"}).fleet.virtual
 
 
@@ -559,7 +559,6 @@ def test_auto_clock_is_wall_time_under_secure_aggregation():
         ),
         ({"rounds.mode": "fedbuff"}, "rounds.mode = 'fedbuff': secure aggregation runs sync"),
         ({"ingest.workers": 2}, "ingest.workers = 2: secure rounds are ingested by one"),
-        ({"fleet.clock": "virtual"}, "fleet.clock = 'virtual': secure rounds run on real"),
         ({"compression.uplink": "q8"}, "compression.uplink = 'q8': a masked input"),
         (
             {"secure_aggregation.neighbours": 2, "secure_aggregation.threshold": 2},

@@ -299,15 +299,28 @@ class Fleet:
                     self._inbox(agent, message)
 
     def _inbox(self, agent: DeviceAgent, message: aiomqtt.Message) -> bool:
-        """A message on ``agent``'s inbox, handed to it (True), or not one (False)."""
+        """A message on ``agent``'s inbox, handed to it (True), or not one (False). Virtual
+        time: counted on arrival (the aggregator counts what it publishes) and handed over at
+        the simulated time of the grant that counts it."""
         if not message.topic.matches(self.topics.inbox(agent.device_id)):
             return False
         payload = message.payload
-        device = agent.device_id
-        live = device not in self.crashed and device not in self.unavailable
-        if isinstance(payload, bytes | bytearray) and payload and live:
-            self._hand(agent, InboxArrived(bytes(payload)), 0)
+        if not isinstance(payload, bytes | bytearray) or not payload:
+            return True
+        if self.virtual:
+            if message.retain:
+                return True  # none are retained; an earlier run's would not be this run's
+            self.vt_seen += 1
+            self._vt_seen_changed.set()
+            self._vt_deliveries.append(("inbox", (agent, bytes(payload)), 0))
+            return True
+        self._hand_inbox(agent, bytes(payload))
         return True
+
+    def _hand_inbox(self, agent: DeviceAgent, payload: bytes) -> None:
+        device = agent.device_id
+        if device not in self.crashed and device not in self.unavailable:
+            self._hand(agent, InboxArrived(payload), 0)
 
     def wire_round(self) -> dict[str, int]:
         """Wire bytes of every device since the previous call: sums, the link model's IP
@@ -728,7 +741,10 @@ class Fleet:
         self._hand_over(kind, msg, model_bytes)
 
     def _hand_over(self, kind: str, msg: object, model_bytes: int) -> None:
-        if kind == "model":
+        if kind == "inbox":
+            agent, payload = msg  # type: ignore[misc]
+            self._hand_inbox(agent, payload)
+        elif kind == "model":
             assert isinstance(msg, GlobalModel)
             self.hand_out(msg, model_bytes)
         else:
@@ -773,7 +789,7 @@ class Fleet:
                 continue
             if self._vt_deliveries:
                 clock.move_to(t)
-                deliveries, self._vt_deliveries = self._vt_deliveries, []
+                deliveries, self._vt_deliveries = _in_order(self._vt_deliveries), []
                 for kind, msg, model_bytes in deliveries:
                     self._hand_over(kind, msg, model_bytes)
                 await self._quiet()
@@ -989,6 +1005,21 @@ class Fleet:
             await self.disconnect_all()
             await self.keepalive.close()
             self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _in_order(deliveries: list[tuple[str, object, int]]) -> list[tuple[str, object, int]]:
+    """The aggregator's messages for one simulated time in an order no session race decides:
+    the shared downlink's (one session: the broker's order) first, then the devices' inboxes
+    by device id, each device's own in its session's order (a stable sort)."""
+
+    def key(delivery: tuple[str, object, int]) -> tuple[int, str]:
+        kind, msg, _ = delivery
+        if kind != "inbox":
+            return (0, "")
+        agent, _payload = msg  # type: ignore[misc]
+        return (1, agent.device_id)
+
+    return sorted(deliveries, key=key)
 
 
 def _retrieved(task: asyncio.Task) -> None:

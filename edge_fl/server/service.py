@@ -137,8 +137,8 @@ class AggregatorService:
             raise ValueError("virtual time runs without ingest workers (ingest.workers = 0)")
         if virtual_time and core.current is not None:
             raise ValueError("virtual time cannot resume an open round (run it again instead)")
-        if core.secure is not None and (virtual_time or sharding is not None):
-            raise ValueError("secure aggregation runs without virtual time and ingest workers")
+        if core.secure is not None and sharding is not None:
+            raise ValueError("secure aggregation runs without ingest workers")
         #: secure aggregation (``core.secure_round``): ``secure_observer(label, vector)`` sees
         #: every vector a session holds (tests)
         self.secure_observer: Callable[[str, Any], None] | None = None
@@ -319,6 +319,7 @@ class AggregatorService:
                     client.publish(self.topics.inbox(effect.device), effect.payload, qos=1)
                 )
                 task.add_done_callback(_retrieved)
+                self._vt_published()  # virtual time: the fleet counts it on the device's session
         if deliveries or sr.finished:
             self._wake.set()
 
