@@ -742,7 +742,8 @@ class Fleet:
 
     def _hand_over(self, kind: str, msg: object, model_bytes: int) -> None:
         if kind == "inbox":
-            agent, payload = msg  # type: ignore[misc]
+            assert isinstance(msg, tuple)
+            agent, payload = msg
             self._hand_inbox(agent, payload)
         elif kind == "model":
             assert isinstance(msg, GlobalModel)
@@ -1016,8 +1017,8 @@ def _in_order(deliveries: list[tuple[str, object, int]]) -> list[tuple[str, obje
         kind, msg, _ = delivery
         if kind != "inbox":
             return (0, "")
-        agent, _payload = msg  # type: ignore[misc]
-        return (1, agent.device_id)
+        assert isinstance(msg, tuple)
+        return (1, msg[0].device_id)
 
     return sorted(deliveries, key=key)
 
