@@ -53,6 +53,11 @@ class TimerQueue:
             raise ValueError("a timer at NaN")
         heapq.heappush(self._heap, (t, key, next(self._seq), item))
 
+    def bounds(self, where: Any, alive: Any) -> list[float]:
+        """The bounds of the pending entries whose key satisfies ``where(key)`` and whose item
+        (a (value, bound) pair) ``alive(item)``, ascending."""
+        return sorted(item[1] for _t, key, _seq, item in self._heap if where(key) and alive(item))
+
     def entries(self) -> Iterable[tuple[float, Any, Any]]:
         """(time, item's bound, item) of every pending entry whose item is a (value, bound)
         pair, in no particular order."""
@@ -99,6 +104,11 @@ class AggregatorClock:
         self.received = 0
         self.fleet_next = math.inf
         self.fleet_published = 0
+        #: the report's lookahead: pending uploads' earliest times (None: not reported) and the
+        #: earliest status
+        self.fleet_ups: tuple[float, ...] | None = None
+        self.fleet_ups_cut = False  # the fleet had more pending uploads than it listed
+        self.fleet_status = math.inf
         self.pending: Grant | None = None  # granted, not yet answered
         self.answered = False
         self._granted_n: int | None = None  # ``published`` at the last grant
@@ -126,23 +136,43 @@ class AggregatorClock:
         """Whether the fleet has yet to hear of something the aggregator did at ``now``."""
         return self._granted_n is None or self.published != self._granted_n
 
-    def next_time(self, own_next: float, through: bool = False) -> float:
+    def next_time(
+        self, own_next: float, through: bool = False, arrivals: int | None = None
+    ) -> float:
         """The time the next grant would name (``own_next``: the aggregator's next event;
         ``through``: nothing the fleet publishes before ``own_next`` can change a decision
-        before it, so the fleet may carry out all its events up to it in one step)."""
+        before it, so the fleet may carry out all its events up to it in one step;
+        ``arrivals``: no decision changes before that many more updates arrive or a status
+        does, so the grant may go through the time of the fleet's ``arrivals``-th pending
+        upload or its next status, whichever is first, when the fleet reported them)."""
         assert self.now is not None, "virtual time has not started"
         if self.must_exchange():
             return self.now
         if through and not math.isinf(own_next):
             return max(self.now, own_next)
-        return max(self.now, min(own_next, self.fleet_next))
+        t = min(own_next, self.fleet_next)
+        if arrivals is not None and arrivals >= 1 and self.fleet_ups is not None:
+            t = max(t, min(own_next, self.fleet_status, self._nth_upload(arrivals)))
+        return max(self.now, t)
 
-    def grant(self, own_next: float, through: bool = False) -> Grant | None:
+    def _nth_upload(self, arrivals: int) -> float:
+        """The earliest time by which ``arrivals`` more updates can have arrived: each reported
+        upload time is the earliest its work can publish (a dropped one never does: the horizon
+        is then early, never late); fewer reported than needed: they cannot decide (inf),
+        unless the report's list was cut (then the last one reported)."""
+        ups = self.fleet_ups or ()
+        if len(ups) >= arrivals:
+            return ups[arrivals - 1]
+        return ups[-1] if self.fleet_ups_cut else math.inf
+
+    def grant(
+        self, own_next: float, through: bool = False, arrivals: int | None = None
+    ) -> Grant | None:
         """The next grant, or None when neither side has anything pending (nothing can happen).
         A grant that is not answered yet is given again (the same one)."""
         if self.pending is not None:
             return self.pending
-        t = self.next_time(own_next, through)
+        t = self.next_time(own_next, through, arrivals)
         if math.isinf(t):
             return None
         if t == self.now:
@@ -154,7 +184,16 @@ class AggregatorClock:
         self.answered = False
         return self.pending
 
-    def on_report(self, g: int, t: float, fleet_next: float, fleet_published: int) -> bool:
+    def on_report(
+        self,
+        g: int,
+        t: float,
+        fleet_next: float,
+        fleet_published: int,
+        ups: tuple[float, ...] | None = None,
+        status: float = math.inf,
+        ups_cut: bool = False,
+    ) -> bool:
         """The fleet's answer; False (ignored) if it answers no pending grant."""
         p = self.pending
         if p is None or g != p.g or t != p.t:
@@ -166,6 +205,9 @@ class AggregatorClock:
             )
         self.fleet_next = fleet_next
         self.fleet_published = fleet_published
+        self.fleet_ups = ups
+        self.fleet_ups_cut = ups_cut
+        self.fleet_status = status
         self.answered = True
         return True
 

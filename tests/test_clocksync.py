@@ -97,6 +97,46 @@ def test_a_grant_through_goes_past_the_fleets_events_to_the_aggregators_own() ->
     assert c.next_time(math.inf, through=True) == 612.0
 
 
+def test_a_sync_round_is_granted_through_the_arrival_that_can_decide_it() -> None:
+    """The fleet reports when its pending uploads can land at the earliest and its next
+    status: a round that needs 3 more updates is granted through the third upload time, but
+    never past the next status (an offline device can close a round early) or its deadline."""
+    c = started(0.0, fleet_next=10.0)
+    g = c.grant(math.inf)
+    assert g is not None
+    assert c.on_report(g.g, g.t, 10.0, 0, ups=(10.0, 12.0, 15.0, 40.0), status=30.0)
+    c.advance()
+    assert c.next_time(120.0) == 10.0  # without a count: the fleet's next event
+    assert c.next_time(120.0, arrivals=3) == 15.0
+    assert c.next_time(120.0, arrivals=4) == 30.0  # the status comes first
+    assert c.next_time(13.0, arrivals=3) == 13.0  # the deadline comes first
+    assert c.next_time(120.0, arrivals=5) == 30.0  # fewer uploads than needed: up to the status
+    c.published_one()
+    assert c.next_time(120.0, arrivals=3) == 0.0  # a same-time exchange comes first, always
+
+
+def test_a_cut_lookahead_grants_only_through_its_last_upload() -> None:
+    c = started(0.0, fleet_next=1.0)
+    g = c.grant(math.inf)
+    assert g is not None
+    ups = tuple(float(i) for i in range(1, 65))
+    assert c.on_report(g.g, g.t, 1.0, 0, ups=ups, status=math.inf, ups_cut=True)
+    c.advance()
+    assert c.next_time(1000.0, arrivals=100) == 64.0  # more may land before the 100th
+    c2 = started(0.0, fleet_next=1.0)
+    g = c2.grant(math.inf)
+    assert g is not None
+    assert c2.on_report(g.g, g.t, 1.0, 0, ups=ups[:10], status=math.inf)
+    c2.advance()
+    assert c2.next_time(1000.0, arrivals=100) == 1000.0  # 10 pending cannot make 100
+
+
+def test_a_report_without_lookahead_leaves_grants_as_they_were() -> None:
+    c = started(0.0, fleet_next=10.0)
+    answer(c, 10.0, 0)
+    assert c.next_time(120.0, arrivals=3) == 10.0
+
+
 def test_nothing_pending_anywhere_means_no_grant() -> None:
     c = started(0.0)
     answer(c, math.inf, 0)
@@ -192,6 +232,8 @@ def test_clock_messages_round_trip() -> None:
         ClockMessage("grant", g=3, t=28800.25, n=7),
         ClockMessage("report", g=3, t=28800.25, n=12, next=28801.5, seen=7),
         ClockMessage("ready", g=0, t=28800.0, n=30, next=math.inf, seen=0),
+        ClockMessage("report", g=4, t=5.0, n=1, next=6.0, seen=2, ups=(6.0, 6.0, 9.5), st=7.0),
+        ClockMessage("report", g=4, t=5.0, n=1, next=6.0, seen=2, ups=(), st=math.inf),
         ClockMessage("gone"),
     ):
         assert decode_clock(msg.encode()) == msg
@@ -210,6 +252,14 @@ def test_clock_messages_round_trip() -> None:
         b'{"v": 1, "k": "grant", "g": 1, "t": NaN, "n": 0}',
         b'{"v": 1, "k": "grant", "g": 1, "t": 0, "n": true}',
         b'{"v": 1, "k": "report", "g": 1, "t": 0, "n": 0, "next": "soon", "seen": 0}',
+        b'{"v": 1, "k": "report", "g": 1, "t": 0, "n": 0, "next": 1, "seen": 0, "ups": [2, 1]}',
+        b'{"v": 1, "k": "report", "g": 1, "t": 0, "n": 0, "next": 1, "seen": 0, "ups": 3}',
+        b'{"v": 1, "k": "report", "g": 1, "t": 0, "n": 0, "next": 1, "seen": 0, "ups": ['
+        + b",".join([b"1"] * 65)
+        + b"]}",
+        b'{"v": 1, "k": "report", "g": 1, "t": 0, "n": 0, "next": 1, "seen": 0, "ups": ["a"]}',
+        b'{"v": 1, "k": "report", "g": 1, "t": 0, "n": 0, "next": 1, "seen": 0, "ups": [],'
+        b' "st": "x"}',
     ],
 )
 def test_malformed_clock_messages_are_refused(data: bytes) -> None:

@@ -207,3 +207,30 @@ def test_the_aggregator_ends_the_job_when_the_simulated_fleet_leaves(mosquitto, 
     assert "the simulated fleet left" in stderr
     summary = json.loads((out / "summary.json").read_text())
     assert summary["ended_early"] == "the simulated fleet left (virtual time)"
+
+
+def test_a_sync_round_granted_through_its_deciding_arrival_keeps_every_record(
+    profile_path, tmp_path, monkeypatch
+):
+    """The fleet's lookahead (when its pending uploads can land, its next status) lets a sync
+    round be granted through the arrival that can decide it instead of one grant per upload
+    time: the same records, fewer grants."""
+    from edge_fl.server.aggregator import AggregatorCore
+
+    cfg = config(
+        profile_path,
+        **{
+            "rounds.mode": "sync",
+            "rounds.clients_per_round": 6,
+            "rounds.over_selection": 1.5,
+            "rounds.rounds": 6,
+        },
+    )
+    ahead = run_simulation(cfg, tmp_path / "ahead")
+    monkeypatch.setattr(AggregatorCore, "arrivals_to_decide", lambda self: None)
+    each = run_simulation(cfg, tmp_path / "each")
+    a, b = records(tmp_path / "ahead"), records(tmp_path / "each")
+    assert len(a) == 6 and ahead.summary["rounds_closed"] == 6
+    assert first_difference(a, b, WALL_FIELDS) is None
+    assert (ahead.params == each.params).all()
+    assert ahead.summary["virtual_time"]["grants"] < each.summary["virtual_time"]["grants"]

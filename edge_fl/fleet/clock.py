@@ -18,7 +18,8 @@ from __future__ import annotations
 import asyncio
 import math
 import time
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
+from typing import Any
 
 from edge_fl.clocksync import TimerQueue
 
@@ -120,6 +121,11 @@ class VirtualClock:
         """The earliest simulated time anything waiting on this clock can publish (inf: none),
         unless something from outside (a model, a dispatch) sets new work off first."""
         return min((b for t, b, item in self.queue.entries() if _alive(item)), default=math.inf)
+
+    def output_bounds(self, where: Callable[[Any], bool]) -> list[float]:
+        """The earliest publication time of each pending timer whose key satisfies ``where``,
+        ascending (the lookahead a report carries)."""
+        return self.queue.bounds(where, _alive)
 
     def fire_due(self, until: float) -> bool:
         """Wake every timer at the earliest pending time if it is <= ``until`` (the clock moves

@@ -39,6 +39,7 @@ import asyncio
 import contextlib
 import gc
 import logging
+import math
 import socket
 import time
 from collections import deque
@@ -71,7 +72,13 @@ from edge_fl.fleet.clock import SimClock, VirtualClock
 from edge_fl.fleet.keepalive import SharedKeepalive
 from edge_fl.fleet.profiles import AlwaysAvailable, DeviceProfile
 from edge_fl.protocol import GlobalModel, Topics
-from edge_fl.protocol.clock import ClockMessage, ClockMessageError, clock_topic, decode_clock
+from edge_fl.protocol.clock import (
+    UPS_MAX,
+    ClockMessage,
+    ClockMessageError,
+    clock_topic,
+    decode_clock,
+)
 from edge_fl.protocol.messages import Dispatch
 from edge_fl.secagg.driver import VANISH as PHASES  # the phases a device can vanish before
 from edge_fl.transport import client_adapter
@@ -87,6 +94,10 @@ from edge_fl.transport.wire import (
     packet_counts,
     percentiles,
 )
+
+#: the second half of a device's timer key: its availability changes (statuses) come before its
+#: own work (download, compute, upload) at the same simulated time
+STATUS, WORK = 0, 1
 
 log = logging.getLogger("edge_fl.fleet")
 T = TypeVar("T")
@@ -476,7 +487,9 @@ class Fleet:
             lead = profile.upload_time(0)
             if self.machine_samples_per_s is None:
                 lead += profile.compute_time(agent.n_samples, agent.training.epochs)
-            await self.clock.sleep(profile.download_time(model_bytes), key=(device, 1), lead=lead)
+            await self.clock.sleep(
+                profile.download_time(model_bytes), key=(device, WORK), lead=lead
+            )
         if device in self.unavailable or device in self.crashed:
             return Trained(msg, None)  # gone before it could train: the round stays unanswered
         loop = asyncio.get_running_loop()
@@ -509,14 +522,14 @@ class Fleet:
         if profile is not None:
             await self.clock.sleep(
                 self._compute_time(agent, profile),
-                key=(device, 1),
+                key=(device, WORK),
                 lead=profile.upload_time(0),  # the upload's latency, at least, comes next
             )
         if self._drops(agent, profile) or device in self.unavailable:
             self.dropouts += 1
             return Uploaded(effect.round, dropped=True)
         if profile is not None:
-            await self.clock.sleep(profile.upload_time(len(effect.payload)), key=(device, 1))
+            await self.clock.sleep(profile.upload_time(len(effect.payload)), key=(device, WORK))
         if device in self.crashed:
             return Uploaded(effect.round, dropped=True)
         client = self.clients.get(device)
@@ -646,7 +659,7 @@ class Fleet:
                 except aiomqtt.MqttError:
                     self._session_lost.set()
             # key: a device's availability change comes before its own work at the same time
-            await self.clock.sleep_until(model.next_change(t), key=(agent.device_id, 0))
+            await self.clock.sleep_until(model.next_change(t), key=(agent.device_id, STATUS))
 
     def _start_availability(self) -> None:
         if not self.clock.modelled:
@@ -799,14 +812,22 @@ class Fleet:
         clock.move_to(t)
 
     def _report(self, kind: str, g: int, t: float) -> bytes:
-        assert isinstance(self.clock, VirtualClock)
+        """A clock report, with its lookahead: when each pending piece of device work can
+        publish its update at the earliest (download, compute and upload timers: key
+        ``(device, WORK)``), and the next status (availability timers: ``(device, STATUS)``)."""
+        clock = self.clock
+        assert isinstance(clock, VirtualClock)
+        ups = clock.output_bounds(lambda key: key[1] == WORK)
+        statuses = clock.output_bounds(lambda key: key[1] == STATUS)
         return ClockMessage(
             kind,
             g=g,
             t=t,
             n=self.vt_published,
-            next=self.clock.next_output(),
+            next=clock.next_output(),
             seen=self.vt_seen,
+            ups=tuple(ups[:UPS_MAX]),
+            st=statuses[0] if statuses else math.inf,
         ).encode()
 
     async def _await_seen(self, n: int) -> None:

@@ -15,7 +15,11 @@ still send. Two topics, QoS 1, never retained, JSON objects:
   downlink subscribed), none of its devices publishes before X unless an aggregator message
   sets new work off (``null``: nothing pending), its devices have
   published N updates and statuses since they connected, and it has received S of the
-  aggregator's messages. ``"k": "gone"`` (the fleet's last will, or its leaving) ends virtual time.
+  aggregator's messages. Optional lookahead: ``"ups": [U1, U2, ...]`` (ascending, at most
+  :data:`UPS_MAX`) the earliest time each pending piece of device work can publish an update,
+  and ``"st": Y`` the earliest time any device publishes a status (``null``: none); a sync round
+  can then be granted through the time its decision can first change (docs/protocol.md).
+  ``"k": "gone"`` (the fleet's last will, or its leaving) ends virtual time.
 
 Ordering rule: each side waits until it has *received* as many of the other's messages as the
 other announced (counts, not MQTT order across sessions), then acts at the announced time.
@@ -30,6 +34,8 @@ from dataclasses import dataclass
 
 VERSION = 1
 KINDS = ("grant", "ready", "report", "gone")
+#: at most this many upload times in a report's lookahead
+UPS_MAX = 64
 
 
 def clock_topic(base: str, side: str) -> str:
@@ -51,6 +57,8 @@ class ClockMessage:
     n: int = 0
     next: float = math.inf  # reports: the fleet's earliest pending event (inf: none)
     seen: int = 0  # reports: aggregator messages received
+    ups: tuple[float, ...] | None = None  # reports: pending uploads' earliest times (None: unsaid)
+    st: float = math.inf  # reports: the earliest status publication (inf: none)
 
     def encode(self) -> bytes:
         body: dict[str, object] = {"v": VERSION, "k": self.kind, "g": self.g, "t": self.t}
@@ -58,6 +66,9 @@ class ClockMessage:
         if self.kind != "grant":
             body["next"] = None if math.isinf(self.next) else self.next
             body["seen"] = self.seen
+            if self.ups is not None:
+                body["ups"] = list(self.ups)
+                body["st"] = None if math.isinf(self.st) else self.st
         return json.dumps(body, separators=(",", ":")).encode()
 
 
@@ -92,6 +103,16 @@ def decode_clock(data: bytes) -> ClockMessage:
     if kind == "grant":
         return msg
     nxt = body.get("next")
+    ups: tuple[float, ...] | None = None
+    st = math.inf
+    if "ups" in body:
+        raw = body["ups"]
+        if not isinstance(raw, list) or len(raw) > UPS_MAX:
+            raise ClockMessageError(f"clock message: ups is not a list of at most {UPS_MAX}")
+        ups = tuple(_number({"ups": u}, "ups") for u in raw)
+        if list(ups) != sorted(ups):
+            raise ClockMessageError("clock message: ups is not in ascending order")
+        st = math.inf if body.get("st") is None else _number(body, "st")
     return ClockMessage(
         kind,
         g=msg.g,
@@ -99,4 +120,6 @@ def decode_clock(data: bytes) -> ClockMessage:
         n=msg.n,
         next=math.inf if nxt is None else _number(body, "next"),
         seen=_count(body, "seen"),
+        ups=ups,
+        st=st,
     )

@@ -388,6 +388,15 @@ class AggregatorCore:
             )
         return None
 
+    def can_answer(self, devices: Iterable[str]) -> int:
+        """How many of ``devices`` are online and have not stopped (they may still send)."""
+        count = 0
+        for device in devices:
+            rec = self.devices.get(device)
+            if rec is not None and rec.online and rec.stopped is None:
+                count += 1
+        return count
+
     def any_can_answer(self, devices: Iterable[str]) -> bool:
         """Whether one of ``devices`` is online and has not stopped (it may still send)."""
         for device in devices:
@@ -757,6 +766,13 @@ class AggregatorCore:
 
     def decide(self, now: float) -> Decision:
         return self.policy.decide(now)
+
+    def arrivals_to_decide(self) -> int | None:
+        """How many more updates can arrive before one may change :meth:`decide`'s answer
+        (statuses aside), or None: any arrival may (virtual time's lookahead)."""
+        if self.secure_round is not None:
+            return None
+        return self.policy.arrivals_to_decide()
 
     @property
     def deadline(self) -> float | None:

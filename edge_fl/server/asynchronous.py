@@ -502,6 +502,10 @@ class AsyncPolicy:
             return Decision.CLOSE if window.count >= 1 else Decision.SKIP
         return decision
 
+    def arrivals_to_decide(self) -> int | None:
+        """Every arrival may decide (a replacement is dispatched as each update comes)."""
+        return None
+
     def deadline(self) -> float | None:
         """The window's deadline, or the next in-flight timeout if that comes first (the
         service sleeps until it and then calls ``decide``)."""

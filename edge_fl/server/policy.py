@@ -75,6 +75,7 @@ class RoundPolicy(Protocol):
 
     # deciding and dispatching
     def decide(self, now: float) -> Decision: ...
+    def arrivals_to_decide(self) -> int | None: ...
     def deadline(self) -> float | None: ...
     def dispatch(self, now: float) -> GlobalModel | None: ...
     def restore_dispatch(self, version: int, sent: list[str] | tuple[str, ...]) -> None: ...
@@ -253,6 +254,18 @@ class SyncPolicy:
             # deadline cannot add an update
             return Decision.CLOSE if len(rnd.accepted) >= rnd.min_updates else Decision.SKIP
         return decision
+
+    def arrivals_to_decide(self) -> int | None:
+        """Until the deadline, :meth:`decide` changes when the target is reached or when every
+        selected device still to answer is offline: after the smaller of (target - accepted)
+        and (those still to answer that are online) more updates, or on a status. Without a
+        selection (Poisson), any arrival may."""
+        e = self.engine
+        rnd = e.current
+        if rnd is None or not rnd.selected:
+            return None
+        pending = rnd.selected - rnd.accepted - e.refused
+        return max(1, min(rnd.target - len(rnd.accepted), e.can_answer(pending)))
 
     def deadline(self) -> float | None:
         rnd = self.engine.current

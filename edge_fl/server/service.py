@@ -44,7 +44,13 @@ import aiomqtt
 
 from edge_fl.clocksync import AggregatorClock, arrival_order
 from edge_fl.protocol import Reject, Topics, encode_global
-from edge_fl.protocol.clock import ClockMessage, ClockMessageError, clock_topic, decode_clock
+from edge_fl.protocol.clock import (
+    UPS_MAX,
+    ClockMessage,
+    ClockMessageError,
+    clock_topic,
+    decode_clock,
+)
 from edge_fl.protocol.dispatch import encode_dispatch
 from edge_fl.protocol.messages import Dispatch
 from edge_fl.protocol.secure import masked_head, up_kind
@@ -439,7 +445,8 @@ class AggregatorService:
         if msg.kind == "ready" and self._vt_ready is None:
             self._vt_ready = msg
         elif msg.kind == "report":
-            vc.on_report(msg.g, msg.t, msg.next, msg.n)
+            cut = msg.ups is not None and len(msg.ups) >= UPS_MAX
+            vc.on_report(msg.g, msg.t, msg.next, msg.n, msg.ups, msg.st, cut)
         elif msg.kind == "gone":
             self._vt_gone = True
         self._vt_event.set()
@@ -513,10 +520,13 @@ class AggregatorService:
             self._vt_end = r.t + self._vt_limit_s
         log.info("virtual time starts at %.3f s (%d statuses counted)", r.t, r.n)
 
-    async def _vt_step(self, deadline: float | None, through: bool = False) -> None:
+    async def _vt_step(
+        self, deadline: float | None, through: bool = False, arrivals: int | None = None
+    ) -> None:
         """One step of virtual time towards ``deadline`` (None: the next event anywhere):
         grant, wait for the fleet's report and everything it counts, move, take it.
-        ``through``: straight to ``deadline`` (``AggregatorClock.next_time``)."""
+        ``through``: straight to ``deadline``; ``arrivals``: no decision changes before that
+        many more updates or a status (``AggregatorClock.next_time``)."""
         vc = self.vclock
         client = self._client
         assert vc is not None and vc.now is not None
@@ -529,7 +539,7 @@ class AggregatorService:
             return
         if not vc.must_exchange() and own <= vc.now:
             return  # already due
-        grant = vc.grant(own, through)
+        grant = vc.grant(own, through, arrivals)
         if grant is None:
             raise NothingPending(
                 f"virtual time {vc.now:.1f} s: nothing is pending on either side (no device "
@@ -671,7 +681,9 @@ class AggregatorService:
             log.warning("ingest workers %s are not online; starting without them",
                         sorted(want - online))  # fmt: skip
 
-    async def _sleep_until(self, deadline: float | None, through: bool = False) -> None:
+    async def _sleep_until(
+        self, deadline: float | None, through: bool = False, arrivals: int | None = None
+    ) -> None:
         """Wait for a wake-up (update, status, stop) or until ``deadline`` on the loop clock.
 
         A wake-up that came since the last one was consumed (e.g. a stop signal during the
@@ -679,13 +691,13 @@ class AggregatorService:
         is consumed, never before waiting, so none is lost; every caller re-checks its state.
 
         Under virtual time: one step of the clock (``_vt_step``); a stop or the fleet's leaving
-        turns virtual time into real time from the simulated time reached; ``through``: see
-        ``_vt_step``."""
+        turns virtual time into real time from the simulated time reached; ``through`` and
+        ``arrivals``: see ``_vt_step``."""
         if self.virtual:
             if self.stopped is not None or self._vt_gone:
                 self._vt_release("stopped" if self.stopped is not None else "the fleet left")
             else:
-                await self._vt_step(deadline, through)
+                await self._vt_step(deadline, through, arrivals)
                 return
         timeout = None if deadline is None else max(0.0, deadline - self._now())
         with contextlib.suppress(TimeoutError):
@@ -993,7 +1005,7 @@ class AggregatorService:
             if decision in (Decision.WAIT, Decision.EXTEND):
                 if decision is Decision.EXTEND:
                     log.info("round %d short of updates; deadline extended", core.round_number)
-                await self._sleep_until(core.deadline)
+                await self._sleep_until(core.deadline, arrivals=core.arrivals_to_decide())
                 continue
             await self._collect_shares(client)
             record = self._close_round(skipped=decision is Decision.SKIP)
