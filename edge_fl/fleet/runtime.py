@@ -776,10 +776,10 @@ class Fleet:
         """Every device task (download, training, upload, availability) is blocked on the
         virtual clock: nothing more happens until the clock moves."""
         assert isinstance(self.clock, VirtualClock)
-        live = sum(1 for t in self._work if not t.done()) + sum(
-            1 for t in self._clocked if not t.done()
-        )
-        return self.clock.waiting >= live
+        # a task leaves its set in its first done callback and pokes the clock in a later one,
+        # so a finished task still counted here is re-checked when that poke comes (counting
+        # live tasks in the sets instead was a scan of every availability loop per change)
+        return self.clock.waiting >= len(self._work) + len(self._clocked)
 
     async def _quiet(self) -> None:
         assert isinstance(self.clock, VirtualClock)
