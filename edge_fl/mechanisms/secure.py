@@ -91,7 +91,9 @@ class SecureLayout:
     ``length`` integers per device; each at most ``max_int`` in absolute value, unless
     ``modular`` (distributed DP: the noise is unbounded, values are submitted reduced mod
     2^bits and a wrap costs accuracy, never privacy); the sum lives in Z_2^``bits``, wide enough
-    for ``selected`` devices' values (SecAgg's ``RoundParams`` checks it when not modular)."""
+    for ``selected`` devices' values (SecAgg's ``RoundParams`` checks it when not modular; a
+    modular layout's ``max_int`` bounds the values before noise only, so its rounds are built
+    with ``max_int`` 0: a noisy sum beyond selected x ``max_int`` is legitimate)."""
 
     length: int
     max_int: int
