@@ -186,7 +186,9 @@ def one_run(args: argparse.Namespace, population: bool, work: Path) -> dict[str,
                 "deadline_s": 600,
                 "wait_for_devices_s": 600,
             },
-            "fleet": {"profile": "phone-fleet", "start_hour": 8, "dropout": 0.0},
+            # wall clock: virtual time runs one fleet process in lock-step with its aggregator
+            # (several are refused); the phone-fleet profile alone would make it virtual
+            "fleet": {"profile": "phone-fleet", "start_hour": 8, "dropout": 0.0, "clock": "wall"},
         }
         if population:
             cfg["population"] = {"online": args.online}
