@@ -558,7 +558,10 @@ def test_auto_clock_is_wall_time_under_secure_aggregation():
             "privacy.mechanism = 'laplace' cannot run under secure aggregation",
         ),
         ({"rounds.mode": "fedbuff"}, "rounds.mode = 'fedbuff': secure aggregation runs sync"),
-        ({"ingest.workers": 2}, "ingest.workers = 2: secure rounds are ingested by one"),
+        (
+            {"ingest.workers": 2, "ingest.partition": "site", "ingest.spawn": False},
+            "ingest.partition = 'site': secure rounds are sharded over one broker",
+        ),
         ({"fleet.clock": "virtual"}, "fleet.clock = 'virtual': secure rounds run on real"),
         ({"compression.uplink": "q8"}, "compression.uplink = 'q8': a masked input"),
         (
