@@ -148,14 +148,40 @@ def test_two_workers_sum_exactly_what_one_aggregator_sums(mosquitto, tmp_path):
         d for d in (f"d{i:05d}" for i in range(12))
         if vanish.get(d) not in ("advertise", "share", "mask")
     )  # fmt: skip
-    results, inputs = {}, {}
-    for name, workers in (("single", 0), ("sharded", 2)):
-        job = build_job(config(mosquitto, **SMALL, **{
-            "job": f"sas-{uuid.uuid4().hex[:6]}", "ingest.workers": workers,
-        }))  # fmt: skip
-        SecureMean.submitted.clear()
-        results[name] = asyncio.run(run_job(job, tmp_path / name, vanish=vanish, workers=workers))
-        inputs[name] = {key: v.copy() for key, v in SecureMean.submitted.items()}
+    jobs = {
+        name: build_job(
+            config(
+                mosquitto,
+                **SMALL,
+                **{
+                    "job": f"sas-{name[:2]}-{uuid.uuid4().hex[:6]}",  # one length: same bytes
+                    "ingest.workers": workers,
+                },
+            )
+        )
+        for name, workers in (("single", 0), ("sharded", 2))
+    }
+    submitted: dict[tuple[str, str, int], np.ndarray] = {}  # (job, device, round) -> integers
+    encode = SecureMean.secure_encode
+
+    def recording(self, device, msg, layout, seed):
+        values = encode(self, device, msg, layout, seed)
+        submitted[(msg.job, device.device_id, msg.round)] = values.copy()
+        return values
+
+    async def both():  # at once: the two jobs' deadlines run concurrently
+        return await asyncio.gather(*(
+            run_job(job, tmp_path / name, vanish=vanish, workers=job.cfg.ingest.workers)
+            for name, job in jobs.items()
+        ))  # fmt: skip
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(SecureMean, "secure_encode", recording)
+        results = dict(zip(jobs, asyncio.run(both()), strict=True))
+    inputs = {
+        name: {(d, r): v for (j, d, r), v in submitted.items() if j == job.cfg.job}
+        for name, job in jobs.items()
+    }
     single, sharded = results["single"], results["sharded"]
     # the same inputs (reproducible), so the two runs are comparable bit for bit
     assert sorted(inputs["single"]) == sorted(inputs["sharded"])
@@ -375,3 +401,193 @@ def test_a_masked_share_refuses_what_the_session_refuses_and_a_bad_merge_changes
     assert session.counts["masked"] == 0
     session.merge_masked(["d000"], share.sum)
     assert session.counts["masked"] == 1 and session.phase == "masked"
+
+
+def test_the_cli_runs_a_secure_job_with_two_spawned_workers(mosquitto, tmp_path):
+    """`edge-fl aggregator --secure-aggregation --workers 2` (workers spawned, with their keys)
+    and `edge-fl fleet --secure-aggregation`, as separate processes: every round sums."""
+    import json
+
+    from processes import EDGE_FL
+    from processes import run_job as run_processes
+
+    job = f"sac-{uuid.uuid4().hex[:6]}"
+    args = ["--broker", mosquitto.url, "--job", job, "--devices", "8", "--rounds", "2"]
+    args += ["--clients-per-round", "8", "--model", "logreg", "--reproducible"]
+    args += ["--mechanism", "none", "--deadline", "10", "--secure-aggregation"]
+    out = tmp_path / "out"
+    done = run_processes(
+        [EDGE_FL, "aggregator", *args, "--out", str(out), "--workers", "2"],
+        [[EDGE_FL, "fleet", *args]],
+        timeout=120,
+        device_timeout=60,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.device_codes == [0], done.device_errs
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    got = [(r["status"], r["secure"]["outcome"], r["received"], r["workers"]) for r in records]
+    assert got == [("closed", "summed", 8, 2)] * 2, records
+
+
+# ------------------------------------------------------------------ pure: workers and coordinator
+
+
+class Pipeline:
+    """One secure round between SecAgg+ devices, two :class:`IngestWorker` and the coordinator,
+    in memory: device messages go to the worker ``deal(device, kind)`` names, worker messages
+    to the coordinator, inbox messages to the devices (what the broker does)."""
+
+    def __init__(self, n: int = 6, deal=None, absent: tuple[str, ...] = ()) -> None:
+        from edge_fl.job import build_job
+        from edge_fl.protocol import Status, encode_global, encode_status
+        from edge_fl.secagg import DeviceSession
+        from edge_fl.server.sharding import IngestWorker
+
+        self.job = build_job(config(None, **{
+            "data.devices": n, "rounds.clients_per_round": n, "rounds.rounds": 1,
+            "secure_aggregation.min_survivors": 3, "ingest.workers": 2,
+            "secure_aggregation.neighbours": n - 1, "secure_aggregation.threshold": 2,
+        }))  # fmt: skip
+        self.core = self.job.aggregator_core()
+        self.names = ["w0", "w1"]
+        self.workers = {w: IngestWorker(w, self.job.aggregator_core()) for w in self.names}
+        self.devices = [f"d{i:05d}" for i in range(n)]
+        for core in (self.core, *(w.core for w in self.workers.values())):
+            for d in self.devices:
+                core.on_status(d, encode_status(Status(d, True, 10)))
+        self.absent = set(absent)  # hash partition: offline workers (their share is unseen)
+        self.coordinator = Coordinator(self.core, self.names, dealt=not absent)
+        for w in self.names:
+            if w not in self.absent:
+                self.coordinator.worker_online(w)
+        msg = self.core.open_round(0.0)
+        self.control(self.coordinator.open_message(encode_global(msg)))
+        self.sr = self.core.open_secure(0.0)
+        params = self.sr.session.params
+        self.sessions = {d: DeviceSession(d, params) for d in self.devices}
+        rng = np.random.default_rng(1)
+        self.x = {d: rng.integers(-50, 51, params.dim) for d in self.devices}
+        self.deal = deal or (lambda device, kind: self.names[self.devices.index(device) % 2])
+        self.masked_sent = False
+
+    def control(self, payload: bytes) -> None:
+        for worker in self.workers.values():
+            if worker.name in self.absent:
+                continue
+            for kind, data in worker.on_control(payload):
+                self.coordinator.on_message(kind, worker.name, data)
+
+    def up(self, device: str, payload: bytes) -> None:
+        from edge_fl.protocol.secure import up_kind
+
+        worker = self.workers[self.deal(device, up_kind(payload))]
+        if worker.name in self.absent:
+            return  # its share reaches no one
+        worker.on_update(device, payload)
+        progress = worker.progress()
+        if progress is not None:
+            self.coordinator.on_message("progress", worker.name, progress)
+        for d, data in self.coordinator.take_secure():
+            self.inbox(self.sr.receive(d, data, 0.0))
+
+    def inbox(self, deliveries) -> None:
+        from edge_fl.secagg import Send
+
+        if self.sr.phase == "masked" and not self.masked_sent:
+            self.masked_sent = True
+            self.control(self.coordinator.masked_message(self.sr.forwarded, {}))
+        for effect in deliveries:
+            session = self.sessions[effect.device]
+            out = session.receive(effect.payload)
+            if session.phase == "ready":
+                out += session.submit(self.x[effect.device])
+            for sent in out:
+                if isinstance(sent, Send):
+                    self.up(effect.device, sent.payload)
+
+    def run(self, tamper=None) -> tuple[Any, str | None]:
+        """Until the masked phase is merged (or fails) and the round ends; the outcome and
+        the failure reason the coordinator gave, if any."""
+        for d in self.devices:
+            self.up(d, self.sessions[d].advertise().payload)
+        later = 0.0
+        while self.sr.outcome is None and self.sr.phase in ("keys", "shares"):
+            later += 1e6  # devices missing: the phase ends at its deadline
+            self.inbox(self.sr.tick(later))
+        assert self.sr.phase == "masked" and self.coordinator.masked_complete(self.sr.forwarded)
+        self.control(self.coordinator.freeze_message())
+        self.control(self.coordinator.commit_message())
+        if tamper is not None:
+            tamper(self)
+        deliveries, why = self.coordinator.merge_masked(self.sr, 0.0)
+        self.inbox(deliveries)
+        return self.sr.outcome, why
+
+
+def test_the_pipeline_sums_exactly_and_a_copy_on_the_second_worker_is_taken_back():
+    from edge_fl.secagg import Summed
+
+    def deal(device: str, kind: str) -> str:
+        return "w0" if kind != "mx" or device < "d00003" else "w1"
+
+    pipe = Pipeline(deal=deal)
+    w0, w1 = pipe.workers["w0"], pipe.workers["w1"]
+    orig = pipe.up
+
+    def up_twice(device: str, payload: bytes) -> None:  # d00004's mx reaches both workers
+        from edge_fl.protocol.secure import up_kind
+
+        orig(device, payload)
+        if device == "d00004" and up_kind(payload) == "mx":
+            w0.on_update(device, payload)
+            pipe.coordinator.on_message("progress", "w0", w0.progress())
+
+    pipe.up = up_twice
+    outcome, why = pipe.run()
+    assert why is None and isinstance(outcome, Summed)
+    assert outcome.contributors == tuple(pipe.devices)
+    assert np.array_equal(outcome.total, sum(pipe.x.values()))
+    assert pipe.sr.rejected["duplicate"] == 1  # w0's copy, taken back there
+    assert w0.core.releases and w1.core.releases  # each charged what it was dealt
+    released = sorted((d, r, n) for d, r, n in pipe.core.releases)
+    assert released == [(d, 1, SECURE_RELEASE) for d in pipe.devices]  # once each
+
+
+@pytest.mark.parametrize("lie", ["claims w0's devices", "a sum of another width", "lost"])
+def test_a_partial_that_does_not_reconcile_or_a_lost_worker_fails_the_round(lie):
+    """w1's partial (as the coordinator holds it after the commit) claims devices the
+    coordinator gave w0, or carries a sum of another ring; or w1's last will came: nothing is
+    merged, the coordinator says why, and the session takes no masked input; every device of
+    U2 is charged once."""
+
+    def tamper(pipe: Pipeline) -> None:
+        partial = pipe.coordinator.round.partials["w1"]
+        if lie == "claims w0's devices":
+            partial["a"] = list(pipe.devices)
+        elif lie == "a sum of another width":
+            partial["s"] = {"y": partial["s"]["y"][:-1], "b": partial["s"]["b"]}
+        else:
+            pipe.coordinator.worker_offline("w1")
+
+    pipe = Pipeline()
+    outcome, why = pipe.run(tamper=tamper)
+    assert outcome is None and why is not None and "w1" in why, why
+    assert pipe.sr.session.counts["masked"] == 0
+    assert "w0" not in why
+    released = sorted((d, r, n) for d, r, n in pipe.core.releases)
+    assert released == [(d, 1, SECURE_RELEASE) for d in pipe.devices]
+
+
+def test_a_hash_worker_offline_since_the_round_opened_only_drops_its_devices():
+    """Hash partition, w1 offline when the round opens: its devices' messages reach no one, so
+    they drop out of the round at its first phase; the round sums the other devices exactly
+    (failing it would buy nothing) and the record names w1."""
+    from edge_fl.secagg import Summed
+
+    pipe = Pipeline(absent=("w1",))
+    outcome, why = pipe.run()
+    assert why is None and isinstance(outcome, Summed)
+    mine = tuple(d for i, d in enumerate(pipe.devices) if i % 2 == 0)  # dealt to w0
+    assert outcome.contributors == mine
+    assert np.array_equal(outcome.total, sum(pipe.x[d] for d in mine))
+    assert pipe.coordinator.end_secure()["workers_missing"] == ["w1"]

@@ -315,8 +315,7 @@ class AggregatorService:
         sharding = self.sharding
         if sharding is not None and sr.phase == "masked" and sharding.wants_masked():
             # the workers learn U2 before any device can send a masked input (same connection)
-            commitments = sr.commitments() if self.core.secure.device_key is not None else {}
-            control = sharding.masked_message(sr.forwarded, commitments)
+            control = self._masked_control(sr)
             if client is not None:
                 task = asyncio.get_running_loop().create_task(
                     client.publish(self.topics.ingest_control, control, qos=1)
@@ -645,6 +644,11 @@ class AggregatorService:
             if self._open_control is None or self.sharding.round is None:
                 self._open_control = self.sharding.open_message(self._global_payload)
             await client.publish(self.topics.ingest_control, self._open_control, 1, retain=True)
+            sr = self.core.secure_round
+            if sr is not None and sr.outcome is None and self._masked_by_workers(sr):
+                # a reconnect in the masked phase: what the workers missed (a worker drops a
+                # copy it has)
+                await client.publish(self.topics.ingest_control, self._masked_control(sr), 1)
         await client.publish(self.topics.global_model, self._global_payload, qos=1, retain=True)
         self._vt_published()
 
@@ -661,6 +665,12 @@ class AggregatorService:
             await self._await_workers(sr.unfrozen)
             await client.publish(control, sharding.commit_message(), qos=1)
             await self._await_workers(sr.unmerged)
+
+    def _masked_control(self, sr: SecureRound) -> bytes:
+        """Sharded ingest: the ``masked`` control message of the secure round (U2, and the
+        seed commitments when devices sign)."""
+        commitments = sr.commitments() if self.core.secure.device_key is not None else {}
+        return self.sharding.masked_message(sr.forwarded, commitments)
 
     def _masked_by_workers(self, sr: SecureRound) -> bool:
         """Sharded ingest: the secure round is in its masked phase, which the workers hold."""

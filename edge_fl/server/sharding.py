@@ -880,6 +880,8 @@ class ShardedRound:
     partials: dict[str, dict[str, Any]] = field(default_factory=dict)
     collecting: bool = False  # freeze sent: a worker coming online now has no share of it
     masked: bool = False  # a secure round: its ``masked`` control message went out
+    #: hash partition: offline when the round opened (its devices' messages reach no one)
+    absent: set[str] = field(default_factory=set)
 
     def unfrozen(self) -> set[str]:
         return self.workers - self.frozen - self.lost
@@ -948,6 +950,7 @@ class Coordinator:
         self.round = ShardedRound(core.current.number, workers)
         if not self.dealt:  # an offline worker's devices go unseen: its share is lost already
             self.round.lost = workers - self.online
+            self.round.absent = set(self.round.lost)
         return self._control("open", r=core.current.number, g=global_payload, b=bound, h=hold,
                              c=round_sample_cap(core.strategy), e=self.epoch)  # fmt: skip
 
@@ -1152,7 +1155,9 @@ class Coordinator:
         dim = core.secure.layout.length
         total = np.zeros(dim, dtype=np.uint64)
         devices: list[str] = []
-        bad: dict[str, str] = {w: "lost (went offline)" for w in sorted(sr.lost)}
+        # a worker offline since the round opened (hash partition) held nothing of it: its
+        # devices' messages reached no one, so they are devices that dropped out
+        bad: dict[str, str] = {w: "lost (went offline)" for w in sorted(sr.lost - sr.absent)}
         for worker in sorted(sr.workers - sr.lost):
             msg = sr.partials.get(worker)
             if msg is None:
@@ -1179,7 +1184,8 @@ class Coordinator:
             secure_round.rejected.update(rejected)
             for _device, reason in sr.left_out.get(worker, ()):
                 secure_round.rejected[str(reason)] += 1
-        self._secure_info = {"workers": len(sr.workers), "workers_missing": sorted(bad),
+        missing = sorted(set(bad) | sr.absent)
+        self._secure_info = {"workers": len(sr.workers), "workers_missing": missing,
                              **self._refusals()}  # fmt: skip
         self.round = None
         if bad:
@@ -1217,8 +1223,8 @@ class Coordinator:
         is dropped with their next ``open``; its masked inputs were charged as they came."""
         info, self._secure_info = self._secure_info, {}
         if self.round is not None:
-            info = {"workers": len(self.round.workers), "workers_missing": [],
-                    **self._refusals()}  # fmt: skip
+            info = {"workers": len(self.round.workers),
+                    "workers_missing": sorted(self.round.lost), **self._refusals()}  # fmt: skip
             self.round = None
         return info
 
