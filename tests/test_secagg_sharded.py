@@ -134,8 +134,9 @@ SMALL = {
 def test_two_workers_sum_exactly_what_one_aggregator_sums(mosquitto, tmp_path):
     """12 devices, one round: one vanishes before advertising, one before sharing, two after
     their shares went out but before masking (their pairwise masks must be removed), two after
-    masking (before unmasking). Run once with one aggregator and once with 2 ingest workers
-    (shared subscription): the devices submit the same integers, both unmask the same sum, bit
+    masking (before unmasking). Two jobs at once on one broker, one with one aggregator, one
+    with 2 ingest workers (shared subscription): the devices submit the same integers (recorded
+    per job), both unmask the same sum, bit
     for bit the sum of the contributors' integers, the models are equal bit for bit and the
     ledger charges exactly the devices whose masked input arrived (once each)."""
     from edge_fl.job import build_job
