@@ -632,9 +632,12 @@ def secure_refusal(cfg: JobConfig, mechanism: Mechanism) -> str | None:
         )
     if cfg.privacy.poisson_selection:
         return "privacy.poisson_selection: a secure round needs its roster in the global message"
-    if cfg.ingest.workers:
+    if cfg.ingest.workers and cfg.ingest.partition == "site":
+        # workers sum the masked inputs (shared or hash partition: docs/protocol.md, "Ingest
+        # workers"); site brokers would also need every device's inbox bridged down to them
         return (
-            f"ingest.workers = {cfg.ingest.workers}: secure rounds are ingested by one aggregator"
+            "ingest.partition = 'site': secure rounds are sharded over one broker (shared or "
+            "hash partition)"
         )
     if cfg.compression.uplink is not None:
         return (

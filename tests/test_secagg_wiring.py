@@ -558,7 +558,10 @@ def test_auto_clock_is_virtual_time_under_secure_aggregation_too():
             "privacy.mechanism = 'laplace' cannot run under secure aggregation",
         ),
         ({"rounds.mode": "fedbuff"}, "rounds.mode = 'fedbuff': secure aggregation runs sync"),
-        ({"ingest.workers": 2}, "ingest.workers = 2: secure rounds are ingested by one"),
+        (
+            {"ingest.workers": 2, "ingest.partition": "site", "ingest.spawn": False},
+            "ingest.partition = 'site': secure rounds are sharded over one broker",
+        ),
         ({"compression.uplink": "q8"}, "compression.uplink = 'q8': a masked input"),
         (
             {"secure_aggregation.neighbours": 2, "secure_aggregation.threshold": 2},

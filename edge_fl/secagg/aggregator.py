@@ -13,7 +13,8 @@ the session materialises (tests/test_secagg.py proves none is an individual inpu
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections import deque
+from collections.abc import Callable, Container, Iterable, Sequence
 
 import numpy as np
 
@@ -147,28 +148,14 @@ class AggregatorSession:
         return None
 
     def _on_masked(self, device: str, msg: M.Message) -> str | None:
-        p = self.params
-        if msg.body["b"] != p.bits:
-            return f"bit width {msg.body['b']}, the round's is {p.bits}"
-        b = msg.body
-        why = self._check_signature(
-            device,
-            b["sig"],
-            M.masked_body(
-                p.job, p.round, p.nonce, device, self._adverts[device][2], b["m"], b["y"]
-            ),
-        )
-        if why is not None:
-            return why
-        # the device masked against exactly the neighbours whose shares it was forwarded, or
-        # the pairwise masks would not cancel (a broker that dropped a forwarded share)
-        if b["m"] != M.bitmap([v in self._sealed for v in self._near[device]]):
-            return "its mask set is not the neighbours the aggregator forwarded shares from"
-        y = P.unpack(msg.body["y"], p.dim, p.bits)
-        if y is None:
-            return f"'y' is not {p.dim} values of Z_2^{p.bits} in {p.vector_bytes} bytes"
+        y = open_masked(
+            self.params, device, msg, self._near[device], self._sealed,
+            self._adverts[device][2], self._device_key,
+        )  # fmt: skip
+        if isinstance(y, str):
+            return y
         self._sum += y
-        self._sum &= P.ring_mask(p.bits)
+        self._sum &= P.ring_mask(self.params.bits)
         del y  # folded: the session keeps no individual vector, masked or not
         self._survivors.append(device)
         self._notify("masked_sum", self._sum)
@@ -195,6 +182,35 @@ class AggregatorSession:
         """Each device whose keys were accepted: its seed commitment ``bh`` (what its signed
         ``mx`` covers)."""
         return {device: advert[2] for device, advert in self._adverts.items()}
+
+    @property
+    def forwarded(self) -> frozenset[str]:
+        """U2 once the masked phase began: the devices whose shares were forwarded, whose
+        masked inputs the round waits for (what a sharded ingest worker checks ``m`` against)."""
+        return frozenset(self._sealed) if self.phase in ("masked", "unmask") else frozenset()
+
+    def merge_masked(self, devices: Sequence[str], total: np.ndarray) -> list[Effect]:
+        """Masked inputs checked and summed elsewhere (sharded ingest workers, each with a
+        :class:`MaskedShare` of this round): ``total`` is the sum in Z_2^b of the masked inputs
+        of ``devices``, added to the running sum as if each had come here. ValueError (nothing
+        changed) unless the round is in its masked phase, each device is one it still waits
+        for (in U2, not yet delivered), and ``total`` is a vector of the ring."""
+        p = self.params
+        if self.phase != "masked":
+            raise ValueError(f"masked inputs merged while the round is in {self.phase}")
+        names = list(devices)
+        if len(set(names)) != len(names) or not set(names) <= self._waiting:
+            raise ValueError("merged masked inputs name a device twice or one not waited for")
+        vec = np.asarray(total)
+        if vec.shape != (p.dim,) or vec.dtype != np.uint64 or (vec & ~P.ring_mask(p.bits)).any():
+            raise ValueError(f"a merged masked sum is {p.dim} values of Z_2^{p.bits}")
+        self._sum += vec
+        self._sum &= P.ring_mask(p.bits)
+        self._survivors.extend(names)
+        self._waiting -= set(names)
+        if names:
+            self._notify("masked_sum", self._sum)
+        return self.close_phase() if not self._waiting else []
 
     def _check_signature(self, device: str, sig: bytes | None, body: bytes) -> str | None:
         verifier = self._device_key(device) if self._device_key is not None else None
@@ -311,3 +327,115 @@ class AggregatorSession:
     def _notify(self, label: str, vec: np.ndarray) -> None:
         if self._observe is not None:
             self._observe(label, vec.copy())
+
+
+def open_masked(
+    params: RoundParams,
+    device: str,
+    msg: M.Message,
+    near: Sequence[str],
+    forwarded: Container[str],
+    commitment: bytes,
+    device_key: Callable[[str], Verifies | None] | None,
+) -> np.ndarray | str:
+    """A masked input (an ``mx`` of ``device``, decoded, of this round) checked: its bit
+    width, its signature (with ``device_key``: over ``commitment``, its ``ak``'s ``bh``), its
+    mask set (exactly the neighbours in ``near`` whose shares were forwarded: U2), its vector.
+    The vector in Z_2^b, or why it is refused. The one check of a single aggregator's session
+    and of a sharded worker's :class:`MaskedShare`."""
+    p = params
+    b = msg.body
+    if b["b"] != p.bits:
+        return f"bit width {b['b']}, the round's is {p.bits}"
+    verifier = device_key(device) if device_key is not None else None
+    if verifier is not None:
+        body = M.masked_body(p.job, p.round, p.nonce, device, commitment, b["m"], b["y"])
+        if b["sig"] is None or not verifier.verify(body, b["sig"]):
+            return "not signed by the device's key"
+    # the device masked against exactly the neighbours whose shares it was forwarded, or
+    # the pairwise masks would not cancel (a broker that dropped a forwarded share)
+    if b["m"] != M.bitmap([v in forwarded for v in near]):
+        return "its mask set is not the neighbours the aggregator forwarded shares from"
+    y = P.unpack(b["y"], p.dim, p.bits)
+    if y is None:
+        return f"'y' is not {p.dim} values of Z_2^{p.bits} in {p.vector_bytes} bytes"
+    return y
+
+
+#: masked inputs a :class:`MaskedShare` keeps (their bytes) to take one back
+RECENT = 256
+
+
+class MaskedShare:
+    """One sharded ingest worker's part of a round's masked phase: the masked inputs it is
+    dealt, checked as the round's :class:`AggregatorSession` checks them (:func:`open_masked`)
+    and summed in Z_2^b; the coordinator merges the shares' sums into its session
+    (:meth:`AggregatorSession.merge_masked`). Modular addition is associative and
+    commutative, so the merged sum is bit for bit the one a single session would hold.
+
+    ``forwarded``: U2 (the devices whose shares the round forwarded), ``commitments``: each
+    one's seed commitment (its ``ak``'s ``bh``: what its signed ``mx`` covers)."""
+
+    def __init__(
+        self,
+        params: RoundParams,
+        forwarded: Iterable[str],
+        commitments: dict[str, bytes],
+        device_key: Callable[[str], Verifies | None] | None = None,
+    ) -> None:
+        self.params = params
+        self.forwarded = frozenset(forwarded)
+        self.commitments = dict(commitments)
+        self._device_key = device_key
+        self.sum = np.zeros(params.dim, dtype=np.uint64)
+        self.devices: list[str] = []  # summed, in arrival order
+        self.recent: deque[tuple[str, bytes]] = deque(maxlen=RECENT)
+        self.complete = True  # every summed input is still in ``recent``
+
+    def receive(self, device: str, payload: bytes) -> Rejected | None:
+        """An ``mx`` of ``device``: None if summed, else why not (nothing changed)."""
+        p = self.params
+        if device not in self.forwarded:
+            why = "not_selected" if device not in p.roster else "late"
+            return Rejected(device, why, "not a device whose shares the round forwarded")
+        try:
+            msg = M.decode(bytes(payload), p.max_bytes, len(p.graph.neighbours(device)))
+        except PayloadRejected as exc:
+            return Rejected(device, exc.reason.value, exc.detail)
+        if msg.round != p.round or msg.nonce != p.nonce:
+            return Rejected(device, "wrong_nonce", f"round {msg.round} or nonce not this round's")
+        if msg.kind != "mx":
+            return Rejected(device, "wrong_phase", f"{msg.kind!r} is not a masked input")
+        if device in self.devices:
+            return Rejected(device, "duplicate", "a second 'mx' in this phase")
+        near = p.graph.neighbours(device)
+        y = open_masked(p, device, msg, near, self.forwarded,
+                        self.commitments.get(device, b""), self._device_key)  # fmt: skip
+        if isinstance(y, str):
+            return Rejected(device, "bad_masked", y)
+        self.sum += y
+        self.sum &= P.ring_mask(p.bits)
+        del y
+        self.devices.append(device)
+        if len(self.recent) == self.recent.maxlen:
+            self.complete = False
+        self.recent.append((device, bytes(payload)))
+        return None
+
+    def take_back(self, device: str) -> bool:
+        """Subtract ``device``'s masked input again (the coordinator counts another worker's
+        copy); False if it is no longer kept."""
+        p = self.params
+        for i in range(len(self.recent) - 1, -1, -1):
+            who, payload = self.recent[i]
+            if who != device:
+                continue
+            msg = M.decode(payload, p.max_bytes, len(p.graph.neighbours(device)))
+            y = P.unpack(msg.body["y"], p.dim, p.bits)
+            assert y is not None  # it was summed
+            self.sum -= y
+            self.sum &= P.ring_mask(p.bits)
+            del self.recent[i]
+            self.devices.remove(device)
+            return True
+        return False

@@ -206,6 +206,21 @@ class SecureRound:
             self.deadline = self._phase_deadline(self.phase, now)  # never: a closed phase moves
         return out
 
+    @property
+    def forwarded(self) -> frozenset[str]:
+        """U2 from the masked phase on: the devices whose masked inputs the round waits for."""
+        return self.session.forwarded
+
+    def merge_masked(self, devices: list[str], total: Any, now: float) -> list[Deliver]:
+        """Sharded ingest: the masked inputs the workers summed (``total``, in Z_2^b), merged
+        into the session, which then ends its masked phase (the workers' shares are taken
+        once, when the phase ends); the unmask requests to publish. ValueError: nothing merged."""
+        before = self.phase
+        out = self._take(self.session.merge_masked(devices, total), before, now)
+        if self.outcome is None and self.phase == "masked":
+            out += self._take(self.session.close_phase(), "masked", now)
+        return out
+
     def late(self) -> None:
         self.rejected["late"] += 1
 

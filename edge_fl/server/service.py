@@ -143,8 +143,6 @@ class AggregatorService:
             raise ValueError("virtual time runs without ingest workers (ingest.workers = 0)")
         if virtual_time and core.current is not None:
             raise ValueError("virtual time cannot resume an open round (run it again instead)")
-        if core.secure is not None and sharding is not None:
-            raise ValueError("secure aggregation runs without ingest workers")
         #: secure aggregation (``core.secure_round``): ``secure_observer(label, vector)`` sees
         #: every vector a session holds (tests)
         self.secure_observer: Callable[[str, Any], None] | None = None
@@ -318,6 +316,15 @@ class AggregatorService:
         """Publish a secure round's inbox messages (QoS 1, not awaited); a phase that moved or
         ended wakes the round loop."""
         client = self._client
+        sharding = self.sharding
+        if sharding is not None and sr.phase == "masked" and sharding.wants_masked():
+            # the workers learn U2 before any device can send a masked input (same connection)
+            control = self._masked_control(sr)
+            if client is not None:
+                task = asyncio.get_running_loop().create_task(
+                    client.publish(self.topics.ingest_control, control, qos=1)
+                )
+                task.add_done_callback(_retrieved)
         for effect in deliveries:
             self.core.tally.bytes_down += len(effect.payload)
             if client is not None:
@@ -335,6 +342,8 @@ class AggregatorService:
         core = self.core
         wall = time.perf_counter() - self._round_started
         record = core.close_secure(self._now() if now is None else now, wall, why)
+        if self.sharding is not None:
+            record.update(self.sharding.end_secure())
         failed = record.get("secure", {}).get("failed")
         if failed:
             log.warning("round %d: secure aggregation failed in phase %s: %s",
@@ -360,6 +369,8 @@ class AggregatorService:
             for d, r, n in core.releases[before:]:
                 self.journal.append("release", d=d, r=int(r), n=int(n))
                 self.stats["journaled"] += 1
+        for device, data in self.sharding.take_secure():  # keys, shares, unmask answers
+            self._secure_in(device, data)
         self._wake.set()
 
     def _flush(self) -> None:
@@ -642,6 +653,11 @@ class AggregatorService:
             if self._open_control is None or self.sharding.round is None:
                 self._open_control = self.sharding.open_message(self._global_payload)
             await client.publish(self.topics.ingest_control, self._open_control, 1, retain=True)
+            sr = self.core.secure_round
+            if sr is not None and sr.outcome is None and self._masked_by_workers(sr):
+                # a reconnect in the masked phase: what the workers missed (a worker drops a
+                # copy it has)
+                await client.publish(self.topics.ingest_control, self._masked_control(sr), 1)
         await client.publish(self.topics.global_model, self._global_payload, qos=1, retain=True)
         self._vt_published()
 
@@ -650,14 +666,44 @@ class AggregatorService:
         must leave out) and wait for their partials; :meth:`_close` merges what came."""
         sharding = self.sharding
         sr = sharding.round if sharding is not None else None
-        if sr is None or client is None:
-            return
+        if sr is None or client is None or self.core.secure is not None:
+            return  # (a secure round's workers are asked only at its masked phase's end)
         control = self.topics.ingest_control
         with contextlib.suppress(aiomqtt.MqttError):  # a lost broker: merge what came
             await client.publish(control, sharding.freeze_message(), qos=1)
             await self._await_workers(sr.unfrozen)
             await client.publish(control, sharding.commit_message(), qos=1)
             await self._await_workers(sr.unmerged)
+
+    def _masked_control(self, sr: SecureRound) -> bytes:
+        """Sharded ingest: the ``masked`` control message of the secure round (U2, and the
+        seed commitments when devices sign)."""
+        commitments = sr.commitments() if self.core.secure.device_key is not None else {}
+        return self.sharding.masked_message(sr.forwarded, commitments)
+
+    def _masked_by_workers(self, sr: SecureRound) -> bool:
+        """Sharded ingest: the secure round is in its masked phase, which the workers hold."""
+        return self.sharding is not None and sr.phase == "masked"
+
+    async def _collect_masked(self, client: aiomqtt.Client, sr: SecureRound) -> str | None:
+        """A secure round's masked phase ends (every U2 device's masked input summed by some
+        worker, or its deadline): freeze and commit the round on the workers, merge their
+        modular partial sums into the session (its unmask requests go out), or return why the
+        round fails (a worker's share lost)."""
+        sharding = self.sharding
+        shard = sharding.round
+        if shard is not None:
+            control = self.topics.ingest_control
+            with contextlib.suppress(aiomqtt.MqttError):  # a lost broker: merge what came
+                await client.publish(control, sharding.freeze_message(), qos=1)
+                await self._await_workers(shard.unfrozen)
+                await client.publish(control, sharding.commit_message(), qos=1)
+                await self._await_workers(shard.unmerged)
+            deliveries, why = sharding.merge_masked(sr, self._now())
+        else:
+            deliveries, why = [], "the round's workers were not asked (no sharded round)"
+        self._secure_deliver(sr, deliveries)
+        return why
 
     async def _await_workers(self, pending: Callable[[], set[str]]) -> None:
         """Until every worker of the round answered or was lost (went offline), or a timeout."""
@@ -979,13 +1025,22 @@ class AggregatorService:
                 core.tally.bytes_down += len(payload) * core.online_count
             sr = core.secure_round
             if sr is not None:  # a SecAgg+ round: phases end on answers or their deadline
-                if sr.outcome is None:
+                why = None
+                if sr.outcome is None and self._masked_by_workers(sr):
+                    # sharded: the workers hold the masked inputs; ends on all U2 or deadline
+                    if self._now() < sr.deadline and not self.sharding.masked_complete(
+                        sr.forwarded
+                    ):
+                        await self._sleep_until(sr.deadline)
+                        continue
+                    why = await self._collect_masked(client, sr)
+                if sr.outcome is None and why is None:
                     if self._now() >= sr.deadline:
                         self._secure_deliver(sr, sr.tick(self._now()))
                         continue
                     await self._sleep_until(sr.deadline)
                     continue
-                record = self._secure_close()
+                record = self._secure_close(why=why)
                 if core.finished:
                     self._settle(record)
                 self._commit(record)

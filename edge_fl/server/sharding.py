@@ -46,6 +46,16 @@ admitted and stay within the bounds its updates passed (per-update norm bound or
 times their weight). A refused message changes nothing; it is counted (``ingest_refused`` in the
 round's record) and logged once.
 
+Secure rounds (SecAgg+; docs/protocol.md "Ingest workers", "Secure rounds"): a worker hands the
+small SecAgg+ messages (``ak``, ``sh``, ``ua``) to the coordinator in its progress (``sa``),
+whose round session judges them and alone writes the devices' inboxes; the coordinator's
+``masked`` control message (U2, the commitments) lets each worker check and sum the masked
+inputs (``mx``) it is dealt, modulo 2^b (``edge_fl.secagg.aggregator.MaskedShare``), charging
+each as the single aggregator would. At the masked phase's end, freeze and commit return each
+worker's modular partial sum; the coordinator adds them and merges the sum into its session
+(:meth:`Coordinator.merge_masked`): exact, whatever the split. A worker lost by then fails the
+round (never a sum missing inputs whose masks the unmasking removes).
+
 Limits: synchronous rounds with a selection (no Poisson self-selection, no async modes); a
 worker acknowledges an update once folded, so a worker killed mid-round loses its share of that
 round (the single aggregator's journal does not cover workers), and so does a restarted
@@ -70,8 +80,13 @@ import numpy as np
 
 from edge_fl.mechanisms.exact_sum import ExactSum
 from edge_fl.protocol import Reject, Update, decode_global
+from edge_fl.protocol.secure import masked_head, up_kind
+from edge_fl.secagg.aggregator import MaskedShare
+from edge_fl.secagg.primitives import pack as ring_pack
+from edge_fl.secagg.primitives import ring_mask
+from edge_fl.secagg.primitives import unpack as ring_unpack
 
-from .aggregator import DEFERRED, AggregatorCore
+from .aggregator import DEFERRED, SECURE_RELEASE, AggregatorCore
 
 log = logging.getLogger("edge_fl.aggregator")
 
@@ -229,6 +244,27 @@ def _deferred(msg: dict[str, Any]) -> list[list[Any]]:
                 f"a deferred update is [device, round, base version, samples, nonce], got {item!r}"
             )
     return items
+
+
+def _forwarded(msg: dict[str, Any]) -> list[list[Any]]:
+    """A progress message's ``sa``: SecAgg+ messages [device, payload] for the coordinator."""
+    items = msg.get("sa", [])
+    ok = isinstance(items, list) and all(
+        isinstance(x, list) and len(x) == 2 and isinstance(x[0], str) and isinstance(x[1], bytes)
+        for x in items
+    )
+    if not ok:
+        raise ShardingError("a progress message's 'sa' lists [device, payload] pairs")
+    return items
+
+
+def _counts(msg: dict[str, Any], key: str) -> dict[str, int]:
+    value = msg.get(key) or {}
+    if not isinstance(value, dict) or not all(
+        isinstance(k, str) and type(v) is int and v >= 0 for k, v in value.items()
+    ):
+        raise ShardingError(f"ingest message field {key!r} maps reasons to counts")
+    return value
 
 
 def _tally(msg: dict[str, Any]) -> dict[str, Any]:
@@ -484,9 +520,20 @@ class IngestWorker:
         self._accepted: list[str] = []  # since the last progress
         self._refused: list[str] = []
         self._deferred: list[list[Any]] = []
+        # secure rounds (docs/protocol.md, "Ingest workers"): SecAgg+ messages other than
+        # masked inputs go to the coordinator's session; masked inputs are summed here
+        self._forward: list[list[Any]] = []  # [device, payload] since the last progress
+        self._summed: list[str] = []  # masked inputs summed since the last progress
+        self.masked: MaskedShare | None = None  # the mirrored round's share of its masked phase
+        self._masked_round: int | None = None
+        self._early: list[tuple[str, bytes]] = []  # masked inputs before the round's ``masked``
+        self.secure_rejected: Counter[str] = Counter()  # masked inputs refused (this round)
 
     def on_update(self, device: str, payload: bytes) -> Reject | None:
         core = self.core
+        if core.secure is not None and up_kind(payload) is not None:
+            self.on_secure(device, payload)
+            return None
         refused = len(core.refused)
         reason = core.on_update(device, payload)
         if reason is None:
@@ -497,6 +544,76 @@ class IngestWorker:
             self._refused.append(device)
         return reason
 
+    def on_secure(self, device: str, payload: bytes) -> None:
+        """A SecAgg+ message on ``up/<device>``. ``ak``, ``sh``, ``ua``: handed to the
+        coordinator as they are (its session judges them). ``mx``: charged as the single
+        aggregator charges it (it names a round that selected the device, with its nonce),
+        then checked and summed into the round's :class:`MaskedShare`; one that comes before
+        the coordinator's ``masked`` message is kept until it comes."""
+        if up_kind(payload) != "mx":
+            self._forward.append([device, bytes(payload)])
+            return
+        core = self.core
+        core.tally.bytes_up += len(payload)
+        core.tally.messages_up += 1
+        head = masked_head(payload)
+        if head is None:
+            self.secure_rejected["malformed"] += 1
+            return
+        rnd, nonce = head
+        facts = core.round_facts(rnd)
+        if facts is not None and facts[0] == nonce and device in facts[1]:
+            core.charge_secure(device, rnd, payload)  # listed in the next progress (``rel``)
+        current = core.current
+        if current is None or current.number != rnd:
+            self.secure_rejected["late"] += 1  # a closed round's (charged above), or unknown
+        elif self.masked is None or self._masked_round != rnd:
+            if len(self._early) < 2 * len(current.selected):
+                self._early.append((device, bytes(payload)))
+            else:
+                self.secure_rejected["wrong_phase"] += 1
+        else:
+            self._sum_masked(device, payload)
+
+    def _sum_masked(self, device: str, payload: bytes) -> None:
+        assert self.masked is not None
+        rejected = self.masked.receive(device, payload)
+        if rejected is None:
+            self._summed.append(device)
+        else:
+            self.secure_rejected[rejected.reason] += 1
+            log.info("round %s: masked input of %r refused (%s): %s", self._masked_round, device,
+                     rejected.reason, rejected.detail)  # fmt: skip
+
+    def _open_masked(self, msg: dict[str, Any], rnd: int) -> None:
+        """The coordinator's round entered its masked phase: U2 (``u``) and, with device keys,
+        their seed commitments (``c``): this worker checks and sums the masked inputs it is
+        dealt from now on (and those that came before this message)."""
+        core, plan = self.core, self.core.secure
+        if plan is None:
+            raise ShardingError("a 'masked' control message for a job without secure rounds")
+        if self._masked_round == rnd:
+            return  # a re-sent copy
+        forwarded = _names(msg, "u")
+        commitments = msg.get("c") or {}
+        if not isinstance(commitments, dict) or not all(
+            isinstance(k, str) and isinstance(v, bytes) for k, v in commitments.items()
+        ):
+            raise ShardingError("a 'masked' message's 'c' maps devices to commitments")
+        current, facts = core.current, core.round_facts(rnd)
+        if current is None or current.number != rnd or facts is None or facts[0] is None:
+            log.warning("masked phase of round %d: not the round mirrored here", rnd)
+            return
+        if plan.device_key is not None:
+            core.secure_commitments[rnd] = dict(commitments)  # charges check signatures
+        params = plan.params(self.job, rnd, facts[0], tuple(current.selected))
+        self.masked = MaskedShare(params, forwarded, commitments, plan.device_key)
+        self._masked_round = rnd
+        early, self._early = self._early, []
+        for device, payload in early:
+            if masked_head(payload) == (rnd, facts[0]):
+                self._sum_masked(device, payload)
+
     def on_status(self, device: str, payload: bytes) -> None:
         self.core.on_status(device, payload)
 
@@ -506,16 +623,20 @@ class IngestWorker:
         the updates left to the coordinator to judge. None if nothing, unless ``final``."""
         core = self.core
         releases = [[d, int(r), int(n)] for d, r, n in core.releases[self._reported :]]
-        if not (self._accepted or self._refused or releases or self._deferred or final):
+        secure = self._forward or self._summed
+        if not (self._accepted or self._refused or releases or self._deferred or final
+                or secure):  # fmt: skip
             return None
         if rnd is None:
             rnd = self.frozen if final and self.frozen is not None else core.round_number
         self._seq += 1
+        extra: dict[str, Any] = {"sa": self._forward, "sx": self._summed} if secure else {}
         out = self._seal("progress", w=self.name, r=rnd, a=self._accepted, f=self._refused,
-                         z=final, rel=releases, d=self._deferred, i=self._instance,
+                         z=final, rel=releases, d=self._deferred, **extra, i=self._instance,
                          s=self._seq)  # fmt: skip
         self._reported = len(core.releases)
         self._accepted, self._refused, self._deferred = [], [], []
+        self._forward, self._summed = [], []
         return out
 
     def _seal(self, kind: str, **fields: Any) -> bytes:
@@ -536,7 +657,7 @@ class IngestWorker:
         """A coordinator message, checked: kind, seal (this worker's MAC) and freshness (a
         re-sent copy of the open round's ``open`` passes; any other older message is a
         replay). ShardingError if it is not the coordinator's."""
-        msg = unpack(payload, ("open", "freeze", "commit", "end"))
+        msg = unpack(payload, ("open", "masked", "freeze", "commit", "end"))
         verify(payload, msg, self.key, self.job, self.name)
         q = msg.get("q")
         if type(q) is not int:
@@ -561,6 +682,9 @@ class IngestWorker:
         if msg["k"] == "open":
             self._open(msg, rnd)
             return []
+        if msg["k"] == "masked":
+            self._open_masked(msg, rnd)
+            return []
         if msg["k"] == "freeze":
             return self._freeze(rnd)
         return self._commit(rnd, msg)
@@ -581,6 +705,12 @@ class IngestWorker:
         self.frozen, self._opened, self._last_partial, self._reopened = None, None, None, False
         self._reported = 0
         self._accepted, self._refused, self._deferred = [], [], []
+        self._forward, self._summed = [], []
+        self._drop_masked()
+
+    def _drop_masked(self) -> None:
+        self.masked, self._masked_round, self._early = None, None, []
+        self.secure_rejected = Counter()
 
     def _open(self, msg: dict[str, Any], rnd: int) -> None:
         core = self.core
@@ -600,6 +730,8 @@ class IngestWorker:
                                 "selection (Poisson self-selection is not sharded)")  # fmt: skip
         if core.current is not None:  # a round we never saw frozen: it is over
             self._retire()
+        if self._masked_round != rnd:
+            self._drop_masked()  # a secure round's share ends with its round
         bound, hold, cap = msg.get("b"), msg.get("h") is True, open_sample_cap(msg)
         mechanism = core.mechanism
         if getattr(mechanism, "reference", None) is not None:
@@ -669,6 +801,8 @@ class IngestWorker:
             raise ShardingError(f"commit of round {rnd}, but round {self.frozen} is frozen here")
         left_out = set(_names(msg.get("x", {}), self.name) if isinstance(msg.get("x"), dict)
                        else ())  # fmt: skip
+        if core.secure is not None:
+            return self._commit_masked(rnd, left_out)
         strategy = self._recording()
         if strategy is None:  # this worker never mirrored the round: nothing folded
             partial = self._partial(rnd, None, [], None)
@@ -689,9 +823,32 @@ class IngestWorker:
         self._last_partial = (rnd, partial)
         return [("partial", partial)]
 
+    def _commit_masked(self, rnd: int, left_out: set[str]) -> list[tuple[str, bytes]]:
+        """A secure round's partial: the sum in Z_2^b (``s``: ``{"y": the ring's bytes as in
+        an ``mx``, "b": bits}``, nil if this worker summed nothing) of the masked inputs it
+        summed (``a``), what it must leave out taken back first; ``j``: what it refused."""
+        share = self.masked if self._masked_round == rnd else None
+        lost = None
+        if share is not None:
+            unkept = [d for d in sorted(left_out) if not share.take_back(d)]
+            if unkept:
+                lost = f"cannot take back {unkept} (not among the last masked inputs kept)"
+                log.error("round %d: this worker's share is unreliable: %s", rnd, lost)
+        summed = None
+        if share is not None and share.devices and lost is None:
+            summed = {"y": ring_pack(share.sum, share.params.bits), "b": share.params.bits}
+        devices = list(share.devices) if share is not None else []
+        rejected = dict(sorted(self.secure_rejected.items()))
+        partial = self._partial(rnd, summed, devices, lost, j=rejected)
+        self.core.strategy, self.frozen, self._reopened = None, None, False
+        self._drop_masked()
+        self._last_partial = (rnd, partial)
+        return [("partial", partial)]
+
     def _partial(
-        self, rnd: int, strategy: dict[str, Any] | None, devices: list[str], lost: str | None
-    ) -> bytes:
+        self, rnd: int, strategy: dict[str, Any] | None, devices: list[str], lost: str | None,
+        **more: Any,
+    ) -> bytes:  # fmt: skip
         t = self.core.take_tally()
         tally = {
             "bu": t.bytes_up,
@@ -701,7 +858,7 @@ class IngestWorker:
             "cap": t.capped_samples,
             "smp": dict(t.samples),
         }
-        fields: dict[str, Any] = {"s": strategy, "a": devices, "t": tally}
+        fields: dict[str, Any] = {"s": strategy, "a": devices, "t": tally, **more}
         if lost is not None:
             fields["lost"] = lost  # the coordinator treats the share as lost (and charges)
         return self._seal("partial", w=self.name, r=rnd, i=self._instance, **fields)
@@ -722,6 +879,9 @@ class ShardedRound:
     frozen: set[str] = field(default_factory=set)
     partials: dict[str, dict[str, Any]] = field(default_factory=dict)
     collecting: bool = False  # freeze sent: a worker coming online now has no share of it
+    masked: bool = False  # a secure round: its ``masked`` control message went out
+    #: hash partition: offline when the round opened (its devices' messages reach no one)
+    absent: set[str] = field(default_factory=set)
 
     def unfrozen(self) -> set[str]:
         return self.workers - self.frozen - self.lost
@@ -759,6 +919,10 @@ class Coordinator:
         #: mirrored from the same round re-opened by this one (same global message, resumed)
         self.epoch = os.urandom(8)
         self._progress_seen: dict[str, tuple[bytes, int]] = {}  # worker -> (instance, seq)
+        #: SecAgg+ messages the workers handed over, for the service to pass to the round's
+        #: session (:meth:`take_secure`)
+        self.secure_in: list[tuple[str, bytes]] = []
+        self._secure_info: dict[str, Any] = {}  # the merged secure round's record fields
         #: the open round was rebuilt by a resumed coordinator: whatever its earlier workers
         #: held of it is gone (they die with the process that started them), so its merge
         #: charges every selected device as for a lost share
@@ -786,6 +950,7 @@ class Coordinator:
         self.round = ShardedRound(core.current.number, workers)
         if not self.dealt:  # an offline worker's devices go unseen: its share is lost already
             self.round.lost = workers - self.online
+            self.round.absent = set(self.round.lost)
         return self._control("open", r=core.current.number, g=global_payload, b=bound, h=hold,
                              c=round_sample_cap(core.strategy), e=self.epoch)  # fmt: skip
 
@@ -884,6 +1049,7 @@ class Coordinator:
         rnd = _int(msg, "r")
         accepted, refused = _names(msg, "a"), _names(msg, "f")
         releases, deferred = _releases(msg), _deferred(msg)
+        forwarded, summed = _forwarded(msg), _names(msg, "sx")
         self._check_seal(payload, msg, worker)
         instance, seq = msg.get("i"), msg.get("s")
         if isinstance(instance, bytes) and type(seq) is int:
@@ -893,17 +1059,23 @@ class Coordinator:
             self._progress_seen[worker] = (instance, seq)
         core = self.core
         bad = []
+        secure = core.secure is not None
         for device, r, n in releases:
             facts = core.round_facts(r)
-            if facts is None or device not in facts[1] or n < 1:
+            masked = secure and n == SECURE_RELEASE  # a masked input (secure events)
+            if facts is None or device not in facts[1] or (n < 1 and not masked):
                 bad.append([device, r, n])  # not a release the coordinator asked for
             elif not core.is_released(device, r):
-                core.record_release(device, r, core.samples_cap(device, n))
+                core.record_release(device, r, n if masked else core.samples_cap(device, n))
         if bad:
             self.refuse("release", worker, f"{len(bad)} entries name no (round, selected "
                         f"device) the coordinator issued, e.g. {bad[0]}")  # fmt: skip
         for device, r, base, n, nonce in deferred:
             core.judge_deferred(device, r, base, n, nonce)
+        if forwarded and not secure:
+            self.refuse("progress", worker, "SecAgg+ messages in a job without secure rounds")
+        elif forwarded:  # the round's session judges them (round, nonce, phase, sender)
+            self.secure_in.extend((device, data) for device, data in forwarded)
         sr = self.round
         if sr is None or rnd != sr.number or worker not in sr.workers or worker in sr.lost:
             return  # a round already merged, or a share already counted as lost
@@ -920,6 +1092,15 @@ class Coordinator:
             else:
                 sr.owner[device] = worker
                 current.accept(device)
+        for device in summed:  # masked inputs summed (a secure round's masked phase)
+            if current is None or device not in current.selected or not sr.masked:
+                log.error("round %d: worker %r reports a masked input of %r, which the round "
+                          "does not wait for", sr.number, worker, device)  # fmt: skip
+                sr.left_out.setdefault(worker, []).append((device, Reject.NOT_SELECTED))
+            elif device in sr.owner:  # a copy another worker reported first
+                sr.left_out.setdefault(worker, []).append((device, Reject.DUPLICATE))
+            else:
+                sr.owner[device] = worker
         if current is not None:  # only the round's own devices can have answered it
             core.refused.update(d for d in refused if d in current.selected)
         if msg.get("z") is True:
@@ -934,6 +1115,118 @@ class Coordinator:
             log.warning("partial of worker %r for round %r ignored (not awaited)", worker, rnd)
             return
         sr.partials.setdefault(worker, msg)  # a re-sent copy (a re-run collection) changes nothing
+
+    # ---------------------------------------------------------------- secure rounds
+
+    def take_secure(self) -> list[tuple[str, bytes]]:
+        """The SecAgg+ messages workers handed over since the last call (in arrival order)."""
+        out, self.secure_in = self.secure_in, []
+        return out
+
+    def masked_message(self, forwarded: frozenset[str], commitments: dict[str, bytes]) -> bytes:
+        """The open secure round entered its masked phase: ``masked`` tells the workers U2
+        (``u``: whose masked inputs the round waits for) and, with device keys, the seed
+        commitments their signatures cover (``c``). Sent before the devices' ``sf``."""
+        assert self.round is not None
+        self.round.masked = True
+        return self._control("masked", r=self.round.number, u=sorted(forwarded),
+                             c=dict(sorted(commitments.items())) or None)  # fmt: skip
+
+    def wants_masked(self) -> bool:
+        """Whether the open round's ``masked`` message is still to be sent."""
+        return self.round is not None and not self.round.masked
+
+    def masked_complete(self, forwarded: frozenset[str]) -> bool:
+        """Every device of U2 has a masked input summed by some worker: the phase can end."""
+        sr = self.round
+        return sr is not None and sr.masked and forwarded <= set(sr.owner)
+
+    def merge_masked(self, secure_round: Any, now: float) -> tuple[list[Any], str | None]:
+        """End a secure round's masked phase with the workers' partials (after freeze and
+        commit): their sums added mod 2^b into ``secure_round`` (a ``SecureRound``), whose
+        unmask requests are returned. A worker of the round lost, or whose partial is missing
+        or refused: nothing is merged and the reason is returned (the round fails: a sum
+        without its masked inputs, whose masks the unmasking would remove, would be wrong);
+        every device of U2 not yet charged for the round is charged (its masked input may have
+        reached that worker: over- rather than under-counted)."""
+        core, sr = self.core, self.round
+        assert sr is not None and core.secure is not None
+        bits = core.secure.layout.bits
+        dim = core.secure.layout.length
+        total = np.zeros(dim, dtype=np.uint64)
+        devices: list[str] = []
+        # a worker offline since the round opened (hash partition) held nothing of it: its
+        # devices' messages reached no one, so they are devices that dropped out
+        bad: dict[str, str] = {w: "lost (went offline)" for w in sorted(sr.lost - sr.absent)}
+        for worker in sorted(sr.workers - sr.lost):
+            msg = sr.partials.get(worker)
+            if msg is None:
+                bad[worker] = "no partial"
+                continue
+            try:
+                self._merge_tally(_tally(msg))
+                rejected = _counts(msg, "j")
+                if msg.get("lost"):
+                    raise ShardingError(f"the worker reports its share lost: {msg['lost']}")
+                mine = sorted(d for d, w in sr.owner.items() if w == worker)
+                if sorted(_names(msg, "a")) != mine:
+                    raise ShardingError(f"it summed {len(_names(msg, 'a'))} masked inputs, the "
+                                        f"coordinator admitted {len(mine)} of its reports")  # fmt: skip
+                vec = self._ring_sum(msg.get("s"), mine, bits, dim)
+            except (ShardingError, ValueError, TypeError) as exc:
+                self.refused["partial"] += 1
+                log.error("partial of worker %r for round %d refused: %s", worker, sr.number, exc)
+                bad[worker] = f"partial refused ({exc})"[:200]
+                continue
+            total += vec
+            total &= ring_mask(bits)
+            devices += mine
+            secure_round.rejected.update(rejected)
+            for _device, reason in sr.left_out.get(worker, ()):
+                secure_round.rejected[str(reason)] += 1
+        missing = sorted(set(bad) | sr.absent)
+        self._secure_info = {"workers": len(sr.workers), "workers_missing": missing,
+                             **self._refusals()}  # fmt: skip
+        self.round = None
+        if bad:
+            rnd = core.current
+            assert rnd is not None
+            for device in sorted(secure_round.forwarded):
+                if not core.is_released(device, rnd.number):
+                    core.record_release(device, rnd.number, SECURE_RELEASE)
+            what = "; ".join(f"{w}: {why}" for w, why in bad.items())
+            return [], (f"ingest worker share lost mid-round ({what}): the masked inputs it held "
+                        "cannot be summed")  # fmt: skip
+        try:
+            return secure_round.merge_masked(devices, total, now), None
+        except ValueError as exc:  # the workers' devices are not the ones the round waits for
+            return [], f"the workers' masked inputs do not merge: {exc}"
+
+    @staticmethod
+    def _ring_sum(data: Any, devices: list[str], bits: int, dim: int) -> np.ndarray:
+        """A worker's modular partial ``{"y": ring bytes, "b": bits}`` (nil: it summed none)."""
+        if data is None:
+            if devices:
+                raise ShardingError(f"no sum for the {len(devices)} masked inputs it summed")
+            return np.zeros(dim, dtype=np.uint64)
+        if not isinstance(data, dict) or set(data) != {"y", "b"} or data["b"] != bits:
+            raise ShardingError(f"a secure partial is {{y: bytes, b: {bits}}}")
+        vec = ring_unpack(data["y"], dim, bits) if isinstance(data["y"], bytes) else None
+        if vec is None:
+            raise ShardingError(f"a secure partial's sum is not {dim} values of Z_2^{bits}")
+        return vec
+
+    def end_secure(self) -> dict[str, Any]:
+        """The record fields of a secure round that closes (its workers, which were missing
+        when its masked phase ended). A round that ends before its masked inputs were merged
+        (it failed earlier, or a stop) takes nothing from the workers: what they summed of it
+        is dropped with their next ``open``; its masked inputs were charged as they came."""
+        info, self._secure_info = self._secure_info, {}
+        if self.round is not None:
+            info = {"workers": len(self.round.workers),
+                    "workers_missing": sorted(self.round.lost), **self._refusals()}  # fmt: skip
+            self.round = None
+        return info
 
     def merge(self) -> dict[str, Any]:
         """Fold every partial that came into the core's round; account for the ones that did
