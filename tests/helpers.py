@@ -66,3 +66,27 @@ tiers:
     downlink_mbit_s: 10
     latency_ms: 80
 """
+
+
+def records(out: Path) -> list[dict]:
+    """A run's metrics records (``metrics.jsonl``)."""
+    import json
+
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def run_quiet_then_loaded(cfg, tmp_path: Path):
+    """The same job twice, the second time beside a CPU-bound process (virtual time's claim:
+    the machine's load changes nothing): (first, second, first's records, second's)."""
+    import sys
+
+    from edge_fl.simulation import run_simulation
+
+    first = run_simulation(cfg, tmp_path / "quiet")
+    hog = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        second = run_simulation(cfg, tmp_path / "loaded")
+    finally:
+        hog.kill()
+        hog.wait()
+    return first, second, records(tmp_path / "quiet"), records(tmp_path / "loaded")

@@ -5,17 +5,13 @@ secure job, devices vanishing mid-protocol included, gives the same records besi
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 import uuid
 
 import pytest
-from helpers import TWO_SPEED_PROFILE
+from helpers import TWO_SPEED_PROFILE, run_quiet_then_loaded
 
 from edge_fl.clocksync import first_difference
 from edge_fl.config import load_config
-from edge_fl.simulation import run_simulation
 
 pytestmark = pytest.mark.broker
 
@@ -47,10 +43,6 @@ def config(tmp_path, **overrides):
     return load_config(None, {**base, **overrides})
 
 
-def records(out) -> list[dict]:
-    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-
-
 @pytest.mark.parametrize(
     ("mechanism", "model_fields"),
     [
@@ -69,14 +61,7 @@ def test_a_secure_job_gives_the_same_records_with_and_without_a_cpu_hog(
 ):
     cfg = config(tmp_path, **mechanism)
     assert cfg.fleet.virtual
-    first = run_simulation(cfg, tmp_path / "quiet")
-    hog = subprocess.Popen([sys.executable, "-c", "while True: pass"])
-    try:
-        second = run_simulation(cfg, tmp_path / "loaded")
-    finally:
-        hog.kill()
-        hog.wait()
-    a, b = records(tmp_path / "quiet"), records(tmp_path / "loaded")
+    first, second, a, b = run_quiet_then_loaded(cfg, tmp_path)
     assert len(a) == 4
     assert first_difference(a, b, WALL_FIELDS + model_fields) is None
     if not model_fields:

@@ -14,7 +14,7 @@ import uuid
 from pathlib import Path
 
 import pytest
-from helpers import TWO_SPEED_PROFILE
+from helpers import TWO_SPEED_PROFILE, records, run_quiet_then_loaded
 
 from edge_fl.clocksync import first_difference
 from edge_fl.config import load_config
@@ -58,20 +58,9 @@ def config(profile_path, **overrides):
     return load_config(None, {**base, **overrides})
 
 
-def records(out) -> list[dict]:
-    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-
-
 def test_the_same_job_gives_the_same_records_with_and_without_a_cpu_hog(profile_path, tmp_path):
     cfg = config(profile_path)
-    first = run_simulation(cfg, tmp_path / "quiet")
-    hog = subprocess.Popen([sys.executable, "-c", "while True: pass"])
-    try:
-        second = run_simulation(cfg, tmp_path / "loaded")
-    finally:
-        hog.kill()
-        hog.wait()
-    a, b = records(tmp_path / "quiet"), records(tmp_path / "loaded")
+    first, second, a, b = run_quiet_then_loaded(cfg, tmp_path)
     assert len(a) == 8 and first.summary["rounds_closed"] == 8
     assert first_difference(a, b, WALL_FIELDS) is None
     assert (first.params == second.params).all()

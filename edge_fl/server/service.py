@@ -668,12 +668,20 @@ class AggregatorService:
         sr = sharding.round if sharding is not None else None
         if sr is None or client is None or self.core.secure is not None:
             return  # (a secure round's workers are asked only at its masked phase's end)
+        await self._freeze_and_commit(client)
+
+    async def _freeze_and_commit(self, client: aiomqtt.Client) -> None:
+        """Sharded ingest: freeze the open round on every worker, commit it, and wait for their
+        partials (a lost broker: what came is merged)."""
+        sharding = self.sharding
+        assert sharding is not None and sharding.round is not None
+        shard = sharding.round
         control = self.topics.ingest_control
-        with contextlib.suppress(aiomqtt.MqttError):  # a lost broker: merge what came
+        with contextlib.suppress(aiomqtt.MqttError):
             await client.publish(control, sharding.freeze_message(), qos=1)
-            await self._await_workers(sr.unfrozen)
+            await self._await_workers(shard.unfrozen)
             await client.publish(control, sharding.commit_message(), qos=1)
-            await self._await_workers(sr.unmerged)
+            await self._await_workers(shard.unmerged)
 
     def _masked_control(self, sr: SecureRound) -> bytes:
         """Sharded ingest: the ``masked`` control message of the secure round (U2, and the
@@ -691,14 +699,8 @@ class AggregatorService:
         modular partial sums into the session (its unmask requests go out), or return why the
         round fails (a worker's share lost)."""
         sharding = self.sharding
-        shard = sharding.round
-        if shard is not None:
-            control = self.topics.ingest_control
-            with contextlib.suppress(aiomqtt.MqttError):  # a lost broker: merge what came
-                await client.publish(control, sharding.freeze_message(), qos=1)
-                await self._await_workers(shard.unfrozen)
-                await client.publish(control, sharding.commit_message(), qos=1)
-                await self._await_workers(shard.unmerged)
+        if sharding.round is not None:
+            await self._freeze_and_commit(client)
             deliveries, why = sharding.merge_masked(sr, self._now())
         else:
             deliveries, why = [], "the round's workers were not asked (no sharded round)"
