@@ -592,3 +592,27 @@ def test_a_hash_worker_offline_since_the_round_opened_only_drops_its_devices():
     assert outcome.contributors == mine
     assert np.array_equal(outcome.total, sum(pipe.x[d] for d in mine))
     assert pipe.coordinator.end_secure()["workers_missing"] == ["w1"]
+
+
+def test_a_device_flooding_early_masked_inputs_cannot_crowd_out_another_devices():
+    """Masked inputs that reach a worker before the round's ``masked`` control message are
+    held, at most two a selected device (red team: the cap was per round, so one device's
+    copies could make an honest device's early input be refused); a device outside the
+    selection has none held."""
+    from edge_fl.secagg.messages import encode
+
+    pipe = Pipeline()
+    worker = pipe.workers["w0"]
+    nonce, selected = worker.core.round_facts(1)
+    assert "d00000" in selected and "d00001" in selected
+
+    def early(device: str) -> None:
+        worker.on_update(device, encode("mx", 1, nonce, d=device, y=b"\x00" * 8))
+
+    for _ in range(10):
+        early("d00000")  # the flood: two held, eight refused
+    assert worker.secure_rejected["wrong_phase"] == 8
+    early("d00001")  # an honest device's early input is still held
+    assert worker.secure_rejected["wrong_phase"] == 8
+    early("d99999")  # not selected: never held
+    assert worker.secure_rejected["wrong_phase"] == 9

@@ -493,6 +493,10 @@ class Recording:
 # ------------------------------------------------------------------------------- worker
 
 
+#: masked inputs a worker holds per device before the round's ``masked`` control message
+EARLY_PER_DEVICE = 2
+
+
 class IngestWorker:
     """One worker's share of the ingest: the single aggregator's core on the updates it is dealt,
     with its rounds mirrored from the coordinator's ``open`` messages."""
@@ -527,6 +531,7 @@ class IngestWorker:
         self.masked: MaskedShare | None = None  # the mirrored round's share of its masked phase
         self._masked_round: int | None = None
         self._early: list[tuple[str, bytes]] = []  # masked inputs before the round's ``masked``
+        self._early_held: Counter[str] = Counter()  # of those, by device
         self.secure_rejected: Counter[str] = Counter()  # masked inputs refused (this round)
 
     def on_update(self, device: str, payload: bytes) -> Reject | None:
@@ -568,7 +573,11 @@ class IngestWorker:
         if current is None or current.number != rnd:
             self.secure_rejected["late"] += 1  # a closed round's (charged above), or unknown
         elif self.masked is None or self._masked_round != rnd:
-            if len(self._early) < 2 * len(current.selected):
+            # held until ``masked`` comes: at most two copies a selected device (its input and
+            # one re-send), so no device's copies can crowd out another's
+            held = self._early_held
+            if device in current.selected and held[device] < EARLY_PER_DEVICE:
+                held[device] += 1
                 self._early.append((device, bytes(payload)))
             else:
                 self.secure_rejected["wrong_phase"] += 1
@@ -610,6 +619,7 @@ class IngestWorker:
         self.masked = MaskedShare(params, forwarded, commitments, plan.device_key)
         self._masked_round = rnd
         early, self._early = self._early, []
+        self._early_held.clear()
         for device, payload in early:
             if masked_head(payload) == (rnd, facts[0]):
                 self._sum_masked(device, payload)
@@ -710,6 +720,7 @@ class IngestWorker:
 
     def _drop_masked(self) -> None:
         self.masked, self._masked_round, self._early = None, None, []
+        self._early_held.clear()
         self.secure_rejected = Counter()
 
     def _open(self, msg: dict[str, Any], rnd: int) -> None:
