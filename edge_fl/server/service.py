@@ -791,11 +791,11 @@ class AggregatorService:
             return len(self.core.devices) >= want and reported() >= want
 
         log.info(
-            "waiting up to %.0fs for %d devices to report on %s (a round needs %d)",
+            "waiting up to %.0fs for %d devices to report on %s%s",
             self.wait_for_devices_s,
             want,
             self.topics.all_status,
-            need,
+            f" (a round needs {need})" if need else " (virtual time starts then)",
         )
         next_note = self._now() + 5.0
         while (
