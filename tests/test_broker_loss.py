@@ -21,7 +21,7 @@ from edge_fl.transport.url import parse_broker_url
 pytestmark = pytest.mark.broker
 
 
-def job_config(url: str, rounds: int = 6):
+def job_config(url: str, rounds: int = 6, min_updates: int = 3):
     return load_config(
         None,
         {
@@ -30,7 +30,7 @@ def job_config(url: str, rounds: int = 6):
             "data.devices": 6,
             "rounds.rounds": rounds,
             "rounds.clients_per_round": 6,
-            "rounds.min_updates": 3,
+            "rounds.min_updates": min_updates,
             "rounds.deadline_s": 3.0,
             "training.epochs": 1,
         },
@@ -109,9 +109,11 @@ def test_aggregator_and_devices_survive_a_broker_restart():
 def test_fleet_reconnects_after_a_broker_restart():
     port = free_port()
     brokers = [EmbeddedBroker(kind="mosquitto", port=port).start()]
-    # 8 rounds of up to 3 s: devices whose reconnects failed while the broker was down back off
-    # (up to 10 s); on a loaded machine 5 rounds were not always enough for the last of them
-    cfg = job_config(brokers[0].url, rounds=8)
+    # devices whose reconnects failed while the broker was down back off (up to 10 s): a round
+    # opens only when all 6 are available (min_updates 6), so the job waits for the whole fleet
+    # instead of counting on its rounds lasting longer than the backoff (they did not, once a
+    # round took tens of milliseconds)
+    cfg = job_config(brokers[0].url, rounds=8, min_updates=6)
     job = build_job(cfg)
     core = job.aggregator_core()
     spec = parse_broker_url(brokers[0].url)

@@ -78,7 +78,9 @@ class Sniffer:
             if (device := t.device_of(msg.topic, "up")) is not None:
                 rnd = round_of(msg.payload)
                 self.updates.add((device, rnd))
-                if self.moment == "mid_round" and rnd == 2:
+                # the first update of round (version) 2 or later: FedBuff's devices may train
+                # on versions 1 and 3 only, and a job that never names 2 ran to its end unsignalled
+                if self.moment == "mid_round" and isinstance(rnd, int) and rnd >= 2:
                     self._fire()
             elif msg.topic == t.global_model and msg.payload and not msg.retain:
                 self.globals_seen += 1
