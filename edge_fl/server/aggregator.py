@@ -388,22 +388,18 @@ class AggregatorCore:
             )
         return None
 
+    def may_send(self, device: str) -> bool:
+        """Whether ``device`` is online and has not stopped (it may still send)."""
+        rec = self.devices.get(device)
+        return rec is not None and rec.online and rec.stopped is None
+
     def can_answer(self, devices: Iterable[str]) -> int:
-        """How many of ``devices`` are online and have not stopped (they may still send)."""
-        count = 0
-        for device in devices:
-            rec = self.devices.get(device)
-            if rec is not None and rec.online and rec.stopped is None:
-                count += 1
-        return count
+        """How many of ``devices`` may still send."""
+        return sum(1 for device in devices if self.may_send(device))
 
     def any_can_answer(self, devices: Iterable[str]) -> bool:
-        """Whether one of ``devices`` is online and has not stopped (it may still send)."""
-        for device in devices:
-            rec = self.devices.get(device)
-            if rec is not None and rec.online and rec.stopped is None:
-                return True
-        return False
+        """Whether one of ``devices`` may still send."""
+        return any(self.may_send(device) for device in devices)
 
     # ----------------------------------------------------------- rounds
 
