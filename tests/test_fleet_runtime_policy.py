@@ -4,12 +4,14 @@ device sessions are stand-ins that record (or refuse) what is published."""
 from __future__ import annotations
 
 import asyncio
+import threading
+import time
 
 import aiomqtt
 import numpy as np
 
 from edge_fl.device.agent import DeviceAgent
-from edge_fl.fleet.runtime import Fleet
+from edge_fl.fleet.runtime import INLINE_TRAIN_S, Fleet
 from edge_fl.models import make_model
 from edge_fl.models.training import LocalTraining
 from edge_fl.privacy.rng import seeded_generator
@@ -113,3 +115,53 @@ def test_a_device_busy_training_answers_only_the_newest_model_next():
     f = asyncio.run(scenario())
     assert updates(f) == {"d0": 2}
     assert f.agents["d0"].state.answered_round == 3
+
+
+def trained_on(f: Fleet, device: str, spin_s: float = 0.0) -> list[str]:
+    """Record which thread runs ``device``'s trainings (spinning ``spin_s`` more in each)."""
+    threads: list[str] = []
+    a = f.agents[device]
+    train = a.on_global
+
+    def on_global(msg):
+        threads.append(threading.current_thread().name)
+        t_end = time.thread_time() + spin_s
+        while time.thread_time() < t_end:
+            pass
+        return train(msg)
+
+    a.on_global = on_global  # type: ignore[method-assign]
+    return threads
+
+
+def test_a_short_training_runs_on_the_event_loop_after_the_first():
+    """The first training goes to the pool and measures the cost per sample; a training it
+    predicts under INLINE_TRAIN_S then runs on the loop (a thread handoff cost more than it)."""
+
+    async def scenario() -> tuple[Fleet, list[str]]:
+        f = fleet(1)
+        threads = trained_on(f, "d0")
+        for v in (1, 2, 3):
+            f.hand_out(gm(v, ("d0",)), 100)
+            await f.settled()
+        return f, threads
+
+    f, threads = asyncio.run(scenario())
+    assert threads[0].startswith("train")
+    assert threads[1:] == [threading.main_thread().name] * 2
+    assert f.inline_trainings == 2
+
+
+def test_a_long_training_stays_in_the_pool():
+    """A training longer than INLINE_TRAIN_S would hold every session's I/O: never inline."""
+
+    async def scenario() -> list[str]:
+        f = fleet(1)
+        threads = trained_on(f, "d0", spin_s=2 * INLINE_TRAIN_S)
+        for v in (1, 2, 3):
+            f.hand_out(gm(v, ("d0",)), 100)
+            await f.settled()
+        return threads
+
+    threads = asyncio.run(scenario())
+    assert len(threads) == 3 and all(t.startswith("train") for t in threads)
