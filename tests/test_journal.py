@@ -543,3 +543,47 @@ def test_records_written_for_a_background_fsync_are_durable_only_through_one(tmp
     j.close()
     with pytest.raises(OutputError):
         j.fsync_written()
+
+
+def test_a_simulation_killed_mid_round_resumes_that_round_under_its_new_key(tmp_path):
+    """`edge-fl simulate` signs with a key of its own process: the journaled message of the
+    round open at the kill was signed with the dead process's key, and every device refused it
+    (the round waited out its deadline and was skipped, its replayed updates discarded). The
+    resumed process re-signs it: the round closes, none is skipped."""
+    import signal
+    import subprocess
+    import time
+
+    out = tmp_path / "run"
+    edge_fl = str(Path(sys.executable).with_name("edge-fl"))
+    argv = [edge_fl, "simulate", "--rounds", "12", "--epochs", "20", "--deadline", "20"]
+    argv += ["--out", str(out)]
+    metrics = out / "metrics.jsonl"
+
+    def lines() -> int:
+        return len(metrics.read_text().splitlines()) if metrics.exists() else 0
+
+    for attempt in range(5):  # until the kill lands inside an open round
+        before = lines()
+        proc = subprocess.Popen(
+            argv + (["--resume"] if attempt else []),
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,  # its embedded broker dies with it
+        )
+        t_end = time.monotonic() + 120
+        while lines() < before + 2 and proc.poll() is None and time.monotonic() < t_end:
+            time.sleep(0.05)
+        assert proc.poll() is None, "the job ended before it could be killed"
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        if any(r.get("k") == "open" for r in read_journal(out / JOURNAL).records):
+            break
+    else:
+        pytest.fail("no kill landed inside an open round in 5 attempts")
+    done = subprocess.run([*argv, "--resume"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "reopened" in done.stderr and "bad_signature" not in done.stderr
+    records = [json.loads(x) for x in metrics.read_text().splitlines()]
+    assert [r["round"] for r in records] == list(range(1, 13))
+    assert [r["round"] for r in records if r.get("status") == "skipped"] == []

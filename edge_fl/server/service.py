@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING, Any
 import aiomqtt
 
 from edge_fl.clocksync import AggregatorClock, arrival_order
-from edge_fl.protocol import Reject, Topics, encode_global
+from edge_fl.protocol import PayloadRejected, Reject, Topics, decode_global, encode_global
 from edge_fl.protocol.clock import (
     UPS_MAX,
     ClockMessage,
@@ -177,6 +177,10 @@ class AggregatorService:
         self.signals = signals
         self.client_id = client_id or f"edgefl-{topics.job}-aggregator"
         self._wake = asyncio.Event()
+        if resumed_payload is not None and not _signed_by(resumed_payload, signer):
+            # signed by an earlier process's key (simulate makes one per process): the open
+            # round's message is encoded and signed again when the round is re-published
+            resumed_payload = None
         self._global_payload: bytes | None = resumed_payload
         self._dispatch_payload: bytes | None = None  # the open window's last dispatch message
         self._client: aiomqtt.Client | None = None
@@ -1284,3 +1288,14 @@ class AggregatorService:
             exc,
         )
         return self.core.records
+
+
+def _signed_by(payload: bytes, signer: Any) -> bool:
+    """Whether a journaled global message verifies under ``signer``'s key (True unsigned)."""
+    if signer is None:
+        return True
+    try:
+        decode_global(payload, verifier=signer.verifier)
+    except PayloadRejected:
+        return False
+    return True
