@@ -344,3 +344,25 @@ def test_a_crashed_simulation_resumes_from_its_checkpoint_and_journal(mosquitto,
     assert result.summary["rounds_closed"] == 4
     rounds = [json.loads(line)["round"] for line in (tmp_path / "metrics.jsonl").open()]
     assert rounds == [1, 2, 3, 4]  # rounds 1-2 from the first run, 3-4 after the resume
+
+
+def test_a_mechanism_that_claims_privacy_but_charges_nothing_is_refused():
+    """An epsilon of 0 reported for a mechanism whose guarantee says it is private would be a
+    false claim (a newcomer's own mechanism, without release_events, got 'epsilon 0.0')."""
+    from edge_fl.mechanisms.base import Guarantee, Mechanism, dense_update, local_update
+
+    class Silent(Mechanism):
+        name = "silent-claim"
+        guarantee = Guarantee("device", "replace_one", "pure")
+
+        def device_update(self, device, msg):
+            return dense_update(device, msg, local_update(device, msg))
+
+    edge_fl.register_mechanism("silent-claim", Silent)
+    job = edge_fl.build_job(small(**{"privacy.mechanism": "silent-claim"}))
+    with pytest.raises(ValueError, match="claims pure DP per device but charges nothing"):
+        job.aggregator_core()
+    # every built-in mechanism that accounts charges something
+    for name in ("laplace", "gaussian", "gaussian-central", "signds", "nbafl", "dpsgd"):
+        over = {"privacy.mechanism": name, "privacy.epsilon": 8.0}
+        assert edge_fl.build_job(small(**over)).aggregator_core().privacy is not None

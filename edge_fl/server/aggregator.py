@@ -122,6 +122,17 @@ class PrivacyAccounting:
     def __init__(self, mechanism: Mechanism, delta: float) -> None:
         from edge_fl.privacy.ledger import PrivacyLedger
 
+        if not hasattr(mechanism, "secure_events") and not (
+            mechanism.release_events(1, 0) or mechanism.round_events()
+        ):
+            # an epsilon of 0 for a mechanism that says it is private would be a false claim
+            g = mechanism.guarantee
+            raise ValueError(
+                f"privacy.mechanism = {mechanism.name!r} claims {g.kind} DP per {g.unit} but "
+                "charges nothing: its release_events (an update's cost) and round_events (a "
+                "round's central noise) both return no event; define the one it releases, or "
+                "declare Guarantee('none', 'none', 'none')"
+            )
         self.mechanism = mechanism
         self.delta = delta
         self.ledger = PrivacyLedger()
