@@ -266,6 +266,13 @@ def test_device_agent_logs_its_own_wire_bytes(mosquitto, caplog) -> None:
         assert t["connections"] == 1
     rounds = [line for line in lines if line.startswith("round 2:")]
     assert len(rounds) == 2
+    # a round's line follows its own update (it once came at the model's arrival, so each line
+    # carried the previous round's update: a data bill one round late)
+    said = [r.getMessage() for r in caplog.records]
+    sent = [i for i, m in enumerate(said) if m.startswith("round 2: sent")]
+    logged = [i for i, m in enumerate(said) if m.startswith("round 2: wire up")]
+    assert len(sent) == len(logged) == 2
+    assert all(s < w for s, w in zip(sent, logged, strict=True))
     predicted = round_wire(0, 0, job=cfg.job)  # the packets' overhead, without the payloads
     assert predicted["up"] > 0
     # round 2's line: the model down, the update up, PUBACKs (and round 1's update PUBACK)

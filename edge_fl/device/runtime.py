@@ -106,7 +106,7 @@ async def _listen(
     """Read the session's messages until the job is done (True). Training runs beside the
     reading (``training``), so the device answers its inbox while it trains: a secure round's
     key and share phases go on during local training, however slow the device."""
-    run = _Runner(agent, client, topics, training)
+    run = _Runner(agent, client, topics, training, wire)
     async with client:
         # subscribed before announcing itself: the aggregator may open a round the moment this
         # device counts as online, and the round's model must not arrive before the subscription.
@@ -150,11 +150,11 @@ async def _listen(
             if not listening and event.msg.mode != "sync":
                 await client.subscribe(topics.dispatch, qos=0)  # an asynchronous job
                 listening = True
-            if await run.execute(agent.handle(event)):
+            effects = agent.handle(event)
+            if await run.execute(effects):
                 return True
-            # since the previous round's line: this round's model, update and acks (the update's
-            # PUBACK, still on its way, falls into the next line)
-            log_wire(wire, f"round {event.msg.round}", wire.take())
+            if not any(isinstance(e, Train) for e in effects):  # a model it does not train on
+                log_wire(wire, f"round {event.msg.round}", wire.take())
     return False
 
 
@@ -168,8 +168,10 @@ class _Runner:
         client: aiomqtt.Client,
         topics: Topics,
         training: set[asyncio.Task[None]],
+        wire: WireCounter,
     ) -> None:
         self.agent, self.client, self.topics, self.training = agent, client, topics, training
+        self.wire = wire
 
     async def execute(self, effects: list[Effect]) -> bool:
         """Carry out ``effects`` (and those their outcomes bring); True on Stop."""
@@ -189,6 +191,10 @@ class _Runner:
             await self.execute(self.agent.handle(Trained(msg, payload)))
         except aiomqtt.MqttError as exc:  # the reading side sees the lost session too
             log.warning("round %d: could not publish: %s", msg.round, exc)
+        # the round's line once its update is out: since the previous line, this round's model,
+        # its update and acks (the update's PUBACK, still on its way, falls into the next line;
+        # a secure round's later phases too)
+        log_wire(self.wire, f"round {msg.round}", self.wire.take())
 
     async def _carry_out(self, todo: deque[Effect]) -> bool:
         agent, client, topics = self.agent, self.client, self.topics
