@@ -168,7 +168,7 @@ def test_devices_vanishing_at_each_phase_leave_exactly_the_contributors_sum(mosq
     ))  # fmt: skip
     seen: list[tuple[str, np.ndarray]] = []
     before = job.aggregator_core().params.copy()
-    run, _, _, error = asyncio.run(
+    run, _, fleet, error = asyncio.run(
         run_secure(
             job, tmp_path / "run", vanish=vanish, observer=lambda label, v: seen.append((label, v))
         )
@@ -179,6 +179,7 @@ def test_devices_vanishing_at_each_phase_leave_exactly_the_contributors_sum(mosq
     sa = record["secure"]
     assert sa["outcome"] == "summed"
     assert sa["phases"] == {"keys": 10, "shares": 9, "masked": 7, "unmask": 5}
+    assert fleet.published == 7  # its devices' updates are their masked inputs ("0" before)
     contributors = sorted([d for d in
                           (f"d{i:05d}" for i in range(12)) if vanish.get(d) not in
                           ("advertise", "share", "mask")])  # fmt: skip

@@ -575,6 +575,8 @@ class Fleet:
             return
         await client.publish(self.topics.update(device), effect.payload, qos=1)
         self.vt_published += 1
+        if effect.kind == "mx":  # the masked input is this device's update of the round
+            self._delivered(device, effect.round)
 
     async def _resend(self, agent: DeviceAgent, effect: Resend) -> None:
         """Publish this round's update again: the aggregator re-broadcast the round (not while
