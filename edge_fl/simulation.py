@@ -137,7 +137,8 @@ class AggregatorRun:
         for note in self.recorder.reconcile(self.core.round_number, r.last_record):
             self.notes.append(f"metrics: {note}")
         self.notes.append(
-            f"resumed at round {r.checkpoint_round or 0}, model version {self.core.version}; "
+            f"resumed after round {r.checkpoint_round or 0} (its checkpoint), model version "
+            f"{self.core.version}; "
             f"{r.describe()}"
         )
 

@@ -220,7 +220,7 @@ def test_disk_full_is_one_line_and_resume_finishes_the_job(mosquitto, tmp_path):
         finally:
             stop_all(agg, fleet)
         assert again.returncode == 0, again.stderr
-        assert "resumed at round" in again.stdout
+        assert "resumed after round" in again.stdout
         assert fleet.returncode == 0, fleet_err
         assert [r["round"] for r in records(out)] == list(range(1, 9))
         assert json.loads((out / "checkpoint.json").read_text())["round_number"] == 8
