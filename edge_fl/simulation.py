@@ -316,6 +316,12 @@ def refuse_earlier_run(out_dir: str | Path) -> None:
         return
     listed = ", ".join(present)
     if (d / "summary.json").exists():
+        stopped = stopped_at(d)
+        if stopped is not None:
+            raise RunDirError(
+                f"{out_dir} holds a run {stopped} ({listed}): --resume continues it, "
+                "--overwrite replaces it, or use a new --out"
+            )
         raise RunDirError(
             f"{out_dir} holds a finished run ({listed}): use a new --out, or --overwrite"
         )
@@ -331,6 +337,31 @@ def refuse_earlier_run(out_dir: str | Path) -> None:
     raise RunDirError(
         f"{out_dir} holds an unfinished job ({what}): {listed}; continue it with --resume, use "
         "a new --out, or --overwrite"
+    )
+
+
+def stopped_at(out_dir: str | Path) -> str | None:
+    """ "stopped by SIGTERM at round 11 of 40" when ``out_dir``'s summary is of a run that can be
+    continued (stopped by a signal, or ended by an error before its last round); None for one
+    that completed (all its rounds, or ended early on its own: a budget spent, say)."""
+    d = Path(out_dir)
+    try:
+        summary = json.loads((d / "summary.json").read_text())
+        rounds, stopped = int(summary.get("rounds") or 0), summary.get("stopped")
+    except (OSError, ValueError, TypeError, AttributeError):
+        return None
+    try:
+        total: int | None = int(
+            json.loads((d / "run.json").read_text())["config"]["rounds"]["rounds"]
+        )
+    except (OSError, ValueError, TypeError, KeyError):
+        total = None
+    if not stopped and (summary.get("ended_early") or total is None or rounds >= total):
+        return None
+    return (
+        (f"stopped by {stopped}" if stopped else "interrupted")
+        + f" at round {rounds}"
+        + (f" of {total}" if total is not None else "")
     )
 
 

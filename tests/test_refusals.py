@@ -96,13 +96,22 @@ def _finished_or_interrupted(tmp_path: Path, kind: str) -> Path:
     if kind == "finished":
         (out / "summary.json").write_text('{"rounds_closed": 1}\n')
         (out / "model.onnx").write_bytes(b"onnx")
+    elif kind == "stopped":  # SIGTERM at round 11 of 40: summary, model and checkpoint
+        (out / "run.json").write_text('{"job": "earlier", "config": {"rounds": {"rounds": 40}}}')
+        (out / "summary.json").write_text(
+            '{"rounds": 11, "rounds_closed": 10, "stopped": "SIGTERM"}'
+        )
+        (out / "model.onnx").write_bytes(b"onnx")
+        (out / "checkpoint.json").write_text("{}\n")
     else:
         (out / "checkpoint.json").write_text("{}\n")
     return out
 
 
-@pytest.mark.parametrize("kind", ["finished", "interrupted"])
+@pytest.mark.parametrize("kind", ["finished", "stopped", "interrupted"])
 def test_aggregator_without_resume_refuses_an_earlier_run(tmp_path, kind):
+    """A run stopped by a signal (it has a summary) is told from a completed one: the refusal
+    says --resume continues it, as for a killed run; only a completed one is "finished"."""
     out = _finished_or_interrupted(tmp_path, kind)
     before = hashes(out)
     done = run(
@@ -116,7 +125,9 @@ def test_aggregator_without_resume_refuses_an_earlier_run(tmp_path, kind):
     )
     line = one_line_error(done, str(out), "metrics.jsonl", "run.json", "--overwrite")
     assert ("finished run" in line) == (kind == "finished")
-    assert ("--resume" in line) == (kind == "interrupted")
+    assert ("--resume" in line) == (kind != "finished")
+    if kind == "stopped":
+        assert "a run stopped by SIGTERM at round 11 of 40" in line, line
     assert hashes(out) == before
 
 

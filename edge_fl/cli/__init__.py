@@ -397,7 +397,13 @@ def simulate(
         f"bytes down {summary['total_bytes_down']:,}, "
         f"total {summary['timings']['total_s']:.2f}s" + (f" -> {out}" if out else "")
     )
-    if summary.get("ended_early"):
+    if summary.get("stopped"):
+        at, total = summary["rounds"], cfg.rounds.rounds
+        click.echo(
+            f"ended early: stopped by {summary['stopped']} at round {at} of {total}"
+            + (" (--resume continues it)" if out and at < total else "")
+        )
+    elif summary.get("ended_early"):
         click.echo(f"ended early: {summary['ended_early']}")
     privacy = summary.get("privacy")
     if privacy:

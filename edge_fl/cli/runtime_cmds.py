@@ -203,7 +203,7 @@ def _run_aggregator(cfg, out, resume, overwrite, signals) -> dict:
             f"stopped on {service.stopped} after round {core.round_number}"
             + ("" if service.done_published else " (devices were not told: no broker)")
         )
-    click.echo(_final_line(run.summary or {}, out))
+    click.echo(_final_line(run.summary or {}, out, cfg.rounds.rounds))
     return run.summary or {}
 
 
@@ -217,12 +217,18 @@ def _coordinator(cfg, core):
     return Coordinator(core, names, dealt=cfg.ingest.partition == "shared")
 
 
-def _final_line(summary: dict, out: str | None) -> str:
-    """The last line of a run: what it achieved and cost, and where the files are."""
+def _final_line(summary: dict, out: str | None, total: int | None = None) -> str:
+    """The last line of a run: how it ended (finished, or stopped at round N of ``total``, the
+    rounds asked), what it achieved and cost, and where the files are."""
     acc = summary.get("final_accuracy")
+    rounds, closed = summary.get("rounds", "?"), summary.get("rounds_closed", 0)
+    if summary.get("stopped"):
+        of = "" if total is None else f" of {total}"
+        how = f"job stopped by {summary['stopped']} at round {rounds}{of}: {closed} closed"
+    else:
+        how = f"job finished: {closed}/{rounds} rounds closed"
     line = (
-        f"job finished: {summary.get('rounds_closed', 0)}/{summary.get('rounds', '?')} rounds "
-        f"closed, final accuracy {acc if acc is None else round(acc, 4)}, bytes up "
+        f"{how}, final accuracy {acc if acc is None else round(acc, 4)}, bytes up "
         f"{summary.get('total_bytes_up', 0):,}, down {summary.get('total_bytes_down', 0):,}"
     )
     privacy = summary.get("privacy")
@@ -230,7 +236,10 @@ def _final_line(summary: dict, out: str | None) -> str:
         line += (
             f", epsilon {privacy['epsilon']:.4g} (delta {privacy.get('delta', 0):g}, all rounds)"
         )
-    return line + (f" -> {out}" if out else "")
+    if not out:
+        return line
+    more = summary.get("stopped") and (total is None or summary.get("rounds", 0) < total)
+    return line + f" -> {out}" + (" (--resume continues it)" if more else "")
 
 
 def _line(r: dict) -> str:
