@@ -220,6 +220,22 @@ class AggregatorRun:
                 partial.unlink(missing_ok=True)
             raise OutputError(final, exc) from None
 
+    def abandon(self) -> bool:
+        """After a failure: when the run never opened a round and resumed nothing (a broker
+        never reached, say), remove what it wrote (run.json, the empty records and journal) and
+        return True, so the same command, corrected, is not refused as an earlier run's. A fresh
+        run starts only where there is no earlier run (or ``overwrite`` removed it), so nothing
+        else is touched; a run that did open a round is left to :meth:`finish`."""
+        if self.out_dir is None or self.resumed is not None or self.recorder.records:
+            return False
+        if self.core.round_number > 0:
+            return False
+        if self.journal is not None:
+            self.journal.close()
+            self.journal = None
+        _remove_earlier_run(self.out_dir)
+        return True
+
     def close(self) -> None:
         """The journal closed and the output directory released."""
         if self.journal is not None:
@@ -641,9 +657,13 @@ async def run_simulation_async(
             if fleet_hook is not None:
                 fleet_hook(record, fleet)
 
-        summary = await _run_with_fleet(
-            run, spec, progress=progress, fleet_hook=hook, signals=signals
-        )
+        try:
+            summary = await _run_with_fleet(
+                run, spec, progress=progress, fleet_hook=hook, signals=signals
+            )
+        except Exception:
+            run.abandon()  # a run that never opened a round does not block a retry
+            raise
     summary["timings"] = {**timings, **summary.get("timings", {})}
     summary["timings"]["total_s"] = round(time.perf_counter() - t_start, 4)
     if out_dir:

@@ -131,6 +131,41 @@ def test_aggregator_without_resume_refuses_an_earlier_run(tmp_path, kind):
     assert hashes(out) == before
 
 
+UNREACHABLE = "mqtt://127.0.0.1:1"  # nothing listens on port 1: connection refused
+
+
+def test_an_aggregator_that_never_reached_its_broker_does_not_block_the_retry(tmp_path):
+    """No summary, model or run.json of a run that never started: the corrected command is not
+    refused as an earlier run's (here it fails on the broker again, not on the directory)."""
+    out = tmp_path / "unreach"
+    for _ in range(2):
+        done = run("aggregator", "--broker", UNREACHABLE, "--job", "x", "--out", str(out))
+        one_line_error(done, "cannot reach the broker")
+        assert not [p.name for p in out.iterdir() if not p.name.startswith(".")], done.stderr
+
+
+@pytest.mark.broker
+def test_a_simulation_that_never_reached_its_broker_leaves_an_earlier_run_alone(
+    mosquitto, tmp_path
+):
+    """From Python too: a fresh run that never reached its broker leaves nothing; a resumed one
+    that never reached it leaves the earlier run's files where they were."""
+    fresh = tmp_path / "fresh"
+    for _ in range(2):
+        with pytest.raises(RuntimeError, match="cannot reach the broker"):
+            edge_fl.run_simulation(small(**{"broker.url": UNREACHABLE}), fresh)
+        assert not [p.name for p in fresh.iterdir() if not p.name.startswith(".")]
+    earlier = tmp_path / "earlier"
+    job = {"job": f"earlier-{uuid.uuid4().hex[:8]}"}
+    edge_fl.run_simulation(small(**job, **{"broker.url": mosquitto.url}), earlier)
+    before = hashes(earlier)
+    more = small(**job, **{"broker.url": UNREACHABLE, "rounds.rounds": 4})
+    with pytest.raises(RuntimeError, match="cannot reach the broker"):
+        edge_fl.run_simulation(more, earlier, resume=True)
+    for name in ("run.json", "metrics.jsonl", "summary.json", "model.onnx"):
+        assert before[name] == hashes(earlier)[name], name
+
+
 def test_the_aggregator_refuses_resume_and_overwrite_together(tmp_path):
     done = run(
         "aggregator", "--broker", "mqtt://127.0.0.1:9", "--out", str(tmp_path), "--resume",

@@ -191,8 +191,9 @@ def _run_aggregator(cfg, out, resume, overwrite, signals) -> dict:
     except OutputError:
         raise
     except (RuntimeError, ValueError) as exc:
-        try:
-            run.finish()  # what the run did is still worth its summary and model
+        try:  # what the run did is still worth its summary and model; one that never opened a
+            if not run.abandon():  # round (no broker) leaves nothing that blocks a retry
+                run.finish()
         except OutputError as write_exc:
             click.echo(f"edge-fl: error: {write_exc}", err=True)
         fail(str(exc))
