@@ -88,8 +88,36 @@ class _ProgressBar:
         self.progress.update(self.task, advance=1, info=info)
 
 
+#: what a refusal of a run directory calls the options it points at, from Python (the
+#: arguments of run_simulation and open_run) and from the command line (its flags)
+_API_WORDS = {
+    "out": "out_dir",
+    "overwrite": "overwrite=True",
+    "resume": "resume=True",
+    "rounds": "rounds.rounds",
+    "reproducible": "reproducible: true",
+}
+_CLI_WORDS = {
+    "out": "--out",
+    "overwrite": "--overwrite",
+    "resume": "--resume",
+    "rounds": "--rounds",
+    "reproducible": "--reproducible",
+}
+
+
 class RunDirError(ValueError):
-    """An output directory a run cannot start in (an unfinished job there, say)."""
+    """An output directory a run cannot start in (an unfinished job there, say).
+
+    Its message names what to do in the caller's terms: ``str(exc)`` the Python arguments
+    (``out_dir``, ``overwrite=True``, ``resume=True``), ``exc.cli`` the same sentence with the
+    command line's flags (``--out``, ``--overwrite``, ``--resume``), which ``edge-fl`` prints.
+    ``say``: the sentence as a function of those words (or one text for both)."""
+
+    def __init__(self, say: str | Callable[[dict[str, str]], str]) -> None:
+        text = say if isinstance(say, str) else say(_API_WORDS)
+        super().__init__(text)
+        self.cli = say if isinstance(say, str) else say(_CLI_WORDS)
 
 
 class AggregatorRun:
@@ -303,9 +331,11 @@ def refuse_resume(cfg: JobConfig, out_dir: str | Path | None) -> None:
     only rewrite it). A run stopped by a signal, or given more rounds, is continued."""
     if cfg.fleet.virtual:
         raise RunDirError(
-            "--resume is not supported under virtual time (fleet.clock): the fleet's "
-            "device timers are not checkpointed; run the job again (with --reproducible it "
-            "gives the same records), or use fleet.clock: wall"
+            lambda w: (
+                f"{w['resume']} is not supported under virtual time (fleet.clock): the "
+                "fleet's device timers are not checkpointed; run the job again (with "
+                f"{w['reproducible']} it gives the same records), or use fleet.clock: wall"
+            )
         )
     path = None if out_dir is None else Path(out_dir) / "summary.json"
     if path is not None and path.exists():
@@ -316,8 +346,11 @@ def refuse_resume(cfg: JobConfig, out_dir: str | Path | None) -> None:
             return  # not a summary this code wrote: the journal's own checks decide
         if not stopped and rounds >= cfg.rounds.rounds:
             raise RunDirError(
-                f"{out_dir} holds a finished run of {rounds} rounds (summary.json): nothing to "
-                "resume; give more --rounds to continue it, a new --out, or --overwrite"
+                lambda w: (
+                    f"{out_dir} holds a finished run of {rounds} rounds (summary.json): "
+                    f"nothing to resume; give more {w['rounds']} to continue it, a new {w['out']}, "
+                    f"or {w['overwrite']}"
+                )
             )
 
 
@@ -335,11 +368,16 @@ def refuse_earlier_run(out_dir: str | Path) -> None:
         stopped = stopped_at(d)
         if stopped is not None:
             raise RunDirError(
-                f"{out_dir} holds a run {stopped} ({listed}): --resume continues it, "
-                "--overwrite replaces it, or use a new --out"
+                lambda w: (
+                    f"{out_dir} holds a run {stopped} ({listed}): {w['resume']} continues "
+                    f"it, {w['overwrite']} replaces it, or use a new {w['out']}"
+                )
             )
         raise RunDirError(
-            f"{out_dir} holds a finished run ({listed}): use a new --out, or --overwrite"
+            lambda w: (
+                f"{out_dir} holds a finished run ({listed}): use a new {w['out']}, or "
+                f"{w['overwrite']}"
+            )
         )
     from edge_fl.server.checkpoint import STATE
     from edge_fl.server.journal import JOURNAL, read_journal
@@ -351,15 +389,17 @@ def refuse_earlier_run(out_dir: str | Path) -> None:
     else:
         what = "records without a summary"
     raise RunDirError(
-        f"{out_dir} holds an unfinished job ({what}): {listed}; continue it with --resume, use "
-        "a new --out, or --overwrite"
+        lambda w: (
+            f"{out_dir} holds an unfinished job ({what}): {listed}; continue it with "
+            f"{w['resume']}, use a new {w['out']}, or {w['overwrite']}"
+        )
     )
 
 
 def stopped_at(out_dir: str | Path) -> str | None:
-    """ "stopped by SIGTERM at round 11 of 40" when ``out_dir``'s summary is of a run that can be
-    continued (stopped by a signal, or ended by an error before its last round); None for one
-    that completed (all its rounds, or ended early on its own: a budget spent, say)."""
+    """The words "stopped by SIGTERM at round 11 of 40" when ``out_dir``'s summary is of a run
+    that can be continued (stopped by a signal, or ended by an error before its last round);
+    None for one that completed (all its rounds, or ended early on its own: a budget spent)."""
     d = Path(out_dir)
     try:
         summary = json.loads((d / "summary.json").read_text())

@@ -78,8 +78,12 @@ def test_the_api_refuses_a_finished_runs_directory_unless_asked_to_overwrite(mos
     cfg = small(**{"broker.url": mosquitto.url})
     edge_fl.run_simulation(cfg, tmp_path)
     before = hashes(tmp_path)
-    with pytest.raises(RunDirError, match=r"holds a finished run .*summary\.json.*--overwrite"):
+    with pytest.raises(RunDirError, match=r"holds a finished run .*summary\.json") as refused:
         edge_fl.run_simulation(small(**{"broker.url": mosquitto.url}), tmp_path)
+    # in the caller's words: Python's arguments here, the command line's flags for edge-fl
+    assert str(refused.value).endswith("use a new out_dir, or overwrite=True"), refused.value
+    assert "--" not in str(refused.value)
+    assert refused.value.cli.endswith("use a new --out, or --overwrite"), refused.value.cli
     assert hashes(tmp_path) == before
     again = edge_fl.run_simulation(
         small(**{"broker.url": mosquitto.url, "rounds.rounds": 1}), tmp_path, overwrite=True

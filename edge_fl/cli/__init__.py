@@ -21,6 +21,13 @@ def fail(message: str) -> NoReturn:
     sys.exit(2)
 
 
+def error_text(exc: BaseException) -> str:
+    """``exc``'s one line as the command line says it: a refused run directory's (RunDirError)
+    in the flags' words (``exc.cli``: --out, --overwrite, --resume), any other's message."""
+    cli = getattr(exc, "cli", None)
+    return cli if isinstance(cli, str) else str(exc)
+
+
 def load_job_config(config: str | None, overrides: dict[str, Any]) -> JobConfig:
     from edge_fl.config import ConfigError, load_config
 
@@ -377,14 +384,14 @@ def simulate(
         try:  # the run would refuse the directory: refuse before a tracked run is opened
             refuse_earlier_run(out)
         except ValueError as exc:
-            fail(str(exc))
+            fail(error_text(exc))
     tracker = open_tracking(cfg, track, tensorboard_dir, out)
     try:
         progress = not no_progress and sys.stderr.isatty()
         with tracked(tracker):
             summary = run(cfg, out, progress=progress, overwrite=overwrite, resume=resume)
     except (ValueError, RuntimeError, OSError) as exc:
-        fail(str(exc))
+        fail(error_text(exc))
     if tracker is not None:
         tracker.finish(summary, out)
     if as_json:

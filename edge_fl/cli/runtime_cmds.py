@@ -12,6 +12,7 @@ import click
 from edge_fl.cli import (
     common_job_options,
     configure_logging,
+    error_text,
     fail,
     job_overrides,
     load_job_config,
@@ -118,7 +119,7 @@ def aggregator(
         try:  # refused below anyway: before a tracked run is opened
             refuse_earlier_run(out)
         except RunDirError as exc:
-            fail(str(exc))
+            fail(error_text(exc))
     try:
         tracker = open_tracking(cfg, track, tensorboard_dir, out, resumed=resume)
     except SystemExit:
@@ -167,7 +168,7 @@ def _run_aggregator(cfg, out, resume, overwrite, signals) -> dict:
             )
         run = open_run(job, out, resume=resume, overwrite=overwrite)
     except (RunDirError, ValueError) as exc:
-        fail(str(exc))
+        fail(error_text(exc))
     for note in run.notes:
         click.echo(note)
     run.recorder.facts = job_facts(job)  # the summary names the job as simulate's does
