@@ -296,7 +296,10 @@ def _missing_extra(command: str, exc: ModuleNotFoundError) -> NoReturn:
 @click.version_option(__version__, prog_name="edge-fl")
 def main() -> None:
     """edge-fl: private, bandwidth-frugal federated learning over MQTT."""
+    from edge_fl.logs import quiet_dp_accounting
+
     sys.unraisablehook = _quiet_closed_loop
+    quiet_dp_accounting()  # dp-accounting's benign convergence notices, in every command
 
 
 def _quiet_closed_loop(unraisable: Any, default: Any = sys.__unraisablehook__) -> None:
