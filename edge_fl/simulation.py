@@ -423,8 +423,11 @@ def stopped_at(out_dir: str | Path) -> str | None:
 
 def _remove_earlier_run(d: Path) -> None:
     """What an earlier run left that the new one would not rewrite at once (its checkpoint and
-    journal would otherwise be resumable as if they were the new run's)."""
-    for name in _run_files():
+    journal would otherwise be resumable as if they were the new run's), and what ``edge-fl
+    report`` wrote there of it (metrics.csv, the figures)."""
+    from edge_fl.report import REPORT_FILES
+
+    for name in (*_run_files(), *REPORT_FILES):
         (d / name).unlink(missing_ok=True)
     for params in d.glob("checkpoint*.npy"):
         params.unlink(missing_ok=True)

@@ -68,9 +68,15 @@ def test_simulate_into_a_finished_run_leaves_it_byte_identical(tmp_path):
     again = run("simulate", *common, "--rounds", "1", "--out", str(out))
     one_line_error(again, f"{out} holds a finished run", "metrics.jsonl", "summary.json", "--out")
     assert hashes(out) == before
+    # what `edge-fl report` wrote of the earlier run goes with it; a file of the user's stays
+    (out / "metrics.csv").write_text("round\n1\n2\n")
+    (out / "accuracy.png").write_bytes(b"png")
+    (out / "notes.txt").write_text("mine")
     fresh = run("simulate", *common, "--rounds", "1", "--out", str(out), "--overwrite")
     assert fresh.returncode == 0, fresh.stderr
     assert len((out / "metrics.jsonl").read_text().splitlines()) == 1
+    assert not (out / "metrics.csv").exists() and not (out / "accuracy.png").exists()
+    assert (out / "notes.txt").read_text() == "mine"
 
 
 @pytest.mark.broker

@@ -358,8 +358,13 @@ def open_tracking(
 @click.option("--embedded-broker", type=click.Choice(["auto", "mosquitto", "amqtt"]))
 @click.option("--no-progress", is_flag=True, help="no live progress bar")
 @click.option("--json", "as_json", is_flag=True, help="print the summary as JSON")
-@click.option("--overwrite", is_flag=True, help="start afresh over an earlier run in --out")
-@click.option("--resume", is_flag=True, help="continue the interrupted (killed) run in --out")
+@click.option(
+    "--overwrite",
+    is_flag=True,
+    help="start afresh over an earlier run in --out (its records, model, checkpoint and report "
+    "files go)",
+)
+@click.option("--resume", is_flag=True, help="continue the run in --out that was stopped or killed")
 @tracking_options
 def simulate(
     out,

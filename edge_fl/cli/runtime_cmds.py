@@ -73,7 +73,8 @@ def _parse_shard(shard: str, n_devices: int) -> range:
 @click.option(
     "--overwrite",
     is_flag=True,
-    help="start afresh over an earlier run in --out (its records, model and checkpoint go)",
+    help="start afresh over an earlier run in --out (its records, model, checkpoint and report "
+    "files go)",
 )
 @click.option(
     "--workers",
