@@ -288,7 +288,7 @@ def _missing_extra(command: str, exc: ModuleNotFoundError) -> NoReturn:
         raise exc
     fail(
         f"`edge-fl {command}` needs {top}, part of the server extra: pip install 'edge-fl[server]' "
-        "(the base install is the device agent only)"
+        "(from a checkout: pip install -e '.[server]'; the base install is the device agent only)"
     )
 
 
