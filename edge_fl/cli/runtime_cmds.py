@@ -58,9 +58,9 @@ def _parse_shard(shard: str, n_devices: int) -> range:
     try:
         i, n = (int(x) for x in shard.split("/"))
     except ValueError:
-        raise click.BadParameter(f"--shard {shard!r}: use I/N, e.g. 0/4") from None
+        fail(f"--shard {shard!r}: use I/N, e.g. 0/4")
     if not (n >= 1 and 0 <= i < n):
-        raise click.BadParameter(f"--shard {shard!r}: need N >= 1 and 0 <= I < N")
+        fail(f"--shard {shard!r}: need N >= 1 and 0 <= I < N")
     return range(i, n_devices, n)
 
 
@@ -260,11 +260,9 @@ def _parse_indices(indices: str | None, n_devices: int) -> range:
     try:
         first, last = (int(x) for x in indices.split(":"))
     except ValueError:
-        raise click.BadParameter(f"--indices {indices!r}: use FROM:TO, e.g. 2:50") from None
+        fail(f"--indices {indices!r}: use FROM:TO, e.g. 2:50")
     if not 0 <= first < last <= n_devices:
-        raise click.BadParameter(
-            f"--indices {indices!r}: need 0 <= FROM < TO <= data.devices = {n_devices}"
-        )
+        fail(f"--indices {indices!r}: need 0 <= FROM < TO <= data.devices = {n_devices}")
     return range(first, last)
 
 
