@@ -2,8 +2,9 @@
 
 The first occurrence of each (logger, message template) is printed; later ones are counted and
 summarised once at exit ("... repeated 119 more times"). dp-accounting's absl notices about
-fractional RDP orders it excludes (harmless: epsilon comes from the other orders) are collapsed
-the same way instead of flooding the terminal.
+fractional RDP orders whose series did not converge (it excludes them, and epsilon comes from
+the other orders: harmless) are not shown at all: :func:`quiet_dp_accounting` says the first
+one at debug level (``-vv``) and drops the rest.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import logging
 import sys
 from collections import Counter
 
-__all__ = ["RepeatCollapser", "collapse_repeats"]
+__all__ = ["BenignAccountingNotices", "RepeatCollapser", "collapse_repeats", "quiet_dp_accounting"]
 
 
 class RepeatCollapser(logging.Filter):
@@ -68,3 +69,44 @@ def collapse_repeats() -> RepeatCollapser:
             print(f"edge-fl: {line}", file=sys.stderr)
 
     return collapser
+
+
+class BenignAccountingNotices(logging.Filter):
+    """A filter for the ``absl`` logger: dp-accounting's "_compute_log_a_frac failed to converge
+    ... Excluding this order from the epsilon computation" warnings (dozens per calibration of a
+    subsampled Gaussian: the RDP series of a fractional order did not converge, the order is left
+    out and epsilon comes from the others) are dropped; the first is said once at debug level on
+    ``edge_fl.privacy``. Every other absl record (a negative Renyi divergence, say) passes."""
+
+    BENIGN = ("_compute_log_a_frac failed to converge",)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.dropped = 0
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not str(record.msg).startswith(self.BENIGN):
+            return True
+        self.dropped += 1
+        if self.dropped == 1:
+            logging.getLogger("edge_fl.privacy").debug(
+                "dp-accounting: %s (harmless: that order is left out and epsilon comes from the "
+                "others; later notices like it are not shown)",
+                record.getMessage(),
+            )
+        return False
+
+
+_quiet: BenignAccountingNotices | None = None
+
+
+def quiet_dp_accounting() -> BenignAccountingNotices:
+    """Install :class:`BenignAccountingNotices` on the ``absl`` logger, first among its filters
+    (the repeat collapser then never counts them). Idempotent: every ``edge-fl`` command calls
+    it before it runs."""
+    global _quiet
+    if _quiet is None:
+        _quiet = BenignAccountingNotices()
+        absl = logging.getLogger("absl")
+        absl.filters.insert(0, _quiet)
+    return _quiet

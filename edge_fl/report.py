@@ -48,6 +48,17 @@ __all__ = [
 METRICS_FILE = "metrics.jsonl"
 SUMMARY_FILE = "summary.json"
 RUN_FILE = "run.json"
+#: what ``edge-fl report`` writes into a run's directory (the CSV with --csv; the figures when
+#: no --out is given): starting afresh there (``overwrite``) removes them with the run's own
+#: files, so no figure or CSV of the earlier run passes for the new one's
+REPORT_FILES = (
+    "metrics.csv",
+    "accuracy.png",
+    "bytes.png",
+    "frontier.png",
+    "device_costs.png",
+    "epsilon.png",
+)
 
 # the columns a reader looks for first; any other key follows in first-seen order
 CSV_FIRST_COLUMNS = (

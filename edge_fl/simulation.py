@@ -88,8 +88,36 @@ class _ProgressBar:
         self.progress.update(self.task, advance=1, info=info)
 
 
+#: what a refusal of a run directory calls the options it points at, from Python (the
+#: arguments of run_simulation and open_run) and from the command line (its flags)
+_API_WORDS = {
+    "out": "out_dir",
+    "overwrite": "overwrite=True",
+    "resume": "resume=True",
+    "rounds": "rounds.rounds",
+    "reproducible": "reproducible: true",
+}
+_CLI_WORDS = {
+    "out": "--out",
+    "overwrite": "--overwrite",
+    "resume": "--resume",
+    "rounds": "--rounds",
+    "reproducible": "--reproducible",
+}
+
+
 class RunDirError(ValueError):
-    """An output directory a run cannot start in (an unfinished job there, say)."""
+    """An output directory a run cannot start in (an unfinished job there, say).
+
+    Its message names what to do in the caller's terms: ``str(exc)`` the Python arguments
+    (``out_dir``, ``overwrite=True``, ``resume=True``), ``exc.cli`` the same sentence with the
+    command line's flags (``--out``, ``--overwrite``, ``--resume``), which ``edge-fl`` prints.
+    ``say``: the sentence as a function of those words (or one text for both)."""
+
+    def __init__(self, say: str | Callable[[dict[str, str]], str]) -> None:
+        text = say if isinstance(say, str) else say(_API_WORDS)
+        super().__init__(text)
+        self.cli = say if isinstance(say, str) else say(_CLI_WORDS)
 
 
 class AggregatorRun:
@@ -221,6 +249,22 @@ class AggregatorRun:
                 partial.unlink(missing_ok=True)
             raise OutputError(final, exc) from None
 
+    def abandon(self) -> bool:
+        """After a failure: when the run never opened a round and resumed nothing (a broker
+        never reached, say), remove what it wrote (run.json, the empty records and journal) and
+        return True, so the same command, corrected, is not refused as an earlier run's. A fresh
+        run starts only where there is no earlier run (or ``overwrite`` removed it), so nothing
+        else is touched; a run that did open a round is left to :meth:`finish`."""
+        if self.out_dir is None or self.resumed is not None or self.recorder.records:
+            return False
+        if self.core.round_number > 0:
+            return False
+        if self.journal is not None:
+            self.journal.close()
+            self.journal = None
+        _remove_earlier_run(self.out_dir)
+        return True
+
     def close(self) -> None:
         """The journal closed and the output directory released."""
         if self.journal is not None:
@@ -288,9 +332,11 @@ def refuse_resume(cfg: JobConfig, out_dir: str | Path | None) -> None:
     only rewrite it). A run stopped by a signal, or given more rounds, is continued."""
     if cfg.fleet.virtual:
         raise RunDirError(
-            "--resume is not supported under virtual time (fleet.clock): the fleet's "
-            "device timers are not checkpointed; run the job again (with --reproducible it "
-            "gives the same records), or use fleet.clock: wall"
+            lambda w: (
+                f"{w['resume']} is not supported under virtual time (fleet.clock): the "
+                "fleet's device timers are not checkpointed; run the job again (with "
+                f"{w['reproducible']} it gives the same records), or use fleet.clock: wall"
+            )
         )
     path = None if out_dir is None else Path(out_dir) / "summary.json"
     if path is not None and path.exists():
@@ -301,8 +347,11 @@ def refuse_resume(cfg: JobConfig, out_dir: str | Path | None) -> None:
             return  # not a summary this code wrote: the journal's own checks decide
         if not stopped and rounds >= cfg.rounds.rounds:
             raise RunDirError(
-                f"{out_dir} holds a finished run of {rounds} rounds (summary.json): nothing to "
-                "resume; give more --rounds to continue it, a new --out, or --overwrite"
+                lambda w: (
+                    f"{out_dir} holds a finished run of {rounds} rounds (summary.json): "
+                    f"nothing to resume; give more {w['rounds']} to continue it, a new {w['out']}, "
+                    f"or {w['overwrite']}"
+                )
             )
 
 
@@ -317,8 +366,19 @@ def refuse_earlier_run(out_dir: str | Path) -> None:
         return
     listed = ", ".join(present)
     if (d / "summary.json").exists():
+        stopped = stopped_at(d)
+        if stopped is not None:
+            raise RunDirError(
+                lambda w: (
+                    f"{out_dir} holds a run {stopped} ({listed}): {w['resume']} continues "
+                    f"it, {w['overwrite']} replaces it, or use a new {w['out']}"
+                )
+            )
         raise RunDirError(
-            f"{out_dir} holds a finished run ({listed}): use a new --out, or --overwrite"
+            lambda w: (
+                f"{out_dir} holds a finished run ({listed}): use a new {w['out']}, or "
+                f"{w['overwrite']}"
+            )
         )
     from edge_fl.server.checkpoint import STATE
     from edge_fl.server.journal import JOURNAL, read_journal
@@ -330,15 +390,45 @@ def refuse_earlier_run(out_dir: str | Path) -> None:
     else:
         what = "records without a summary"
     raise RunDirError(
-        f"{out_dir} holds an unfinished job ({what}): {listed}; continue it with --resume, use "
-        "a new --out, or --overwrite"
+        lambda w: (
+            f"{out_dir} holds an unfinished job ({what}): {listed}; continue it with "
+            f"{w['resume']}, use a new {w['out']}, or {w['overwrite']}"
+        )
+    )
+
+
+def stopped_at(out_dir: str | Path) -> str | None:
+    """The words "stopped by SIGTERM at round 11 of 40" when ``out_dir``'s summary is of a run
+    that can be continued (stopped by a signal, or ended by an error before its last round);
+    None for one that completed (all its rounds, or ended early on its own: a budget spent)."""
+    d = Path(out_dir)
+    try:
+        summary = json.loads((d / "summary.json").read_text())
+        rounds, stopped = int(summary.get("rounds") or 0), summary.get("stopped")
+    except (OSError, ValueError, TypeError, AttributeError):
+        return None
+    try:
+        total: int | None = int(
+            json.loads((d / "run.json").read_text())["config"]["rounds"]["rounds"]
+        )
+    except (OSError, ValueError, TypeError, KeyError):
+        total = None
+    if not stopped and (summary.get("ended_early") or total is None or rounds >= total):
+        return None
+    return (
+        (f"stopped by {stopped}" if stopped else "interrupted")
+        + f" at round {rounds}"
+        + (f" of {total}" if total is not None else "")
     )
 
 
 def _remove_earlier_run(d: Path) -> None:
     """What an earlier run left that the new one would not rewrite at once (its checkpoint and
-    journal would otherwise be resumable as if they were the new run's)."""
-    for name in _run_files():
+    journal would otherwise be resumable as if they were the new run's), and what ``edge-fl
+    report`` wrote there of it (metrics.csv, the figures)."""
+    from edge_fl.report import REPORT_FILES
+
+    for name in (*_run_files(), *REPORT_FILES):
         (d / name).unlink(missing_ok=True)
     for params in d.glob("checkpoint*.npy"):
         params.unlink(missing_ok=True)
@@ -611,9 +701,13 @@ async def run_simulation_async(
             if fleet_hook is not None:
                 fleet_hook(record, fleet)
 
-        summary = await _run_with_fleet(
-            run, spec, progress=progress, fleet_hook=hook, signals=signals
-        )
+        try:
+            summary = await _run_with_fleet(
+                run, spec, progress=progress, fleet_hook=hook, signals=signals
+            )
+        except Exception:
+            run.abandon()  # a run that never opened a round does not block a retry
+            raise
     summary["timings"] = {**timings, **summary.get("timings", {})}
     summary["timings"]["total_s"] = round(time.perf_counter() - t_start, 4)
     if out_dir:

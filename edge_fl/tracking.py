@@ -46,7 +46,10 @@ __all__ = [
     "tracked",
 ]
 
-EXTRA_HINT = "pip install 'edge-fl[tracking]'"
+#: both forms: an installed package's extra, and the README's editable install of a checkout
+EXTRA_HINT = (
+    "pip install 'edge-fl[tracking]' (from a checkout: pip install -e '.[server,tracking]')"
+)
 
 #: files of a run directory logged as MLflow artifacts when the run ends (those that exist)
 RUN_ARTIFACTS = ("model.onnx", "summary.json", "metrics.jsonl")

@@ -19,10 +19,8 @@ from typing import Any
 import numpy as np
 
 import edge_fl.protocol.fields as F
-from edge_fl.config import load_config
-from edge_fl.protocol.codecs import register_codec
+from edge_fl import load_config, register_codec, run_simulation
 from edge_fl.protocol.codecs.base import Codec, CodecState, bin_size, check_vector
-from edge_fl.simulation import simulate
 
 LEVELS = 127
 
@@ -73,7 +71,7 @@ def main(out_dir: str | None = None, rounds: int = 3) -> dict[str, Any]:
             "compression.uplink": "i8",
         },
     )
-    return simulate(cfg, out_dir)
+    return run_simulation(cfg, out_dir).summary
 
 
 if __name__ == "__main__":

@@ -22,13 +22,11 @@ from typing import Any
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
-from edge_fl.config import load_config
-from edge_fl.mechanisms import register_mechanism
+from edge_fl import load_config, register_mechanism, run_simulation
 from edge_fl.mechanisms.base import Guarantee, Mechanism, dense_update, local_update
 from edge_fl.privacy.events import PrivacyEvent, pure_privacy_event
 from edge_fl.privacy.noise import laplace_noise
 from edge_fl.protocol.params import int_param, number_param
-from edge_fl.simulation import simulate
 
 
 class LocalLaplaceOptions(BaseModel):
@@ -96,7 +94,7 @@ def main(out_dir: str | None = None, rounds: int = 3) -> dict[str, Any]:
             "privacy.options": {"clip": 0.5, "eps": 2.0, "uploads": rounds},
         },
     )
-    return simulate(cfg, out_dir)
+    return run_simulation(cfg, out_dir).summary
 
 
 if __name__ == "__main__":

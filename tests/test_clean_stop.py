@@ -104,6 +104,17 @@ def test_aggregator_stops_cleanly_on_a_signal(mosquitto, tmp_path, sig):
     assert recs[-1].get("stopped") == sig.name  # the open round was decided, not dropped
     assert recs[-1]["status"] in ("closed", "skipped")
     assert summary["rounds"] < 30
+    # said as a stop, not as a finished job; and the same command again points at --resume
+    assert stdout.splitlines()[-1].startswith(
+        f"job stopped by {sig.name} at round {summary['rounds']} of 30: "
+    ), stdout
+    assert "--resume continues it" in stdout.splitlines()[-1]
+    again = subprocess.run(
+        [EDGE_FL, "aggregator", *args, "--out", str(out)], capture_output=True, text=True, env=ENV
+    )
+    assert again.returncode == 2
+    assert f"holds a run stopped by {sig.name} at round {summary['rounds']} of 30" in again.stderr
+    assert "--resume continues it, --overwrite replaces it" in again.stderr
 
 
 def test_simulate_stops_cleanly_on_sigterm(tmp_path):

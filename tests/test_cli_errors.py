@@ -212,3 +212,39 @@ def test_operator_errors_are_one_line_from_any_subcommand_even_inside_a_task_gro
         outputs[2].stderr == "edge-fl: error: invalid configuration: data.devices: must be >= 1\n"
     )
     assert isinstance(outputs[3].exception, ValueError)  # not an operator error: raised as is
+
+
+def test_a_dataset_of_files_without_a_directory_names_the_flag_and_the_key():
+    """Not the loader's Python argument (`data_dir=`): the command line's --data-dir and the
+    config's data.data_dir."""
+    line = one_line_error(run("simulate", "--dataset", "mnist", "--rounds", "1", "--no-progress"))
+    assert "--data-dir DIR" in line and "data.data_dir" in line and "data_dir=" not in line
+
+
+@pytest.mark.parametrize(
+    ("flag", "value", "expected"),
+    [
+        ("--indices", "2:8", "--indices '2:8': need 0 <= FROM < TO <= data.devices = 4"),
+        ("--indices", "2-8", "--indices '2-8': use FROM:TO, e.g. 2:50"),
+        ("--shard", "3/2", "--shard '3/2': need N >= 1 and 0 <= I < N"),
+    ],
+)
+def test_fleet_ranges_out_of_domain_are_the_usual_error_line(flag, value, expected):
+    done = run("fleet", "--broker", "mqtt://127.0.0.1:9", "--devices", "4", flag, value)
+    assert one_line_error(done, expected) == f"edge-fl: error: {expected}"
+    assert "Invalid value" not in done.stderr and "Try 'edge-fl" not in done.stderr
+
+
+def test_privacy_mechanisms_shows_every_name_whole_at_80_columns():
+    import os
+
+    from edge_fl.mechanisms import mechanism_names
+
+    env = {**os.environ, "COLUMNS": "80"}
+    done = subprocess.run(
+        [*EDGE_FL, "privacy", "mechanisms"], capture_output=True, text=True, env=env, timeout=60
+    )
+    assert done.returncode == 0, done.stderr
+    assert "…" not in done.stdout, done.stdout
+    names = {line.split("│")[1].strip() for line in done.stdout.splitlines() if "│" in line}
+    assert set(mechanism_names()) <= names, names

@@ -175,7 +175,7 @@ def test_shared_options_reach_only_loaders_that_take_them():
     with pytest.raises(ValueError, match="min_sample"):
         load_federated("synthetic", 4, min_size=3)
     for name in ("mnist", "femnist"):
-        with pytest.raises(ValueError, match="pass data_dir"):
+        with pytest.raises(ValueError, match=r"set data\.data_dir .*--data-dir DIR"):
             load_federated(name, 4)
     with pytest.raises(ValueError, match="partitioned by writer"):
         load_federated("femnist", 4, partition="dirichlet", data_dir="/nonexistent")

@@ -214,3 +214,4 @@ def test_server_commands_on_a_base_install_say_which_extra(tmp_path):
         )
         assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
         assert "pip install 'edge-fl[server]'" in done.stderr.splitlines()[-1]
+        assert "from a checkout: pip install -e '.[server]'" in done.stderr.splitlines()[-1]

@@ -68,9 +68,15 @@ def test_simulate_into_a_finished_run_leaves_it_byte_identical(tmp_path):
     again = run("simulate", *common, "--rounds", "1", "--out", str(out))
     one_line_error(again, f"{out} holds a finished run", "metrics.jsonl", "summary.json", "--out")
     assert hashes(out) == before
+    # what `edge-fl report` wrote of the earlier run goes with it; a file of the user's stays
+    (out / "metrics.csv").write_text("round\n1\n2\n")
+    (out / "accuracy.png").write_bytes(b"png")
+    (out / "notes.txt").write_text("mine")
     fresh = run("simulate", *common, "--rounds", "1", "--out", str(out), "--overwrite")
     assert fresh.returncode == 0, fresh.stderr
     assert len((out / "metrics.jsonl").read_text().splitlines()) == 1
+    assert not (out / "metrics.csv").exists() and not (out / "accuracy.png").exists()
+    assert (out / "notes.txt").read_text() == "mine"
 
 
 @pytest.mark.broker
@@ -78,8 +84,12 @@ def test_the_api_refuses_a_finished_runs_directory_unless_asked_to_overwrite(mos
     cfg = small(**{"broker.url": mosquitto.url})
     edge_fl.run_simulation(cfg, tmp_path)
     before = hashes(tmp_path)
-    with pytest.raises(RunDirError, match=r"holds a finished run .*summary\.json.*--overwrite"):
+    with pytest.raises(RunDirError, match=r"holds a finished run .*summary\.json") as refused:
         edge_fl.run_simulation(small(**{"broker.url": mosquitto.url}), tmp_path)
+    # in the caller's words: Python's arguments here, the command line's flags for edge-fl
+    assert str(refused.value).endswith("use a new out_dir, or overwrite=True"), refused.value
+    assert "--" not in str(refused.value)
+    assert refused.value.cli.endswith("use a new --out, or --overwrite"), refused.value.cli
     assert hashes(tmp_path) == before
     again = edge_fl.run_simulation(
         small(**{"broker.url": mosquitto.url, "rounds.rounds": 1}), tmp_path, overwrite=True
@@ -96,13 +106,22 @@ def _finished_or_interrupted(tmp_path: Path, kind: str) -> Path:
     if kind == "finished":
         (out / "summary.json").write_text('{"rounds_closed": 1}\n')
         (out / "model.onnx").write_bytes(b"onnx")
+    elif kind == "stopped":  # SIGTERM at round 11 of 40: summary, model and checkpoint
+        (out / "run.json").write_text('{"job": "earlier", "config": {"rounds": {"rounds": 40}}}')
+        (out / "summary.json").write_text(
+            '{"rounds": 11, "rounds_closed": 10, "stopped": "SIGTERM"}'
+        )
+        (out / "model.onnx").write_bytes(b"onnx")
+        (out / "checkpoint.json").write_text("{}\n")
     else:
         (out / "checkpoint.json").write_text("{}\n")
     return out
 
 
-@pytest.mark.parametrize("kind", ["finished", "interrupted"])
+@pytest.mark.parametrize("kind", ["finished", "stopped", "interrupted"])
 def test_aggregator_without_resume_refuses_an_earlier_run(tmp_path, kind):
+    """A run stopped by a signal (it has a summary) is told from a completed one: the refusal
+    says --resume continues it, as for a killed run; only a completed one is "finished"."""
     out = _finished_or_interrupted(tmp_path, kind)
     before = hashes(out)
     done = run(
@@ -116,8 +135,45 @@ def test_aggregator_without_resume_refuses_an_earlier_run(tmp_path, kind):
     )
     line = one_line_error(done, str(out), "metrics.jsonl", "run.json", "--overwrite")
     assert ("finished run" in line) == (kind == "finished")
-    assert ("--resume" in line) == (kind == "interrupted")
+    assert ("--resume" in line) == (kind != "finished")
+    if kind == "stopped":
+        assert "a run stopped by SIGTERM at round 11 of 40" in line, line
     assert hashes(out) == before
+
+
+UNREACHABLE = "mqtt://127.0.0.1:1"  # nothing listens on port 1: connection refused
+
+
+def test_an_aggregator_that_never_reached_its_broker_does_not_block_the_retry(tmp_path):
+    """No summary, model or run.json of a run that never started: the corrected command is not
+    refused as an earlier run's (here it fails on the broker again, not on the directory)."""
+    out = tmp_path / "unreach"
+    for _ in range(2):
+        done = run("aggregator", "--broker", UNREACHABLE, "--job", "x", "--out", str(out))
+        one_line_error(done, "cannot reach the broker")
+        assert not [p.name for p in out.iterdir() if not p.name.startswith(".")], done.stderr
+
+
+@pytest.mark.broker
+def test_a_simulation_that_never_reached_its_broker_leaves_an_earlier_run_alone(
+    mosquitto, tmp_path
+):
+    """From Python too: a fresh run that never reached its broker leaves nothing; a resumed one
+    that never reached it leaves the earlier run's files where they were."""
+    fresh = tmp_path / "fresh"
+    for _ in range(2):
+        with pytest.raises(RuntimeError, match="cannot reach the broker"):
+            edge_fl.run_simulation(small(**{"broker.url": UNREACHABLE}), fresh)
+        assert not [p.name for p in fresh.iterdir() if not p.name.startswith(".")]
+    earlier = tmp_path / "earlier"
+    job = {"job": f"earlier-{uuid.uuid4().hex[:8]}"}
+    edge_fl.run_simulation(small(**job, **{"broker.url": mosquitto.url}), earlier)
+    before = hashes(earlier)
+    more = small(**job, **{"broker.url": UNREACHABLE, "rounds.rounds": 4})
+    with pytest.raises(RuntimeError, match="cannot reach the broker"):
+        edge_fl.run_simulation(more, earlier, resume=True)
+    for name in ("run.json", "metrics.jsonl", "summary.json", "model.onnx"):
+        assert before[name] == hashes(earlier)[name], name
 
 
 def test_the_aggregator_refuses_resume_and_overwrite_together(tmp_path):

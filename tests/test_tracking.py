@@ -232,6 +232,9 @@ def test_a_missing_extra_is_one_line_before_the_job_starts(
         done = _edge_fl([command, *extra, *flags, "--out", str(out)], cwd=tmp_path, without=module)
         assert done.returncode == 2, done.stderr
         assert done.stderr == f"edge-fl: error: {message} needs the tracking extra: {EXTRA_HINT}\n"
+        # right for an installed package and for the README's checkout alike
+        assert "pip install 'edge-fl[tracking]'" in done.stderr
+        assert "pip install -e '.[server,tracking]'" in done.stderr
         assert not out.exists() and not (tmp_path / "TB").exists()
 
 

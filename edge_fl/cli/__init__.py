@@ -21,6 +21,13 @@ def fail(message: str) -> NoReturn:
     sys.exit(2)
 
 
+def error_text(exc: BaseException) -> str:
+    """``exc``'s one line as the command line says it: a refused run directory's (RunDirError)
+    in the flags' words (``exc.cli``: --out, --overwrite, --resume), any other's message."""
+    cli = getattr(exc, "cli", None)
+    return cli if isinstance(cli, str) else str(exc)
+
+
 def load_job_config(config: str | None, overrides: dict[str, Any]) -> JobConfig:
     from edge_fl.config import ConfigError, load_config
 
@@ -281,7 +288,7 @@ def _missing_extra(command: str, exc: ModuleNotFoundError) -> NoReturn:
         raise exc
     fail(
         f"`edge-fl {command}` needs {top}, part of the server extra: pip install 'edge-fl[server]' "
-        "(the base install is the device agent only)"
+        "(from a checkout: pip install -e '.[server]'; the base install is the device agent only)"
     )
 
 
@@ -289,7 +296,10 @@ def _missing_extra(command: str, exc: ModuleNotFoundError) -> NoReturn:
 @click.version_option(__version__, prog_name="edge-fl")
 def main() -> None:
     """edge-fl: private, bandwidth-frugal federated learning over MQTT."""
+    from edge_fl.logs import quiet_dp_accounting
+
     sys.unraisablehook = _quiet_closed_loop
+    quiet_dp_accounting()  # dp-accounting's benign convergence notices, in every command
 
 
 def _quiet_closed_loop(unraisable: Any, default: Any = sys.__unraisablehook__) -> None:
@@ -348,8 +358,13 @@ def open_tracking(
 @click.option("--embedded-broker", type=click.Choice(["auto", "mosquitto", "amqtt"]))
 @click.option("--no-progress", is_flag=True, help="no live progress bar")
 @click.option("--json", "as_json", is_flag=True, help="print the summary as JSON")
-@click.option("--overwrite", is_flag=True, help="start afresh over an earlier run in --out")
-@click.option("--resume", is_flag=True, help="continue the interrupted (killed) run in --out")
+@click.option(
+    "--overwrite",
+    is_flag=True,
+    help="start afresh over an earlier run in --out (its records, model, checkpoint and report "
+    "files go)",
+)
+@click.option("--resume", is_flag=True, help="continue the run in --out that was stopped or killed")
 @tracking_options
 def simulate(
     out,
@@ -377,14 +392,14 @@ def simulate(
         try:  # the run would refuse the directory: refuse before a tracked run is opened
             refuse_earlier_run(out)
         except ValueError as exc:
-            fail(str(exc))
+            fail(error_text(exc))
     tracker = open_tracking(cfg, track, tensorboard_dir, out)
     try:
         progress = not no_progress and sys.stderr.isatty()
         with tracked(tracker):
             summary = run(cfg, out, progress=progress, overwrite=overwrite, resume=resume)
     except (ValueError, RuntimeError, OSError) as exc:
-        fail(str(exc))
+        fail(error_text(exc))
     if tracker is not None:
         tracker.finish(summary, out)
     if as_json:
@@ -397,7 +412,13 @@ def simulate(
         f"bytes down {summary['total_bytes_down']:,}, "
         f"total {summary['timings']['total_s']:.2f}s" + (f" -> {out}" if out else "")
     )
-    if summary.get("ended_early"):
+    if summary.get("stopped"):
+        at, total = summary["rounds"], cfg.rounds.rounds
+        click.echo(
+            f"ended early: stopped by {summary['stopped']} at round {at} of {total}"
+            + (" (--resume continues it)" if out and at < total else "")
+        )
+    elif summary.get("ended_early"):
         click.echo(f"ended early: {summary['ended_early']}")
     privacy = summary.get("privacy")
     if privacy:

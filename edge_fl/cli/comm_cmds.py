@@ -449,8 +449,21 @@ def _print_table(data: dict[str, Any]) -> None:
     _print_codecs(data)
 
 
+def default_dim() -> int:
+    """The number of parameters of the default job's model (``edge-fl simulate`` without
+    options: mlp on digits), what ``comm-cost`` prices without ``--dim``."""
+    from edge_fl.config import load_config
+    from edge_fl.job import build_job
+
+    return int(build_job(load_config(None, {})).model.n_params)
+
+
 @click.command("comm-cost")
-@click.option("--dim", type=int, required=True, help="Model dimension (number of parameters).")
+@click.option(
+    "--dim",
+    type=int,
+    help="Model dimension (number of parameters); default: the default job's model (mlp on digits).",
+)
 @click.option("--k", "k", type=float, default=0.01, show_default=True, help="SignDS sign_k.")
 @click.option("--eps", type=float, default=100.0, show_default=True, help="SignDS sign_eps.")
 @click.option("--thr", type=float, default=0.6, show_default=True, help="SignDS sign_thr_ratio.")
@@ -474,7 +487,7 @@ def _print_table(data: dict[str, Any]) -> None:
 @click.option("--seed", type=int, default=None, help="Seed (reproducible, NOT secure).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def comm_cost(
-    dim: int,
+    dim: int | None,
     k: float,
     eps: float,
     thr: float,
@@ -509,6 +522,9 @@ def comm_cost(
         raise click.BadParameter(
             f"seed = {seed} is out of domain integer [0, inf)", param_hint="'--seed'"
         )
+    defaulted = dim is None
+    if dim is None:
+        dim = default_dim()
     try:
         data = comm_cost_report(
             dim,
@@ -533,3 +549,5 @@ def comm_cost(
         click.echo(json.dumps(data))
         return
     _print_table(data)
+    if defaulted:
+        click.echo(f"d = {dim:,}: the default job's model (mlp on digits); --dim D for another")

@@ -448,8 +448,11 @@ def mechanisms_cmd(as_json: bool) -> None:
         click.echo(json.dumps(rows))
         return
     table = Table(title="privacy mechanisms (edge_fl/mechanisms/)")
-    for column in ("name", "what", "guarantee", "wire"):
-        table.add_column(column)
+    # names whole on one line (they are what --mechanism takes); long words elsewhere fold
+    # rather than end in an ellipsis at 80 columns
+    table.add_column("name", no_wrap=True)
+    for column in ("what", "guarantee", "wire"):
+        table.add_column(column, overflow="fold")
     for row in rows:
         table.add_row(row["name"], row["summary"], row["guarantee"], row["wire"])
     Console().print(table)

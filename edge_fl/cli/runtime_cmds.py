@@ -12,6 +12,7 @@ import click
 from edge_fl.cli import (
     common_job_options,
     configure_logging,
+    error_text,
     fail,
     job_overrides,
     load_job_config,
@@ -57,9 +58,9 @@ def _parse_shard(shard: str, n_devices: int) -> range:
     try:
         i, n = (int(x) for x in shard.split("/"))
     except ValueError:
-        raise click.BadParameter(f"--shard {shard!r}: use I/N, e.g. 0/4") from None
+        fail(f"--shard {shard!r}: use I/N, e.g. 0/4")
     if not (n >= 1 and 0 <= i < n):
-        raise click.BadParameter(f"--shard {shard!r}: need N >= 1 and 0 <= I < N")
+        fail(f"--shard {shard!r}: need N >= 1 and 0 <= I < N")
     return range(i, n_devices, n)
 
 
@@ -72,7 +73,8 @@ def _parse_shard(shard: str, n_devices: int) -> range:
 @click.option(
     "--overwrite",
     is_flag=True,
-    help="start afresh over an earlier run in --out (its records, model and checkpoint go)",
+    help="start afresh over an earlier run in --out (its records, model, checkpoint and report "
+    "files go)",
 )
 @click.option(
     "--workers",
@@ -118,7 +120,7 @@ def aggregator(
         try:  # refused below anyway: before a tracked run is opened
             refuse_earlier_run(out)
         except RunDirError as exc:
-            fail(str(exc))
+            fail(error_text(exc))
     try:
         tracker = open_tracking(cfg, track, tensorboard_dir, out, resumed=resume)
     except SystemExit:
@@ -167,7 +169,7 @@ def _run_aggregator(cfg, out, resume, overwrite, signals) -> dict:
             )
         run = open_run(job, out, resume=resume, overwrite=overwrite)
     except (RunDirError, ValueError) as exc:
-        fail(str(exc))
+        fail(error_text(exc))
     for note in run.notes:
         click.echo(note)
     run.recorder.facts = job_facts(job)  # the summary names the job as simulate's does
@@ -191,8 +193,9 @@ def _run_aggregator(cfg, out, resume, overwrite, signals) -> dict:
     except OutputError:
         raise
     except (RuntimeError, ValueError) as exc:
-        try:
-            run.finish()  # what the run did is still worth its summary and model
+        try:  # what the run did is still worth its summary and model; one that never opened a
+            if not run.abandon():  # round (no broker) leaves nothing that blocks a retry
+                run.finish()
         except OutputError as write_exc:
             click.echo(f"edge-fl: error: {write_exc}", err=True)
         fail(str(exc))
@@ -203,7 +206,7 @@ def _run_aggregator(cfg, out, resume, overwrite, signals) -> dict:
             f"stopped on {service.stopped} after round {core.round_number}"
             + ("" if service.done_published else " (devices were not told: no broker)")
         )
-    click.echo(_final_line(run.summary or {}, out))
+    click.echo(_final_line(run.summary or {}, out, cfg.rounds.rounds))
     return run.summary or {}
 
 
@@ -217,12 +220,18 @@ def _coordinator(cfg, core):
     return Coordinator(core, names, dealt=cfg.ingest.partition == "shared")
 
 
-def _final_line(summary: dict, out: str | None) -> str:
-    """The last line of a run: what it achieved and cost, and where the files are."""
+def _final_line(summary: dict, out: str | None, total: int | None = None) -> str:
+    """The last line of a run: how it ended (finished, or stopped at round N of ``total``, the
+    rounds asked), what it achieved and cost, and where the files are."""
     acc = summary.get("final_accuracy")
+    rounds, closed = summary.get("rounds", "?"), summary.get("rounds_closed", 0)
+    if summary.get("stopped"):
+        of = "" if total is None else f" of {total}"
+        how = f"job stopped by {summary['stopped']} at round {rounds}{of}: {closed} closed"
+    else:
+        how = f"job finished: {closed}/{rounds} rounds closed"
     line = (
-        f"job finished: {summary.get('rounds_closed', 0)}/{summary.get('rounds', '?')} rounds "
-        f"closed, final accuracy {acc if acc is None else round(acc, 4)}, bytes up "
+        f"{how}, final accuracy {acc if acc is None else round(acc, 4)}, bytes up "
         f"{summary.get('total_bytes_up', 0):,}, down {summary.get('total_bytes_down', 0):,}"
     )
     privacy = summary.get("privacy")
@@ -230,7 +239,10 @@ def _final_line(summary: dict, out: str | None) -> str:
         line += (
             f", epsilon {privacy['epsilon']:.4g} (delta {privacy.get('delta', 0):g}, all rounds)"
         )
-    return line + (f" -> {out}" if out else "")
+    if not out:
+        return line
+    more = summary.get("stopped") and (total is None or summary.get("rounds", 0) < total)
+    return line + f" -> {out}" + (" (--resume continues it)" if more else "")
 
 
 def _line(r: dict) -> str:
@@ -248,11 +260,9 @@ def _parse_indices(indices: str | None, n_devices: int) -> range:
     try:
         first, last = (int(x) for x in indices.split(":"))
     except ValueError:
-        raise click.BadParameter(f"--indices {indices!r}: use FROM:TO, e.g. 2:50") from None
+        fail(f"--indices {indices!r}: use FROM:TO, e.g. 2:50")
     if not 0 <= first < last <= n_devices:
-        raise click.BadParameter(
-            f"--indices {indices!r}: need 0 <= FROM < TO <= data.devices = {n_devices}"
-        )
+        fail(f"--indices {indices!r}: need 0 <= FROM < TO <= data.devices = {n_devices}")
     return range(first, last)
 
 

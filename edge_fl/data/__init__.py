@@ -49,7 +49,10 @@ SHARED_OPTIONS = frozenset({"data_dir", "samples_per_device"})
 
 def _need_data_dir(name: str, data_dir: str | None) -> str:
     if data_dir is None:
-        raise ValueError(f"dataset {name!r} reads local files; pass data_dir=<directory>")
+        raise ValueError(
+            f"dataset {name!r} reads local files: set data.data_dir to their directory "
+            "(--data-dir DIR on the command line)"
+        )
     return data_dir
 
 

@@ -11,7 +11,10 @@ from __future__ import annotations
 from types import ModuleType
 from typing import Any
 
-HINT = "pip install 'edge-fl[accounting]' (or 'edge-fl[server]')"
+HINT = (
+    "pip install 'edge-fl[accounting]' (or 'edge-fl[server]'; from a checkout: pip install -e "
+    "'.[server]')"
+)
 
 
 class AccountingUnavailable(ImportError):

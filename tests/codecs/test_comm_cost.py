@@ -62,3 +62,17 @@ def test_wire_model_takes_the_global_model_at_qos_0() -> None:
     # the end-of-job model: its PUBLISH down (payload + header, no packet id), no PUBACK up
     small, big = session_wire(final_global=100), session_wire(final_global=1000)
     assert big["up"] == small["up"] and big["down"] - small["down"] == 900 + 1  # varint: 2 B
+
+
+def test_without_dim_it_prices_the_default_jobs_model() -> None:
+    """README: `edge-fl comm-cost --downlink q8` runs as written (no --dim: the default job's
+    model, the one `edge-fl simulate` trains without options)."""
+    import edge_fl
+
+    n_params = edge_fl.build_job(edge_fl.load_config(None, {})).model.n_params
+    result = CliRunner().invoke(comm_cost, ["--downlink", "q8", "--samples", "2", "--json"])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.output)["dim"] == n_params
+    table = CliRunner().invoke(comm_cost, ["--downlink", "q8", "--samples", "2"])
+    assert table.exit_code == 0, table.output
+    assert f"d = {n_params:,}: the default job's model" in table.output
