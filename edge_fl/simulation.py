@@ -510,7 +510,10 @@ async def _run_with_fleet(
 
     def annotate(record: dict[str, Any]) -> None:
         record["elapsed_s"] = round(time.perf_counter() - t0, 4)
-        now = service.sim_now() if service.vclock is not None else job.clock.now()
+        if service.vclock is None:
+            now = job.clock.now()
+        else:  # when the round closed, not after the last round's drain (up to a deadline)
+            now = service.closed_at if service.closed_at is not None else service.sim_now()
         record["sim_time_s"] = round(now - job.clock.start_s, 3)
         record["dropouts"] = fleet.dropouts
         record.update(fleet.wire_round())

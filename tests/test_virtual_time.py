@@ -4,6 +4,7 @@ refused with a reason."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import signal
@@ -223,3 +224,21 @@ def test_a_sync_round_granted_through_its_deciding_arrival_keeps_every_record(
     assert first_difference(a, b, WALL_FIELDS) is None
     assert (ahead.params == each.params).all()
     assert ahead.summary["virtual_time"]["grants"] < each.summary["virtual_time"]["grants"]
+
+
+def test_the_last_records_simulated_time_is_when_its_window_closed(profile_path, tmp_path):
+    """After the last window the aggregator waits (up to a deadline) for uploads still on
+    their way, to charge them; with no concurrency limit some devices never answer (their
+    training dropped out), so that wait ran to the 30 s deadline and the last record said the
+    window closed 30 s after the one before: every async run's time to its final accuracy was
+    30 s too long."""
+    from edge_fl.simulation import simulate
+
+    cfg = config(profile_path, **{"rounds.concurrency": 0, "rounds.rounds": 4})
+    summary = simulate(cfg, tmp_path / "run")
+    sim = [r["sim_time_s"] for r in records(tmp_path / "run")]
+    assert len(sim) == 4 and sim == sorted(sim)
+    gaps = [b - a for a, b in itertools.pairwise(sim)]
+    assert max(gaps) < 10.0, sim  # a window of 3 from 12 devices, not the 30 s deadline
+    # the drain still ran: the simulated run ends later than the last close
+    assert summary["virtual_time"]["sim_end_s"] >= sim[-1]

@@ -177,6 +177,9 @@ class AggregatorService:
         self.signals = signals
         self.client_id = client_id or f"edgefl-{topics.job}-aggregator"
         self._wake = asyncio.Event()
+        #: when the last round closed, on this service's clock (the last round's record is
+        #: written after the drain, which may wait up to a deadline for late uploads)
+        self.closed_at: float | None = None
         if resumed_payload is not None and not _signed_by(resumed_payload, signer):
             # signed by an earlier process's key (simulate makes one per process): the open
             # round's message is encoded and signed again when the round is re-published
@@ -345,7 +348,8 @@ class AggregatorService:
         stop or a restart: the model is unchanged) and return its record, not yet committed."""
         core = self.core
         wall = time.perf_counter() - self._round_started
-        record = core.close_secure(self._now() if now is None else now, wall, why)
+        self.closed_at = self._now() if now is None else now
+        record = core.close_secure(self.closed_at, wall, why)
         if self.sharding is not None:
             record.update(self.sharding.end_secure())
         failed = record.get("secure", {}).get("failed")
@@ -909,7 +913,8 @@ class AggregatorService:
             rnd = core.current
             if not skipped and rnd is not None and rnd.count < max(rnd.min_updates, 1):
                 skipped = True  # a lost share took it below its minimum
-        record = core.close_round(self._now() if now is None else now, wall, skipped=skipped)
+        self.closed_at = self._now() if now is None else now
+        record = core.close_round(self.closed_at, wall, skipped=skipped)
         record.update(shards)
         if self.stopped is not None:
             record["stopped"] = self.stopped
