@@ -90,9 +90,7 @@ def test_the_cohort_size_is_k_over_one_minus_dropout():
     assert cohort_size(9, 0.1) == 10
 
 
-def test_fedbuff_cohorts_in_flight_apply_exact_sums_with_one_staleness_weight(
-    mosquitto, tmp_path
-):
+def test_fedbuff_cohorts_in_flight_apply_exact_sums_with_one_staleness_weight(mosquitto, tmp_path):
     """Six cohorts of 6 (two in flight), one device vanishing before its masked input and one
     after it in every cohort it joins (within the 30% dropout): every cohort closes, each
     applied buffer is bit for bit the sum of its survivors' integers, the model is the
@@ -104,9 +102,12 @@ def test_fedbuff_cohorts_in_flight_apply_exact_sums_with_one_staleness_weight(
     job = build_job(fedbuff(mosquitto))
     assert isinstance(job.aggregator_core().policy, CohortPolicy)
     seen: list[tuple[str, np.ndarray]] = []
+
+    def observe(label: str, v: Any) -> None:
+        seen.append((label, np.array(v)))
+
     run, _, _, error = asyncio.run(
-        run_secure(job, tmp_path / "run", vanish=vanish,
-                   observer=lambda label, v: seen.append((label, np.array(v))))  # fmt: skip
+        run_secure(job, tmp_path / "run", vanish=vanish, observer=observe)
     )
     assert error is None
     core = run.core

@@ -113,9 +113,12 @@ class CohortPolicy:
             e.ended_early is None
             and len(self.cohorts) < self.in_flight
             and e.round_number < e.settings.rounds
-            and not any(c.session is not None and c.session.phase == "keys"
-                        for c in self.cohorts.values())  # fmt: skip
+            and not any(self._keys_phase(c) for c in self.cohorts.values())
         )
+
+    @staticmethod
+    def _keys_phase(cohort: Cohort) -> bool:
+        return cohort.session is not None and cohort.session.phase == "keys"
 
     def open_cohort(self, now: float) -> tuple[Cohort, GlobalModel] | None:
         """Dispatch the next cohort on the current version: min(K', available and not busy)
