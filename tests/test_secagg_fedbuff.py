@@ -233,3 +233,35 @@ def test_a_crash_mid_cohort_skips_it_and_keeps_its_charges(mosquitto, tmp_path):
     early = {(d, r) for d, r, n in core.releases if r in (1, 2)}
     assert len(early) >= 3
     assert all(d in members(core, r) for d, r in early)
+
+
+def test_distributed_gaussian_calibrates_per_cohort_and_the_ledger_is_its_epsilon(
+    mosquitto, tmp_path
+):
+    """``distributed-gaussian`` under cohorts: its noise is calibrated for a cohort of K' = 6
+    and the survivors floor 5, every cohort sums, and the ledger's epsilon is a direct
+    computation from the charges: ddg.epsilon of the calibration at the worst device's number
+    of cohorts (each device charged once per cohort whose masked input it delivered)."""
+    from edge_fl.job import build_job
+    from edge_fl.secagg import ddg
+
+    job = build_job(fedbuff(mosquitto, **{"privacy.mechanism": "distributed-gaussian",
+                                          "privacy.epsilon": 8.0, "rounds.rounds": 4}))  # fmt: skip
+    plan = job.secure_plan
+    assert (plan.selected, plan.min_survivors, plan.job.selected) == (6, 5, 6)
+    p = plan.mechanism.calibration(plan.job).params
+    assert p.n_min == 5
+    run, _, _, error = asyncio.run(run_secure(job, tmp_path / "run"))
+    assert error is None
+    core = run.core
+    records = run.recorder.records
+    assert [r["status"] for r in records] == ["closed"] * 4
+    counts: dict[str, int] = {}
+    for d, r, n in core.releases:
+        assert n == SECURE_RELEASE and d in members(core, r)
+        counts[d] = counts.get(d, 0) + 1
+    assert sum(counts.values()) == 4 * 6  # every member of every cohort delivered
+    delta = job.cfg.privacy.delta
+    want = ddg.epsilon(p, max(counts.values()), delta)
+    assert core.privacy.report()["epsilon"] == pytest.approx(want, rel=1e-6)
+    assert records[-1]["epsilon"] == pytest.approx(want, rel=1e-6)
