@@ -678,11 +678,6 @@ def _cohort_refusal(cfg: JobConfig) -> str | None:
             "ingest.workers: secure FedBuff cohorts run on one aggregator (the workers hold one "
             "secure round's masked phase at a time, not several cohorts')"
         )
-    if cfg.fleet.virtual:
-        return (
-            "fleet.clock = 'virtual': secure FedBuff cohorts run on the wall clock only (several "
-            "sessions' phase deadlines are not stepped by the virtual clock yet)"
-        )
     from edge_fl.server.cohorts import cohort_size
 
     size = cohort_size(r.buffer_size, sa.dropout)

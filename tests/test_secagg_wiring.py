@@ -559,10 +559,6 @@ def test_auto_clock_is_virtual_time_under_secure_aggregation_too():
         ),
         ({"rounds.mode": "fedasync"}, "rounds.mode = 'fedasync': a buffer of one update is a"),
         (
-            {"rounds.mode": "fedbuff", "fleet.clock": "virtual"},
-            "fleet.clock = 'virtual': secure FedBuff cohorts run on the wall clock only",
-        ),
-        (
             {"rounds.mode": "fedbuff", "rounds.buffer_size": 9},
             "a cohort of K' = ceil(buffer_size 9 / (1 - dropout 0.3)) = 13 devices exceeds",
         ),

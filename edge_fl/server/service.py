@@ -1022,6 +1022,7 @@ class AggregatorService:
         while self._cohort_payloads:
             payload = self._cohort_payloads.pop(0)
             await client.publish(self.topics.global_model, payload, qos=1, retain=True)
+            self._vt_published()  # virtual time: the fleet counts each cohort's model
             core.tally.bytes_down += len(payload) * core.online_count
 
     def _close_cohort(self, cohort: Any, why: str | None = None) -> dict[str, Any]:
