@@ -265,3 +265,40 @@ def test_distributed_gaussian_calibrates_per_cohort_and_the_ledger_is_its_epsilo
     want = ddg.epsilon(p, max(counts.values()), delta)
     assert core.privacy.report()["epsilon"] == pytest.approx(want, rel=1e-6)
     assert records[-1]["epsilon"] == pytest.approx(want, rel=1e-6)
+
+
+def test_signed_cohorts_sum_and_a_forged_masked_input_is_not_charged(mosquitto, tmp_path):
+    """With device signing keys (``security.device_keys``) every cohort's adverts and masked
+    inputs are signed and checked, cohorts sum, and a masked input forged under a member's
+    name for an open cohort is no release of that device (checked against the cohort's own
+    seed commitments, while it runs)."""
+    from edge_fl.job import build_job
+    from edge_fl.protocol import Status, encode_status
+    from edge_fl.protocol.device_keys import mint_device_keys
+
+    keys = mint_device_keys(tmp_path / "keys", [f"d{i:05d}" for i in range(12)])
+    cfg = fedbuff(mosquitto, **{"rounds.rounds": 4, "security.device_keys": str(keys)})
+    job = build_job(cfg)
+    plan = job.secure_plan
+    k, t = plan.for_roster(plan.selected)
+    assert 2 * t > k  # calibrated against an aggregator that lies about who dropped
+    # in memory: a forgery for an open cohort is not charged
+    core = job.aggregator_core()
+    for i in range(12):
+        device = f"d{i:05d}"
+        core.on_status(device, encode_status(Status(device, True, 10)))
+    made = core.open_cohort(0.0)
+    assert made is not None
+    cohort, msg = made
+    assert msg.mode == "fedbuff" and msg.round == cohort.number == 1 and msg.nonce == cohort.nonce
+    assert msg.secure is not None and msg.version == cohort.base_version == 0
+    member = sorted(cohort.selected)[0]
+    forged = b"\x85\xa1v\x01\xa1k\xa2mx\xa1r\x01\xa2nc\xc4\x10" + cohort.nonce + b"\xa1y\xc4\x00"
+    assert not core.charge_secure(member, 1, forged)
+    assert core.releases == []
+    # over the broker: signed cohorts sum
+    run, _, _, error = asyncio.run(run_secure(build_job(cfg), tmp_path / "run"))
+    assert error is None
+    records = run.recorder.records
+    assert [r["status"] for r in records] == ["closed"] * 4
+    assert sum(r["received"] for r in records) == 4 * 6
