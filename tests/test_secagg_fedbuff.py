@@ -302,3 +302,43 @@ def test_signed_cohorts_sum_and_a_forged_masked_input_is_not_charged(mosquitto, 
     records = run.recorder.records
     assert [r["status"] for r in records] == ["closed"] * 4
     assert sum(r["received"] for r in records) == 4 * 6
+
+
+def test_a_stop_records_every_open_cohort_skipped_and_keeps_its_charges(
+    mosquitto, tmp_path, monkeypatch
+):
+    """A stop (SIGTERM) when the first cohort's sum is applied: the job ends at once, every
+    cohort still open gets a skipped record with the stop as its reason (never a partial sum),
+    and what reached the aggregator stays charged."""
+    from edge_fl.job import build_job
+    from edge_fl.server.service import AggregatorService
+
+    services: list[AggregatorService] = []
+    init = AggregatorService.__init__
+
+    def capture(self, *args: Any, **kw: Any) -> None:
+        init(self, *args, **kw)
+        services.append(self)
+
+    monkeypatch.setattr(AggregatorService, "__init__", capture)
+
+    def stop_on_first_sum(label: str, _v: Any) -> None:
+        if label == "sum" and services[0].stopped is None:
+            services[0].request_stop("SIGTERM")
+
+    job = build_job(fedbuff(mosquitto, **{"rounds.rounds": 6}))
+    run, _, _, error = asyncio.run(run_secure(job, tmp_path / "run", observer=stop_on_first_sum))
+    assert error is None
+    core = run.core
+    records = run.recorder.records
+    dispatched = sorted(core.history)
+    assert sorted(r["round"] for r in records) == dispatched  # every dispatched cohort: a record
+    assert len(dispatched) < 6 and core.ended_early == "stopped by SIGTERM"
+    summed = [r for r in records if r["status"] == "closed"]
+    assert len(summed) == 1
+    for record in records:
+        if record["status"] == "skipped":
+            assert record["secure"]["failed"]["reason"] == "stopped by SIGTERM"
+            assert record["stopped"] == "SIGTERM"
+    assert not core.cohorts.cohorts  # nothing left open
+    assert all(d in members(core, r) for d, r, _ in core.releases)

@@ -17,6 +17,7 @@ the ``now`` it is given; the service publishes their messages. docs/specs/secagg
 
 from __future__ import annotations
 
+import base64
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -304,8 +305,6 @@ class CohortPolicy:
 
     def snapshot(self) -> dict[str, Any]:
         """The open cohorts (a checkpoint written while they ran): skipped on resume."""
-        import base64
-
         return {
             "cohorts": [
                 {**self.cohort_record(c), "nc": base64.b64encode(c.nonce).decode()}
@@ -314,8 +313,6 @@ class CohortPolicy:
         }
 
     def restore(self, state: dict[str, Any]) -> None:
-        import base64
-
         for rec in state.get("cohorts", []):
             self._abandon({**rec, "nc": base64.b64decode(rec["nc"])})
 

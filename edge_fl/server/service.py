@@ -930,7 +930,16 @@ class AggregatorService:
         record = None
         rnd = core.current
         core.ended_early = f"stopped by {self.stopped}"  # first: closing knows it is the last
-        if rnd is not None and self.core.secure is not None:
+        cohorts = core.cohorts
+        if cohorts is not None:  # secure FedBuff: every open cohort skipped, with its record
+            why = f"stopped by {self.stopped}"
+            for cohort in [*cohorts.abandoned, *cohorts.open_cohorts()]:
+                record = self._close_cohort(cohort, why=why)
+                if commit:
+                    if core.finished:
+                        self._settle(record)
+                    self._commit(record)
+        elif rnd is not None and self.core.secure is not None:
             record = self._secure_close(why=f"stopped by {self.stopped}")
             if commit:
                 if core.finished:
