@@ -342,3 +342,31 @@ def test_a_stop_records_every_open_cohort_skipped_and_keeps_its_charges(
             assert record["stopped"] == "SIGTERM"
     assert not core.cohorts.cohorts  # nothing left open
     assert all(d in members(core, r) for d, r, _ in core.releases)
+
+
+def test_sa_is_legal_in_a_fedbuff_cohort_and_refused_in_fedasync():
+    """The wire: a cohort's global message is a secure round's with mode fedbuff (r the cohort,
+    v its base version); fedasync with sa is out_of_range on both sides; every SecAgg+ message
+    names its cohort by (r, nc) in its head (what the aggregator routes on)."""
+    import edge_fl.secagg.messages as M
+    from edge_fl.protocol import GlobalModel, PayloadRejected, decode_global, encode_global
+    from edge_fl.protocol.secure import check_secure_params, secure_head
+
+    sa = {"b": 16, "k": 4, "md": False, "ms": 3, "n": 8, "q": 256, "t": 2}
+    sel = ("d00000", "d00001", "d00002", "d00003", "d00004")
+
+    def cohort(mode: str) -> GlobalModel:
+        return GlobalModel(job="demo", version=3, round=7, params=np.zeros(8, np.float32),
+                           selected=sel, nonce=bytes(16), secure=sa, mode=mode)  # fmt: skip
+
+    msg = decode_global(encode_global(cohort("fedbuff")))
+    assert (msg.mode, msg.round, msg.version, msg.secure) == ("fedbuff", 7, 3, sa)
+    with pytest.raises(ValueError, match="sa"):
+        encode_global(cohort("fedasync"))
+    with pytest.raises(PayloadRejected, match="only in sync or fedbuff rounds"):
+        check_secure_params(sa, 5, mode="fedasync")
+    nc = bytes(range(16))
+    for kind, body in (("ak", {"ck": bytes(32), "sk": bytes(32), "bh": bytes(32)}),
+                       ("mx", {"b": 12, "m": b"\x01", "y": bytes(6)})):  # fmt: skip
+        assert secure_head(M.encode(kind, 7, nc, **body)) == (7, nc)
+    assert secure_head(b"\x85garbage") is None
