@@ -370,3 +370,33 @@ def test_sa_is_legal_in_a_fedbuff_cohort_and_refused_in_fedasync():
                        ("mx", {"b": 12, "m": b"\x01", "y": bytes(6)})):  # fmt: skip
         assert secure_head(M.encode(kind, 7, nc, **body)) == (7, nc)
     assert secure_head(b"\x85garbage") is None
+
+
+def test_a_checkpoint_written_while_cohorts_run_skips_them_on_restore():
+    """In memory: a checkpoint's snapshot (JSON) lists the open cohort; a core restored from it
+    holds it abandoned (recorded skipped on resume, never summed), remembers its nonce and
+    roster (a late masked input is still charged), and continues the cohort numbers."""
+    import json
+
+    from edge_fl.job import build_job
+    from edge_fl.protocol import Status, encode_status
+
+    job = build_job(fedbuff())
+    core = job.aggregator_core()
+    for i in range(12):
+        core.on_status(f"d{i:05d}", encode_status(Status(f"d{i:05d}", True, 10)))
+    made = core.open_cohort(0.0)
+    assert made is not None and core.open_cohort(0.0) is None  # the first still awaits keys
+    cohort = made[0]
+    state = json.loads(json.dumps(core.snapshot()))
+    fresh = job.aggregator_core()
+    fresh.restore(state, core.params)
+    cohorts = fresh.cohorts
+    assert [c.number for c in cohorts.abandoned] == [1] and not cohorts.cohorts
+    assert fresh.round_facts(1) == (cohort.nonce, cohort.selected)
+    assert not fresh.finished  # its record is still owed
+    record = fresh.close_cohort(cohorts.abandoned[0], 0.0, 0.0, "the aggregator restarted")
+    assert record["status"] == "skipped" and record["round"] == 1 and record["version"] == 0
+    assert record["secure"]["failed"]["reason"] == "the aggregator restarted"
+    assert np.array_equal(fresh.params, core.params) and not cohorts.abandoned
+    assert fresh.round_number == 1
