@@ -42,7 +42,7 @@ def fedbuff(mosquitto: Any = None, **overrides: Any):
         "rounds.concurrency": 12,
         "rounds.rounds": 6,
         "rounds.deadline_s": 20,
-        "secure_aggregation.phase_timeout_s": 3.0,
+        "secure_aggregation.phase_timeout_s": 5.0,
     }
     values.update(overrides)
     return config(mosquitto, **values)
