@@ -372,10 +372,10 @@ class AggregatorCore:
 
     @property
     def cohorts(self) -> Any:
-        """The secure FedBuff cohorts (``edge_fl.server.cohorts.CohortPolicy``), or None."""
-        from .cohorts import CohortPolicy
-
-        return self.policy if isinstance(self.policy, CohortPolicy) else None
+        """The secure FedBuff cohorts (``edge_fl.server.cohorts.CohortPolicy``, whose ``kind``
+        is ``"cohort"``), or None."""
+        policy: Any = self.policy
+        return policy if policy.kind == "cohort" else None
 
     @property
     def finished(self) -> bool:
