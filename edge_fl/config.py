@@ -529,7 +529,9 @@ class SecureAggregationConfig(_Section):
     """SecAgg+ over the broker (docs/specs/secagg.md; docs/protocol.md, "Secure aggregation"):
     the aggregator learns only the sum of each sync round's updates."""
 
-    enabled: bool = Field(False, description="run every sync round as a SecAgg+ round")
+    enabled: bool = Field(
+        False, description="run every sync round (fedbuff: every buffer) as a SecAgg+ round"
+    )
     dropout: float = Field(
         0.3,
         ge=0,

@@ -279,6 +279,8 @@ class Job:
         plan = self.secure_plan
         if plan is not None:  # a round opens only with enough devices for its sum to count
             settings = replace(settings, min_updates=max(settings.min_updates, plan.min_survivors))
+        if plan is not None and r.mode == "fedbuff":  # each buffer a SecAgg+ cohort
+            extra = {"policy": self._cohort_policy(plan)}
         core = AggregatorCore(
             settings,
             self.initial_params(),
@@ -293,6 +295,15 @@ class Job:
         core.secure = plan
         return core
 
+    def _cohort_policy(self, plan: Any) -> Callable[[Any], Any]:
+        """Secure FedBuff: cohorts of the plan's ``selected`` devices, as many in flight as
+        the concurrency limit holds (at least one; no limit: as many as the fleet holds)."""
+        from edge_fl.server.cohorts import CohortPolicy
+
+        c = self.cfg.rounds.concurrency_limit(self.cfg.data.devices) or self.cfg.data.devices
+        in_flight = max(1, c // plan.selected)
+        return lambda core: CohortPolicy(core, in_flight, plan.selected)
+
     @cached_property
     def secure_plan(self) -> Any:
         """The job's secure aggregation (``edge_fl.server.secure.SecurePlan``), or None."""
@@ -305,6 +316,10 @@ class Job:
         mech = secure_sum(self.mechanism)
         assert mech is not None  # build_job refused the combination
         selected = math.ceil(self.target * self.cfg.rounds.over_selection)
+        if self.cfg.rounds.mode == "fedbuff":  # a cohort: K' = ceil(K / (1 - dropout))
+            from edge_fl.server.cohorts import cohort_size
+
+            selected = cohort_size(self.cfg.rounds.buffer_size, sa.dropout)
         # the mechanism calibrates its secure layout here (distributed-gaussian's sigma^2): in
         # the job's scope, so its row reaches the job document for devices without dp-accounting
         keys = self.device_keys  # a malicious operator: calibrated so that 2t > k
@@ -625,11 +640,15 @@ def secure_refusal(cfg: JobConfig, mechanism: Mechanism) -> str | None:
             f"privacy.mechanism = {cfg.privacy.mechanism!r} cannot run under secure aggregation "
             "(it does not implement SecureSum, edge_fl/mechanisms/secure.py)"
         )
-    if cfg.rounds.mode != "sync":
+    if cfg.rounds.mode == "fedasync":
         return (
-            f"rounds.mode = {cfg.rounds.mode!r}: secure aggregation runs sync rounds only "
-            "(FedBuff buffers are not wired yet)"
+            "rounds.mode = 'fedasync': a buffer of one update is a cohort of one, whose sum is "
+            "that device's update (no secrecy); use fedbuff (buffer_size >= 2) or sync"
         )
+    if cfg.rounds.mode == "fedbuff":
+        problem = _cohort_refusal(cfg)
+        if problem is not None:
+            return problem
     if cfg.privacy.poisson_selection:
         return "privacy.poisson_selection: a secure round needs its roster in the global message"
     if cfg.ingest.workers and cfg.ingest.partition == "site":
@@ -646,6 +665,27 @@ def secure_refusal(cfg: JobConfig, mechanism: Mechanism) -> str | None:
         )
     if cfg.population.online is not None:
         return "population.online: secure rounds need every device to hold a session"
+    return None
+
+
+def _cohort_refusal(cfg: JobConfig) -> str | None:
+    """Why a secure FedBuff job (cohorts, edge_fl/server/cohorts.py) cannot run, or None."""
+    r, sa = cfg.rounds, cfg.secure_aggregation
+    if r.buffer_size < 2:
+        return "rounds.buffer_size = 1: a cohort of one has no secrecy (its sum is its update)"
+    if cfg.ingest.workers:
+        return (
+            "ingest.workers: secure FedBuff cohorts run on one aggregator (the workers hold one "
+            "secure round's masked phase at a time, not several cohorts')"
+        )
+    from edge_fl.server.cohorts import cohort_size
+
+    size = cohort_size(r.buffer_size, sa.dropout)
+    if size > cfg.data.devices:
+        return (
+            f"a cohort of K' = ceil(buffer_size {r.buffer_size} / (1 - dropout {sa.dropout:g})) "
+            f"= {size} devices exceeds data.devices = {cfg.data.devices}"
+        )
     return None
 
 

@@ -110,8 +110,11 @@ def test_a_noise_multiplier_sets_the_summed_noise_directly():
 
 
 def test_it_refuses_async_rounds_and_a_missing_target_in_one_line():
-    with pytest.raises(ValueError, match=r"needs rounds\.mode = 'sync'.*got 'fedbuff'"):
-        mechanism(facts(mode="fedbuff"))
+    with pytest.raises(
+        ValueError, match=r"needs rounds\.mode = 'sync' or 'fedbuff'.*got 'fedasync'"
+    ):
+        mechanism(facts(mode="fedasync"))
+    mechanism(facts(mode="fedbuff"))  # one secure round per cohort
     with pytest.raises(ValueError, match=r"needs privacy\.epsilon or privacy\.noise_multiplier"):
         mechanism(epsilon=None)
     with pytest.raises(ValueError, match="the secure job has 20 parameters, the model 21"):
@@ -380,7 +383,7 @@ def test_privacy_plan_shows_the_calibration_and_the_epsilon_it_promises():
     assert secure["length"] == out["padded_dim"] and secure["bits"] == out["ring_bits"]
     assert secure["modular"] is True and secure["min_survivors"] == 14
     bad = edge_fl("privacy", "plan", "--set", f"privacy.mechanism={NAME}", "--set",
-                  "rounds.mode=fedbuff", "--set", "privacy.epsilon=2")  # fmt: skip
+                  "rounds.mode=fedasync", "--set", "privacy.epsilon=2")  # fmt: skip
     assert bad.exit_code == 2 and isinstance(bad.exception, SystemExit)  # no traceback
     assert "needs rounds.mode = 'sync'" in bad.output
 

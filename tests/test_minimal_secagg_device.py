@@ -864,3 +864,59 @@ def test_distributed_gaussian_vectors():
     assert bits == g["bits"]
     decoded = sa.unrotate(np.array(g["sum"], dtype=np.float64) * g["gamma"], s, len(g["delta"]))
     np.testing.assert_allclose(decoded, g["decoded"], rtol=0, atol=1e-12)
+
+
+@pytest.mark.broker
+def test_mixed_fleet_runs_secure_fedbuff_cohorts_with_the_real_aggregator(mosquitto, tmp_path):
+    """FedBuff with secure aggregation (K = 2: cohorts of K' = 3 of the 4 devices): 2 `edge-fl
+    device` and 2 of this file's devices take part in cohorts as in sync rounds (a cohort's
+    global message is one with mode fedbuff); 3 cohorts, each summed with all three members."""
+    job, out = f"mini-fb-{uuid.uuid4().hex[:6]}", tmp_path / "run"
+    agg = secure_aggregator(mosquitto.url, job, out, 4, 3, "--mode", "fedbuff",
+                            "--buffer-size", "2", "--concurrency", "4")  # fmt: skip
+    procs = [agg]
+    try:
+        procs += [
+            subprocess.Popen(
+                [EDGE_FL, "device", "--broker", mosquitto.url, "--job", job, "--id", f"d0000{i}"],
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+            for i in (0, 1)
+        ]
+        minis = {
+            name: subprocess.Popen(
+                [
+                    sys.executable,
+                    str(FILE),
+                    "--broker",
+                    mosquitto.url,
+                    "--job",
+                    job,
+                    "--id",
+                    name,
+                    "--data",
+                    str(digits_share(tmp_path / f"{name}.npz", part)),
+                    "-v",
+                ],
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+            for name, part in (("d00002", slice(0, 90)), ("d00003", slice(90, 180)))
+        }
+        procs += list(minis.values())
+        _, stderr = agg.communicate(timeout=200)
+        logs = {name: p.communicate(timeout=30)[1] for name, p in minis.items()}
+    finally:
+        stop(*procs)
+    assert agg.returncode == 0, stderr
+    recs = records(out)
+    assert sorted(r["round"] for r in recs) == [1, 2, 3]
+    assert [(r["status"], r["received"], r["selected"]) for r in recs] == [("closed", 3, 3)] * 3
+    for r in recs:
+        assert r["secure"]["phases"] == {"keys": 3, "shares": 3, "masked": 3, "unmask": 3}
+        assert r["secure"]["rejected_by_reason"] == {}
+    sent = sum(log.count("sent mx,") for log in logs.values())
+    assert sent >= 1  # this file's devices were in cohorts (the others: edge-fl device)
+    for log in logs.values():
+        assert "left the secure round" not in log, log

@@ -79,3 +79,30 @@ def test_a_secure_job_gives_the_same_records_with_and_without_a_cpu_hog(
     assert vt["fleet_seen"] == vt["aggregator_published"] + 1 > 4 * 10
     assert vt == {**second.summary["virtual_time"], "train_wall_s": vt["train_wall_s"]}
     assert first.summary["epsilon"] == second.summary["epsilon"]
+
+
+def test_secure_fedbuff_cohorts_give_the_same_records_with_and_without_a_cpu_hog(tmp_path):
+    """FedBuff cohorts (K = 4, cohorts of 6, two in flight) under virtual time: each cohort's
+    model and inbox messages are counted like a round's, several sessions' phase deadlines are
+    simulated seconds, and the same job gives the same records beside a CPU hog."""
+    cfg = config(
+        tmp_path,
+        **{
+            "rounds.mode": "fedbuff",
+            "rounds.buffer_size": 4,
+            "rounds.concurrency": 12,
+            "rounds.rounds": 6,
+            "secure_aggregation.neighbours": "auto",
+            "fleet.dropout": 0.1,
+        },
+    )
+    assert cfg.fleet.virtual
+    first, second, a, b = run_quiet_then_loaded(cfg, tmp_path)
+    assert len(a) == 6
+    assert first_difference(a, b, WALL_FIELDS) is None
+    assert (first.params == second.params).all()
+    assert [r["secure"]["outcome"] for r in a].count("summed") >= 3
+    assert max(r["staleness_max"] or 0 for r in a) >= 1  # cohorts overlapped
+    vt = first.summary["virtual_time"]
+    assert vt["fleet_seen"] == vt["aggregator_published"] + 1
+    assert vt == {**second.summary["virtual_time"], "train_wall_s": vt["train_wall_s"]}

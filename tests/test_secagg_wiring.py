@@ -558,7 +558,11 @@ def test_auto_clock_is_virtual_time_under_secure_aggregation_too():
             {"privacy.mechanism": "laplace", "privacy.epsilon": 8.0},
             "privacy.mechanism = 'laplace' cannot run under secure aggregation",
         ),
-        ({"rounds.mode": "fedbuff"}, "rounds.mode = 'fedbuff': secure aggregation runs sync"),
+        ({"rounds.mode": "fedasync"}, "rounds.mode = 'fedasync': a buffer of one update is a"),
+        (
+            {"rounds.mode": "fedbuff", "rounds.buffer_size": 9},
+            "a cohort of K' = ceil(buffer_size 9 / (1 - dropout 0.3)) = 13 devices exceeds",
+        ),
         (
             {"ingest.workers": 2, "ingest.partition": "site", "ingest.spawn": False},
             "ingest.partition = 'site': secure rounds are sharded over one broker",
@@ -592,7 +596,7 @@ def test_the_cli_refuses_in_one_line(tmp_path):
             "simulate",
             "--secure-aggregation",
             "--mode",
-            "fedbuff",
+            "fedasync",
             "--rounds",
             "1",
             "--mechanism",
@@ -603,7 +607,7 @@ def test_the_cli_refuses_in_one_line(tmp_path):
     )
     assert result.exit_code != 0
     lines = [line for line in result.output.splitlines() if line.strip()]
-    assert len(lines) == 1 and "secure aggregation runs sync rounds only" in lines[0], result.output
+    assert len(lines) == 1 and "a cohort of one, whose sum is" in lines[0], result.output
 
 
 # ------------------------------------------------------------------ the device side

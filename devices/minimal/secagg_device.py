@@ -537,8 +537,11 @@ def check_sa(g):  # -> sa, the roster; ValueError names the key (`out_of_range: 
     for key, rng in SA.items():
         if type(sa[key]) is not (bool if rng is None else int):
             raise ValueError(f"bad_type: sa.{key}")
-    if g["mode"] != "sync" or "nc" not in g or len(set(sel)) != len(sel) or len(sel) < 2:
-        raise ValueError("out_of_range: sa needs mode sync, nc and a sel of >= 2 distinct devices")
+    # fedbuff: a cohort (protocol.md "Secure FedBuff cohorts"), answered as a sync round
+    if g["mode"] not in ("sync", "fedbuff") or "nc" not in g or len(set(sel)) != len(sel):
+        raise ValueError("out_of_range: sa needs mode sync or fedbuff, nc and a distinct sel")
+    if len(sel) < 2:
+        raise ValueError("out_of_range: sa needs a sel of >= 2 devices")
     n = len(sel)
     hi = {"k": n - 1, "ms": n, "t": sa["k"]}
     for key, rng in SA.items():

@@ -14,8 +14,10 @@ noise share kept: REPLACE_SPECIAL), accounted per round as the best of Propositi
 curves at the job's rounds (one ``ZCDpEvent``; dp-accounting's RDP accountant composes it).
 Assumed public: who contributed to each round and how many (no amplification by sampling is
 claimed), and that no device colluding with the aggregator subtracts its own noise share.
-Sync rounds only; it cannot run without secure aggregation (its plain update would carry a
-1/min_survivors share of the noise, in the clear).
+Sync rounds, or FedBuff cohorts (one secure round per buffer, ``edge_fl/server/cohorts.py``: the
+same calibration for a cohort of K' devices and its survivors floor, over ``rounds.rounds``
+cohorts, the most a device can join); it cannot run without secure aggregation (its plain update
+would carry a 1/min_survivors share of the noise, in the clear).
 """
 
 from __future__ import annotations
@@ -146,10 +148,10 @@ class DistributedGaussian(Mechanism):
         super().__init__(cfg, facts)
         if cfg is None or facts is None:
             raise ValueError(f"privacy.mechanism = {NAME!r} needs the job's privacy config")
-        if facts.mode != "sync":
+        if facts.mode not in ("sync", "fedbuff"):
             raise ValueError(
-                f"privacy.mechanism = {NAME!r} needs rounds.mode = 'sync' (its noise is "
-                f"calibrated per secure round), got {facts.mode!r}"
+                f"privacy.mechanism = {NAME!r} needs rounds.mode = 'sync' or 'fedbuff' (its "
+                f"noise is calibrated per secure round or cohort), got {facts.mode!r}"
             )
         if cfg.noise_multiplier is None and cfg.epsilon is None:
             raise ValueError(

@@ -59,6 +59,14 @@ def masked_head(payload: bytes) -> tuple[int, bytes] | None:
     """(round, nonce) of an ``mx`` message (its head only, ``v k r nc``), or None."""
     if up_kind(payload) != "mx":
         return None
+    return secure_head(payload)
+
+
+def secure_head(payload: bytes) -> tuple[int, bytes] | None:
+    """(round, nonce) of any SecAgg+ message on ``up/<device>`` (its head only, ``v k r nc``),
+    or None: what routes it to its FedBuff cohort's session (several may run at once)."""
+    if up_kind(payload) is None:
+        return None
     unpacker = msgpack.Unpacker(raw=False, max_buffer_size=len(payload))
     unpacker.feed(payload)
     try:
@@ -87,8 +95,8 @@ def check_secure_params(
     for key in SA_KEYS:
         if key not in value:
             raise F.missing(f"sa.{key}", "secure aggregation parameter")
-    if mode != "sync":
-        raise F.out_of_range("sa", "secure aggregation", mode, "only in sync rounds")
+    if mode not in ("sync", "fedbuff"):  # fedbuff: a cohort's dispatch (docs/protocol.md)
+        raise F.out_of_range("sa", "secure aggregation", mode, "only in sync or fedbuff rounds")
     if roster is None or roster < 2 or not nonce:
         raise F.out_of_range("sa", "secure aggregation", roster, "with sel (>= 2 devices) and nc")
     ints = {

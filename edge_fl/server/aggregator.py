@@ -382,7 +382,17 @@ class AggregatorCore:
         return sum(1 for r in self.devices.values() if r.online)
 
     @property
+    def cohorts(self) -> Any:
+        """The secure FedBuff cohorts (``edge_fl.server.cohorts.CohortPolicy``, whose ``kind``
+        is ``"cohort"``), or None."""
+        policy: Any = self.policy
+        return policy if policy.kind == "cohort" else None
+
+    @property
     def finished(self) -> bool:
+        cohorts = self.cohorts
+        if cohorts is not None and (cohorts.cohorts or cohorts.abandoned):
+            return False  # every dispatched cohort gets its record, a stop included
         if self.ended_early is not None:
             return True
         return self.round_number >= self.settings.rounds and self.current is None
@@ -473,9 +483,11 @@ class AggregatorCore:
         done: bool = False,
         wall: float | None = None,
         round_number: int | None = None,
+        nonce: bytes | None = None,
     ) -> GlobalModel:
         """The global message of the open round (or the done marker); ``ts`` is ``wall``, by
-        default :attr:`wall`'s reading: Unix seconds, what docs/protocol.md promises."""
+        default :attr:`wall`'s reading: Unix seconds, what docs/protocol.md promises.
+        ``nonce``: a secure FedBuff cohort's own (default: the open round's)."""
         return GlobalModel(
             job=self.settings.job,
             version=self.version,
@@ -490,7 +502,7 @@ class AggregatorCore:
             sample_rate=self.settings.sample_rate,
             done=done,
             issued_at=self.wall() if wall is None else wall,
-            nonce=None if done else self.current_nonce(),
+            nonce=None if done else (nonce or self.current_nonce()),
             mechanism_params=self.public_params,
             run=self.run_id,
             secure=None
@@ -593,7 +605,7 @@ class AggregatorCore:
         chargeable = policy.chargeable(device, update)
         if chargeable and (device, update.round) not in self._released:
             self.record_release(device, update.round, update.n_samples)
-        if self.current is None:
+        if self.current is None and self.cohorts is None:
             reason = Reject.LATE if chargeable else Reject.NOT_SELECTED
             self.count_rejection(reason)
             return reason
@@ -753,8 +765,12 @@ class AggregatorCore:
 
             sr = self.secure_round
             current = self.current
+            cohort = self.cohorts.by_number(round_number) if self.cohorts is not None else None
+            known: dict[str, bytes] | None
             if sr is not None and current is not None and current.number == round_number:
-                known: dict[str, bytes] | None = sr.commitments()
+                known = sr.commitments()
+            elif cohort is not None and cohort.session is not None:  # an open cohort's
+                known = cohort.session.commitments()
             else:  # a closed round's; None after a restart: then charged, conservatively
                 known = self.secure_commitments.get(round_number)
             if known is not None:
@@ -882,6 +898,18 @@ class AggregatorCore:
             self.version += 1
             self.record_noised_round(rnd.number)
             self.mechanism_state = strategy.state
+        record = self._record(rnd, skipped, info, wall_time_s)
+        self.retire()
+        self.refused = set()
+        self.strategy = None
+        self.tally = RoundTally()
+        self.policy.closed(record)
+        return record
+
+    def _record(
+        self, rnd: Any, skipped: bool, info: dict[str, Any], wall_time_s: float
+    ) -> dict[str, Any]:
+        """The record of a round (or cohort) just closed, evaluated now; kept in ``records``."""
         accuracy = loss = None
         if self.evaluate is not None:
             accuracy, loss = self.evaluate(self.params)
@@ -921,12 +949,83 @@ class AggregatorCore:
             record.update(self.privacy.metrics())
             record.update(self.privacy.device_metrics(self.devices))
         self.records.append(record)
-        self.retire()
-        self.refused = set()
-        self.strategy = None
+        return record
+
+    # ----------------------------------------------------------- secure FedBuff cohorts
+
+    def open_cohort(self, now: float) -> tuple[Any, GlobalModel] | None:
+        """Dispatch the next secure FedBuff cohort (``CohortPolicy.open_cohort``): the cohort
+        and its global message, or None (no room, no cohorts left, too few devices)."""
+        cohorts = self.cohorts
+        assert cohorts is not None, "not a secure FedBuff job"
+        return cohorts.open_cohort(now)
+
+    def close_cohort(
+        self, cohort: Any, now: float, wall_time_s: float, why: str | None = None
+    ) -> dict[str, Any]:
+        """Close a cohort on its session's outcome (``why``: it ends unfinished, a stop or a
+        restart): its unmasked mean applied as one buffer with the staleness weight of
+        (version now - base version), the same for every member; or the model unchanged and
+        the cohort skipped (failed, stale beyond ``max_staleness``, not finite). Its record."""
+        from edge_fl.secagg import Failed
+
+        from .staleness import Staleness
+
+        cohorts, plan = self.cohorts, self.secure
+        assert cohorts is not None and plan is not None
+        cohorts.drop(cohort)
+        if cohort in cohorts.abandoned:
+            cohorts.abandoned.remove(cohort)
+        sr = cohort.session
+        if sr is not None:
+            outcome, info = sr.result(why)
+            if plan.device_key is not None:
+                self.secure_commitments[cohort.number] = sr.commitments()
+        else:  # rebuilt after a restart: its session died with the process
+            outcome = Failed("keys", why or "the cohort ended unfinished")
+            info = {"phases": {}, "outcome": "failed", "rejected_by_reason": {},
+                    "failed": {"phase": outcome.phase, "reason": outcome.reason}}  # fmt: skip
+        staleness = self.version - cohort.base_version
+        info["base_version"] = cohort.base_version
+        cohort.staleness = staleness
+        total = getattr(outcome, "total", None)
+        contributors = tuple(getattr(outcome, "contributors", ()))
+        cohort.contributors = contributors
+        skipped = True
+        if total is not None and contributors:
+            s = self.settings
+            if staleness > s.max_staleness:
+                info["stale"] = f"staleness {staleness} > max_staleness {s.max_staleness}"
+            else:
+                weight = (s.staleness or Staleness()).weight(staleness)
+                info["weight"] = weight
+                seed = round_seed(s.job, cohort.number, cohort.nonce)
+                mean = plan.mechanism.secure_decode(total, len(contributors), plan.layout, seed)
+                mean = np.asarray(mean, dtype=np.float32)
+                if mean.shape != self.params.shape:
+                    raise ValueError(
+                        f"secure_decode gave {mean.shape}, the model is {self.params.shape}"
+                    )
+                new_params = self.params + np.float32(s.server_lr * weight) * mean
+                if np.isfinite(new_params).all():
+                    self.params = new_params.astype(np.float32)
+                    self.version += 1
+                    skipped = False
+                else:
+                    log.error("cohort %d: secure aggregate is not finite; model left unchanged",
+                              cohort.number)  # fmt: skip
+                    info["diverged"] = True
+        record = self._record(cohort, skipped, {"secure": info}, wall_time_s)
         self.tally = RoundTally()
         self.policy.closed(record)
         return record
+
+    def restore_cohort(self, rec: dict[str, Any]) -> None:
+        """Replay of a journaled ``cohort`` record: skipped on resume, its inputs charged."""
+        cohorts = self.cohorts
+        if cohorts is None:
+            raise ValueError("a cohort record belongs to a secure FedBuff job")
+        cohorts.restore_cohort(rec)
 
     def retire(self) -> None:
         """The open round stops admitting (its strategy stays until the caller drops it): it

@@ -14,6 +14,9 @@ order, every input that changed its state:
 ``dispatch`` devices selected mid-window (async with a concurrency limit): the version, the
              devices and the dispatch message as published (``d``; journals written before
              dispatch messages existed hold the re-published global message, ``g``);
+``cohort``   a secure FedBuff cohort it dispatched (number, nonce, selection, base version,
+             survivors floor): its session is never resumed, so the resumed aggregator records
+             it skipped and still charges the masked inputs that reach it;
 ``release``  a ledger release of an update it did not accept (late, duplicate key, not selected,
              budget-stopped device, wrong mechanism): (device, round, samples).
 
@@ -383,6 +386,8 @@ def replay(core: AggregatorCore, records: list[dict[str, Any]], resumed: Resumed
                 resumed.dispatch_payload = rec["d"]
             elif rec.get("g") is not None:  # an older journal: the model was re-published
                 resumed.open_payload = rec["g"]
+        elif kind == "cohort":  # a secure FedBuff cohort dispatched: skipped on resume
+            core.restore_cohort(rec)
         elif kind == "release":
             key = (str(rec["d"]), int(rec["r"]))
             if key not in released:

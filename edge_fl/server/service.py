@@ -53,7 +53,7 @@ from edge_fl.protocol.clock import (
 )
 from edge_fl.protocol.dispatch import encode_dispatch
 from edge_fl.protocol.messages import Dispatch
-from edge_fl.protocol.secure import masked_head, up_kind
+from edge_fl.protocol.secure import masked_head, secure_head, up_kind
 from edge_fl.secagg import Deliver
 from edge_fl.server.secure import SecureRound
 from edge_fl.transport import client_adapter
@@ -186,6 +186,9 @@ class AggregatorService:
             resumed_payload = None
         self._global_payload: bytes | None = resumed_payload
         self._dispatch_payload: bytes | None = None  # the open window's last dispatch message
+        #: secure FedBuff: cohorts' global messages still to publish, and when each opened
+        self._cohort_payloads: list[bytes] = []
+        self._cohort_started: dict[int, float] = {}
         self._client: aiomqtt.Client | None = None
         self._round_started = 0.0
         self._settle_until: float | None = None
@@ -310,6 +313,14 @@ class AggregatorService:
             if facts is not None and facts[0] == head[1] and device in facts[1]:
                 self._secure_charge(device, head[0], payload)
         sr = core.secure_round
+        cohorts = core.cohorts
+        if cohorts is not None:  # secure FedBuff: the cohort its r and nc name
+            head = secure_head(payload)
+            cohort = None if head is None else cohorts.route(*head)
+            sr = None if cohort is None else cohort.session
+            if sr is not None:
+                self._secure_deliver(sr, sr.receive(device, payload, self._now()))
+            return
         if sr is None or core.current is None:
             return  # between rounds: a late message, nothing to take it
         self._secure_deliver(sr, sr.receive(device, payload, self._now()))
@@ -928,7 +939,16 @@ class AggregatorService:
         record = None
         rnd = core.current
         core.ended_early = f"stopped by {self.stopped}"  # first: closing knows it is the last
-        if rnd is not None and self.core.secure is not None:
+        cohorts = core.cohorts
+        if cohorts is not None:  # secure FedBuff: every open cohort skipped, with its record
+            why = f"stopped by {self.stopped}"
+            for cohort in [*cohorts.abandoned, *cohorts.open_cohorts()]:
+                record = self._close_cohort(cohort, why=why)
+                if commit:
+                    if core.finished:
+                        self._settle(record)
+                    self._commit(record)
+        elif rnd is not None and self.core.secure is not None:
             record = self._secure_close(why=f"stopped by {self.stopped}")
             if commit:
                 if core.finished:
@@ -992,8 +1012,113 @@ class AggregatorService:
         with contextlib.suppress(aiomqtt.MqttError):
             await client.publish(self.topics.metrics, json.dumps(public, default=str), qos=0)
 
+    # ---------------------------------------------------------------- secure FedBuff cohorts
+
+    def _open_cohorts(self) -> int:
+        """Dispatch cohorts while there is room (``CohortPolicy.can_open``) and devices; each
+        journaled (on disk) before its global message can reach a device. How many opened."""
+        core = self.core
+        cohorts = core.cohorts
+        assert cohorts is not None
+        cohorts.observer = self.secure_observer
+        opened = 0
+        while self.stopped is None and (made := core.open_cohort(self._now())) is not None:
+            cohort, msg = made
+            payload = encode_global(msg, signer=self.signer)
+            if self.journal is not None:
+                self.journal.append("cohort", **cohorts.cohort_record(cohort))
+                self.journal.sync()
+            self._global_payload = payload
+            self._cohort_payloads.append(payload)
+            opened += 1
+        return opened
+
+    async def _publish_cohorts(self, client: aiomqtt.Client) -> None:
+        """The global messages of the cohorts just dispatched, in order (retained: the newest
+        stays on the topic; every device reads each live)."""
+        core = self.core
+        while self._cohort_payloads:
+            payload = self._cohort_payloads.pop(0)
+            await client.publish(self.topics.global_model, payload, qos=1, retain=True)
+            self._vt_published()  # virtual time: the fleet counts each cohort's model
+            core.tally.bytes_down += len(payload) * core.online_count
+
+    def _close_cohort(self, cohort: Any, why: str | None = None) -> dict[str, Any]:
+        """A cohort's record (its sum applied, or skipped), not yet committed."""
+        core = self.core
+        started = self._cohort_started.pop(cohort.number, time.perf_counter())
+        record = core.close_cohort(cohort, self._now(), time.perf_counter() - started, why)
+        failed = record.get("secure", {}).get("failed")
+        if failed:
+            log.warning("cohort %d: secure aggregation failed in phase %s: %s",
+                        record["round"], failed["phase"], failed["reason"])  # fmt: skip
+        if self.stopped is not None:
+            record["stopped"] = self.stopped
+        return record
+
+    async def _commit_cohort(self, client: aiomqtt.Client, record: dict[str, Any]) -> None:
+        if self.core.finished:
+            self._settle(record)
+        self._commit(record)
+        await self._publish_record(client, record)
+
+    async def _close_abandoned(self, client: aiomqtt.Client) -> None:
+        """Resumed: the cohorts that were open when the process died are skipped (their
+        sessions died with it; a new cohort has a new nonce), each with its record."""
+        cohorts = self.core.cohorts
+        if cohorts is None or not cohorts.abandoned:
+            return
+        await self._await_statuses()
+        for cohort in list(cohorts.abandoned):
+            record = self._close_cohort(cohort, why="the aggregator restarted mid-cohort")
+            await self._commit_cohort(client, record)
+
+    async def _run_cohorts(self, client: aiomqtt.Client) -> None:
+        """Secure FedBuff: keep cohorts in flight, end each one's phases on its answers or
+        deadlines, and close it (one record, one buffer) when its session ends."""
+        core = self.core
+        cohorts = core.cohorts
+        assert cohorts is not None
+        while not core.finished:
+            if self.stopped is not None:
+                core.ended_early = f"stopped by {self.stopped}"
+                records = [self._close_cohort(c, why=f"stopped by {self.stopped}")
+                           for c in cohorts.open_cohorts()]  # fmt: skip
+                await self._end_on_stop(client)
+                for record in records:
+                    await self._commit_cohort(client, record)
+                break
+            now = self._now()
+            for cohort in cohorts.open_cohorts():
+                sr = cohort.session
+                if sr is not None and sr.outcome is None and now >= sr.deadline:
+                    self._secure_deliver(sr, sr.tick(now))
+            for cohort in cohorts.finished_cohorts():
+                await self._commit_cohort(client, self._close_cohort(cohort))
+            if core.finished:
+                break
+            if self._open_cohorts():
+                for cohort in cohorts.open_cohorts():
+                    self._cohort_started.setdefault(cohort.number, time.perf_counter())
+                await self._publish_cohorts(client)
+                continue
+            if not cohorts.cohorts:  # nothing in flight and none could open
+                if not cohorts.can_open():
+                    break  # (ended early: every record is written)
+                reason = core.hopeless()
+                if reason is not None:
+                    log.warning("ending the job after cohort %d: %s", core.round_number, reason)
+                    core.ended_early = reason
+                    break
+                await self._wait_for_devices()
+                continue
+            await self._sleep_until(core.deadline)
+
     async def _run_rounds(self, client: aiomqtt.Client) -> None:
         core = self.core
+        if core.cohorts is not None:
+            await self._run_cohorts(client)
+            return
         while not core.finished:
             if self.stopped is not None:
                 await self._collect_shares(client)
@@ -1173,6 +1298,7 @@ class AggregatorService:
             reader = asyncio.create_task(self._reader(client))
             runner: asyncio.Task | None = None
             try:
+                await self._close_abandoned(client)  # secure FedBuff, resumed
                 if self.core.current is not None and self._resumed_round and self.core.secure:
                     # a secure round is never resumed: its session (the shares' state, the
                     # running sum) died with the process; skip it, a new round has a new nonce
