@@ -7,6 +7,7 @@ same thing from the same config; no I/O besides reading local dataset files.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import logging
 import math
 import time
@@ -293,6 +294,9 @@ class Job:
             **extra,
         )
         core.secure = plan
+        if self.cfg.reproducible:  # seeds only behind --reproducible (docs/protocol.md, nonce)
+            seed = f"edge-fl round nonces {self.cfg.job} {self.cfg.seed}".encode()
+            core.nonce_key = hashlib.sha256(seed).digest()
         return core
 
     def _cohort_policy(self, plan: Any) -> Callable[[Any], Any]:

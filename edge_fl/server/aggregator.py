@@ -7,6 +7,7 @@ returns. Everything here is deterministic given its inputs and the injected gene
 from __future__ import annotations
 
 import base64
+import hashlib
 import logging
 import math
 import os
@@ -21,6 +22,7 @@ from edge_fl.identity import in_population
 from edge_fl.mechanisms import Mechanism, Strategy
 from edge_fl.mechanisms.none import NoPrivacy
 from edge_fl.protocol import (
+    NONCE_BYTES,
     REJECT_MEANING,
     RUN_BYTES,
     GlobalModel,
@@ -30,6 +32,7 @@ from edge_fl.protocol import (
     decode_global,
     decode_status,
     decode_update,
+    new_nonce,
 )
 from edge_fl.protocol.secure import round_seed
 
@@ -269,6 +272,10 @@ class AggregatorCore:
         self.evaluate = evaluate
         self.mechanism = mechanism or _plain(len(self.params))
         self.noise_rng = noise_rng if noise_rng is not None else rng
+        #: --reproducible: round nonces derived from this key (the job's seed), so a job whose
+        #: results depend on them (distributed-gaussian's rotation) reproduces; None: the OS
+        #: CSPRNG, as a deployment must (a predictable nonce lets an earlier run's update replay)
+        self.nonce_key: bytes | None = None
         self.version = 0
         self.round_number = 0  # rounds opened so far; the open round's number when one is open
         self.devices: dict[str, DeviceRecord] = {}
@@ -657,6 +664,15 @@ class AggregatorCore:
         """A claim beyond the device's status cannot buy weight: the smaller of the two."""
         declared = self.devices.get(device, DeviceRecord()).n_samples
         return declared if 0 < declared < n_samples else n_samples
+
+    def new_nonce(self, kind: str, number: int) -> bytes:
+        """The nonce of round (async: version; secure FedBuff: cohort) ``number``: fresh from
+        the OS CSPRNG, or under --reproducible keyed from the seed by ``kind`` and ``number``
+        (the same on a resume: no generator state to keep)."""
+        if self.nonce_key is None:
+            return new_nonce()
+        data = f"{kind}:{number}".encode()
+        return hashlib.blake2b(data, key=self.nonce_key, digest_size=NONCE_BYTES).digest()
 
     def charge_held(self) -> int:
         """Charge updates held for later that no round will take (the job ended); returns how

@@ -42,7 +42,6 @@ from edge_fl.protocol import (
     Reject,
     Update,
     decode_update,
-    new_nonce,
 )
 
 from .rounds import Decision
@@ -264,7 +263,7 @@ class AsyncPolicy:
             flight[device] = e.version
             self._since[device] = now
         if sent:
-            nonce = self.nonces.setdefault(e.version, new_nonce())
+            nonce = self.nonces.setdefault(e.version, e.new_nonce("version", e.version))
             e.history[e.version] = (nonce, self.selected_on(e.version) | set(sent))
             e.ever_selected.update(sent)
             self.dispatched += len(sent)
@@ -278,7 +277,7 @@ class AsyncPolicy:
         ``version`` by a message published mid-window (the in-flight set is rebuilt from it)."""
         e = self.engine
         devices = frozenset(str(d) for d in sent)
-        nonce = self.nonces.setdefault(version, new_nonce())
+        nonce = self.nonces.setdefault(version, e.new_nonce("version", version))
         e.history[version] = (nonce, self.selected_on(version) | devices)
         e.ever_selected.update(devices)
         window = e.current
@@ -437,7 +436,7 @@ class AsyncPolicy:
         if not e.available():
             return None
         e.round_number += 1
-        self.nonces.setdefault(e.version, new_nonce())  # all kept: 16 bytes per version
+        self.nonces.setdefault(e.version, e.new_nonce("version", e.version))  # 16 B a version
         self._start(self._window(e.round_number, now))
         # in async modes the "round" a device answers is the model version it trains on
         if self.concurrency is None:

@@ -22,7 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from edge_fl.protocol import GlobalModel, Reject, Update, new_nonce
+from edge_fl.protocol import GlobalModel, Reject, Update
 
 from .rounds import Decision
 from .secure import SecureRound
@@ -142,7 +142,7 @@ class CohortPolicy:
             number=e.round_number,
             base_version=e.version,
             selected=selected,
-            nonce=new_nonce(),
+            nonce=e.new_nonce("cohort", e.round_number),
             target=min(s.buffer_size, n),
             min_updates=min(plan.min_survivors, n),
             opened_at=now,

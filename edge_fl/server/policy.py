@@ -16,7 +16,7 @@ import base64
 import dataclasses
 from typing import TYPE_CHECKING, Any, Protocol
 
-from edge_fl.protocol import GlobalModel, Reject, Update, new_nonce
+from edge_fl.protocol import GlobalModel, Reject, Update
 
 from .rounds import Decision, SyncRound
 
@@ -169,7 +169,7 @@ class SyncPolicy:
             opened_at=now,
             deadline_s=s.deadline_s,
             extend_when_short=s.extend_when_short,
-            nonce=new_nonce(),
+            nonce=e.new_nonce("round", e.round_number),
         )
         e.strategy = e.new_strategy()
         return self.open_message()
