@@ -244,7 +244,15 @@ def test_a_subscriber_to_every_topic_learns_nothing_of_one_update(mosquitto, tmp
 
             task = asyncio.create_task(record())
             run, *_ = await run_secure(job, tmp_path / "run")
-            await asyncio.sleep(0)  # what the broker had already delivered is in
+
+            def masked_seen() -> int:
+                return sum(up_kind(p) == "mx" for t, p in recorded if "/up/" in t)
+
+            # the broker delivers to the recorder independently of the aggregator: wait until
+            # it holds every masked input the aggregator summed (3 rounds x 10), not a tick
+            t_end = asyncio.get_running_loop().time() + 30
+            while masked_seen() < 30 and asyncio.get_running_loop().time() < t_end:
+                await asyncio.sleep(0.02)
             task.cancel()
             return run
 
