@@ -21,6 +21,7 @@ import numpy as np
 from edge_fl.identity import in_population
 from edge_fl.mechanisms import Mechanism, Strategy
 from edge_fl.mechanisms.none import NoPrivacy
+from edge_fl.mechanisms.secure import secure_sum
 from edge_fl.protocol import (
     NONCE_BYTES,
     REJECT_MEANING,
@@ -125,7 +126,7 @@ class PrivacyAccounting:
     def __init__(self, mechanism: Mechanism, delta: float) -> None:
         from edge_fl.privacy.ledger import PrivacyLedger
 
-        if not hasattr(mechanism, "secure_events") and not (
+        if secure_sum(mechanism) is None and not (
             mechanism.release_events(1, 0) or mechanism.round_events()
         ):
             # an epsilon of 0 for a mechanism that says it is private would be a false claim
