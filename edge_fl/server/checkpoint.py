@@ -175,9 +175,7 @@ def load_checkpoint(core: AggregatorCore, directory: str | Path) -> dict[str, An
         raise ValueError(f"cannot read the checkpoint in {d}: {exc}") from None
     core.restore(state, params)
     if reader.name is not None:  # the next commit appends to the file it covers
-        writer = LedgerWriter.resume(
-            d, reader, core.releases, core.noised_rounds, core.history
-        )
+        writer = LedgerWriter.resume(d, reader, core.releases, core.noised_rounds, core.history)
         if writer is not None:
             _WRITERS.setdefault(core, {})[os.path.abspath(d)] = writer
     state.setdefault("devices", {})

@@ -199,11 +199,13 @@ class LedgerWriter:
         if not isinstance(history, ChangeTracked):
             raise StaleLedger("the history does not log its changes")
         n = self.releases
-        if len(releases) < n or (n and releases[n - 1] is not self.last_release):
+        if self.size == 0:
+            pass  # a new file: everything goes in
+        elif len(releases) < n or (n and releases[n - 1] is not self.last_release):
             raise StaleLedger("the releases are no continuation of the file")
-        if len(noised) < self.noised:
+        elif len(noised) < self.noised:
             raise StaleLedger("the noised rounds are no continuation of the file")
-        if history.epoch != self.history_epoch or len(history.changes) < self.history_seen:
+        elif history.epoch != self.history_epoch or len(history.changes) < self.history_seen:
             raise StaleLedger("the history lost entries")
         parts: list[bytes] = []
         if self.size == 0:
