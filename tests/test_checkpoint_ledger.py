@@ -306,3 +306,22 @@ def test_the_change_tracked_dict_logs_sets_and_counts_losses():
     assert d.epoch == 1 and d.changes == []
     d.clear()
     assert d.epoch == 2 and not d
+
+
+def test_the_dashboard_follows_the_ledger_of_a_run_directory(tmp_path):
+    """``edge-fl dashboard RUN_DIR``'s source: the checkpoint it replays epsilon from carries the
+    releases of the ledger file, read as the job appends them."""
+    from edge_fl.dashboard.sources import RunDirSource
+    from edge_fl.dashboard.state import DashboardState
+
+    core = engine()
+    source = RunDirSource(DashboardState(), tmp_path)
+    for _ in range(3):
+        run_rounds(core, 2, tmp_path)
+        assert source.poll()
+        assert source._checkpoint is not None
+        assert [tuple(r) for r in source._checkpoint["releases"]] == core.releases
+    assert (
+        source._ledger.offset
+        == json.loads((tmp_path / "checkpoint.json").read_text())["ledger"]["bytes"]
+    )
