@@ -115,12 +115,15 @@ def save_checkpoint(
     atomic_write(d / params_name, params_bytes)
     atomic_write(d / STATE, dumps_record(state).encode())
     writers[key] = writer
+    # earlier parameters and ledger files, now that the state naming these is in place
     keep = {params_name, writer.name}
-    for old in d.iterdir():
-        stale = old.name.startswith("checkpoint") and old.name.endswith(".npy")
-        if (stale or is_ledger_file(old.name)) and old.name not in keep:
-            with contextlib.suppress(OSError):  # a stale file costs space, not correctness
-                old.unlink()
+    with contextlib.suppress(OSError):  # a stale file costs space, not correctness
+        for old in d.iterdir():
+            name = old.name
+            params = name.startswith("checkpoint") and name.endswith(".npy")
+            if (params or is_ledger_file(name)) and name not in keep:
+                with contextlib.suppress(OSError):
+                    old.unlink()
 
 
 def _append_ledger(core: AggregatorCore, d: Path, writer: LedgerWriter | None) -> LedgerWriter:
