@@ -271,7 +271,8 @@ class RunDirSource:
     def _with_ledger(self, ckpt: dict[str, Any]) -> dict[str, Any] | None:
         """The checkpoint with the releases of its ledger file inline (only what was appended
         since the last one is read); None, to be read again at the next poll, when the file is
-        not (yet, or no longer) what the checkpoint covers: a commit under way."""
+        no longer what the checkpoint covers (a later commit replaced it) or is damaged. Never
+        ahead: the aggregator syncs the ledger's lines before the checkpoint that covers them."""
         if not isinstance(ckpt.get("ledger"), dict):
             return ckpt  # a checkpoint that lists them itself (format 2)
         from edge_fl.server.ledger_file import LedgerReader, with_ledger
