@@ -319,7 +319,8 @@ def open_run(
 
 def _run_files() -> tuple[str, ...]:
     """The files whose presence says a directory holds a run, in the order a refusal names
-    them (checkpoint parameter files are named ``checkpoint*.npy`` and go with checkpoint.json)."""
+    them (checkpoint parameter files, ``checkpoint*.npy``, and ledger files,
+    ``checkpoint-ledger-*.jsonl``, go with checkpoint.json)."""
     from edge_fl.server.checkpoint import STATE
     from edge_fl.server.journal import JOURNAL
 
@@ -432,6 +433,8 @@ def _remove_earlier_run(d: Path) -> None:
         (d / name).unlink(missing_ok=True)
     for params in d.glob("checkpoint*.npy"):
         params.unlink(missing_ok=True)
+    for ledger in d.glob("checkpoint-ledger-*.jsonl"):
+        ledger.unlink(missing_ok=True)
 
 
 def _preload(*modules: str) -> None:

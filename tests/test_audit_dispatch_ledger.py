@@ -5,11 +5,12 @@ Written as an auditor who trusts nothing the project prints: a paho-mqtt subscri
 docs/protocol.md, re-sends of identical bytes counted once), epsilon is recomputed per device
 with dp-accounting directly from the mechanism's documented per-release guarantee (laplace:
 pure eps / L per release, basic composition or PLD, whichever is tighter), and both are compared
-with the ledger (checkpoint.json's releases) and with every output: console, summary.json, the
-last metrics.jsonl record and the plot's data (`edge-fl report --csv`). Jobs run as a user runs
-them, through the CLI, against a private Mosquitto: `simulate` for FedBuff and `aggregator` +
-`fleet` for FedAsync, both with a concurrency limit, so slots freed mid-version are handed out by
-dispatch messages (the test checks that at least one was published).
+with the ledger (the releases checkpoint.json covers in its ledger file) and with every output:
+console, summary.json, the last metrics.jsonl record and the plot's data (`edge-fl report
+--csv`). Jobs run as a user runs them, through the CLI, against a private Mosquitto: `simulate`
+for FedBuff and `aggregator` + `fleet` for FedAsync, both with a concurrency limit, so slots
+freed mid-version are handed out by dispatch messages (the test checks that at least one was
+published).
 """
 
 from __future__ import annotations
@@ -108,6 +109,20 @@ def laplace_epsilon(releases: int, eps: float, uploads: int, delta: float) -> fl
     return min(releases * per, PLDAccountant().compose(event).get_epsilon(delta))
 
 
+def checkpoint_releases(out: Path) -> list[list]:
+    """The releases the last checkpoint covers, read here from the files (not through the code
+    under audit): the prefix of its ledger file it names, checked against its digest."""
+    state = json.loads((out / "checkpoint.json").read_text())
+    cover = state["ledger"]
+    data = (out / cover["file"]).read_bytes()[: cover["bytes"]]
+    assert len(data) == cover["bytes"]
+    assert hashlib.sha256(data).hexdigest() == cover["sha256"]
+    lines = [json.loads(line) for line in data.decode().splitlines()]
+    releases = [line[1:] for line in lines if line[0] == "r"]
+    assert len(releases) == cover["releases"]
+    return releases
+
+
 def check(sniffer: Sniffer, out: Path, console: str, *, dispatched: bool) -> None:
     models = sniffer.bodies("global")
     dispatches = sniffer.bodies("dispatch")
@@ -118,9 +133,7 @@ def check(sniffer: Sniffer, out: Path, console: str, *, dispatched: bool) -> Non
     mp = models[0]["mp"]
     assert mp["m"] == "laplace" and mp.get("sched", "uniform") == "uniform"
     published = sniffer.releases()
-    charged = collections.Counter(
-        dev for dev, *_ in json.loads((out / "checkpoint.json").read_text())["releases"]
-    )
+    charged = collections.Counter(dev for dev, *_ in checkpoint_releases(out))
     assert published == charged, f"published {dict(published)} != charged {dict(charged)}"
     summary = json.loads((out / "summary.json").read_text())
     delta = summary["privacy"]["delta"]

@@ -21,6 +21,7 @@ from edge_fl.dashboard.state import DashboardState
 from edge_fl.protocol.codec import encode_ack, encode_global, encode_status
 from edge_fl.protocol.messages import Ack, GlobalModel, Status
 from edge_fl.server.aggregator import PARTICIPATION_FIELDS
+from edge_fl.server.checkpoint import read_checkpoint
 
 JOB = "dash-unit"
 TOKEN = "a-test-operator-token-0123456789"
@@ -270,7 +271,7 @@ def test_device_epsilon_replays_the_ledger(tmp_path: Path, mechanism: str) -> No
     assert made.returncode == 0, made.stderr
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     config = json.loads((out / "run.json").read_text())["config"]
-    checkpoint = json.loads((out / "checkpoint.json").read_text())
+    checkpoint = read_checkpoint(out)  # with the releases of its ledger file
     by_round = DeviceEpsilon(config).per_round(records, checkpoint)
     assert sorted(by_round) == [r["round"] for r in records]
     for record in records:

@@ -19,7 +19,8 @@ Checks (the run fails if any does not hold):
 
 * every job finishes: the last aggregator exits 0 with summary.json and model.onnx, the fleet
   exits 0 by itself (it saw the done marker), metrics.jsonl has each round exactly once;
-* no (device, round) appears twice in the final ledger (``releases`` of the final checkpoint);
+* no (device, round) appears twice in the final ledger (``releases`` of the final checkpoint,
+  which lists them in its ledger file);
 * the final ledger equals the uninterrupted run's, release for release: the same (device, round,
   samples), so the same epsilon for every device (recomputed from both ledgers);
 * every update the fleet published is in the ledger (releases == updates published).
@@ -252,7 +253,9 @@ def finish_fleet(fl: Proc, timeout: float) -> int | None:
 
 
 def ledger_of(out: Path) -> list[tuple[str, int, int]]:
-    state = json.loads((out / "checkpoint.json").read_text())
+    from edge_fl.server.checkpoint import read_checkpoint  # either format, the ledger file's too
+
+    state = read_checkpoint(out)
     return [(d, int(r), int(n)) for d, r, n in state["releases"]]
 
 

@@ -7,7 +7,7 @@ updates are the aggregator's load, and the page needs none of their bytes.
 
 :class:`RunDirSource` follows ``metrics.jsonl`` (a finished run, or one still being written or
 resumed), with ``run.json`` for the config and ``checkpoint.json`` for the fleet view at the last
-checkpoint.
+checkpoint, and the releases of the ledger file it covers (read incrementally, read only).
 """
 
 from __future__ import annotations
@@ -174,6 +174,7 @@ class RunDirSource:
         self._offset = 0
         self._stamps: dict[str, float] = {}
         self._checkpoint: dict[str, Any] | None = None
+        self._ledger: Any = None  # edge_fl.server.ledger_file.LedgerReader, built on first use
         self._inode = -1  # metrics.jsonl's: a new file is read from its start
         self._epsilon: Any = None  # edge_fl.dashboard.epsilon.DeviceEpsilon, built on first use
         self._epsilon_due = False
@@ -248,7 +249,9 @@ class RunDirSource:
             changed = True
         if self._tail():
             changed = self._epsilon_due = True
-        if (ckpt := self._changed("checkpoint.json")) is not None:
+        if (ckpt := self._changed("checkpoint.json")) is not None and (
+            ckpt := self._with_ledger(ckpt)
+        ) is not None:
             self._checkpoint = ckpt
             self._epsilon_due = True
             devices = ckpt.get("devices") or {}
@@ -264,6 +267,23 @@ class RunDirSource:
             state.touch()
             changed = True
         return changed
+
+    def _with_ledger(self, ckpt: dict[str, Any]) -> dict[str, Any] | None:
+        """The checkpoint with the releases of its ledger file inline (only what was appended
+        since the last one is read); None, to be read again at the next poll, when the file is
+        no longer what the checkpoint covers (a later commit replaced it) or is damaged. Never
+        ahead: the aggregator syncs the ledger's lines before the checkpoint that covers them."""
+        if not isinstance(ckpt.get("ledger"), dict):
+            return ckpt  # a checkpoint that lists them itself (format 2)
+        from edge_fl.server.ledger_file import LedgerReader, with_ledger
+
+        if self._ledger is None:
+            self._ledger = LedgerReader()
+        try:
+            return with_ledger(self.dir, ckpt, self._ledger)
+        except ValueError:
+            self._stamps.pop("checkpoint.json", None)
+            return None
 
     def _tail(self) -> bool:
         path = self.dir / "metrics.jsonl"

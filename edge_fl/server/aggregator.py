@@ -37,6 +37,7 @@ from edge_fl.protocol import (
 )
 from edge_fl.protocol.secure import round_seed
 
+from .ledger_file import ChangeTracked
 from .policy import RoundPolicy, SyncPolicy, field_values, round_fields
 from .rounds import Decision
 from .state import generator_state, restore_generator
@@ -286,8 +287,9 @@ class AggregatorCore:
         self.last_opened_at: float | None = None
         self.previous: Any = None  # the round that closed last
         # every closed round's nonce and selection: a straggler's late answer to any of them is
-        # still a release (charged once); O(rounds x selected) memory
-        self.history: dict[int, tuple[bytes | None, frozenset[str]]] = {}
+        # still a release (charged once); O(rounds x selected) memory. It logs the rounds it
+        # sets, so a checkpoint appends only the changed ones to its ledger file
+        self.history: ChangeTracked[int, tuple[bytes | None, frozenset[str]]] = ChangeTracked()
         self.ever_selected: set[str] = set()
         self.refused: set[str] = set()  # devices of the open round whose update was refused
         self.last_rejection: PayloadRejected | None = None  # its detail, for logs and acks
@@ -1095,23 +1097,19 @@ class AggregatorCore:
 
     # ----------------------------------------------------------- state
 
-    def snapshot(self) -> dict[str, Any]:
+    def snapshot(self, *, ledger: bool = True) -> dict[str, Any]:
         """The engine's state between rounds as plain data (JSON-able; the parameters apart):
-        the ledger's releases, the selection history, the fleet view and the policy's own."""
+        the ledger's releases, the selection history, the fleet view and the policy's own.
+        ``ledger=False``: without the three lists that grow with the job (``releases``,
+        ``noised_rounds``, ``history``), which a checkpoint appends to its ledger file instead
+        (:mod:`edge_fl.server.ledger_file`); :meth:`restore` wants them back in ``state``."""
         state: dict[str, Any] = {
             "run": self.run_id.hex(),
             "version": self.version,
             "round_number": self.round_number,
             "mechanism_state": self.mechanism.encode_state(self.mechanism_state),
-            "releases": self.releases,
-            "noised_rounds": self.noised_rounds,
             "rng": generator_state(self.rng),
             "noise_rng": generator_state(self.noise_rng),
-            # every closed round's nonce and selection: a straggler's late answer is charged
-            "history": {
-                str(r): [None if n is None else base64.b64encode(n).decode(), sorted(sel)]
-                for r, (n, sel) in sorted(self.history.items())
-            },
             # the fleet view when the round closed, for replaying the journal's admissions
             # (declared sample counts, known devices); live retained statuses replace it
             "devices": {
@@ -1119,6 +1117,14 @@ class AggregatorCore:
                 for dev, rec in sorted(self.devices.items())
             },
         }
+        if ledger:
+            state["releases"] = self.releases
+            state["noised_rounds"] = self.noised_rounds
+            # every closed round's nonce and selection: a straggler's late answer is charged
+            state["history"] = {
+                str(r): [None if n is None else base64.b64encode(n).decode(), sorted(sel)]
+                for r, (n, sel) in sorted(self.history.items())
+            }
         if self.previous is not None:  # a late update for it is still charged
             state["previous"] = round_fields(self.policy.kind, self.previous)
         state.update(self.policy.snapshot())

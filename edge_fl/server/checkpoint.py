@@ -10,6 +10,15 @@ The privacy ledger is not pickled: the releases (device, round, sample count) ar
 replayed through the same mechanism definitions, so a resumed ledger is exactly the one that was
 running. The config digest guards against resuming with different settings.
 
+What grows with the job (the releases, the rounds with central noise, every round's selection) is
+not in ``checkpoint.json`` (format 3) but appended to a ledger file beside it,
+``checkpoint-ledger-<generation>.jsonl``, fsynced before the checkpoint that covers it is renamed
+into place; the checkpoint records the file, the length and SHA-256 of the prefix it covers and
+its entry counts (``ledger``), so a round's commit costs the same at round 5 as at round 5,000 and
+the checkpoint stays the single commit point (:mod:`edge_fl.server.ledger_file`: crash cases,
+format). :func:`read_checkpoint` gives a checkpoint with the lists inline, as format 2 stored them;
+a format 2 checkpoint still loads, and the next commit moves its lists into a ledger file.
+
 Generator states are saved only for seeded (``reproducible``) generators, so a resumed reproducible
 run selects and draws exactly like an uninterrupted one. The state of the production CSPRNG is never
 written to disk: whoever read it could predict every later selection and noise draw. A resumed
@@ -21,6 +30,8 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import os
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +40,7 @@ import numpy as np
 from edge_fl.storage import OutputError, atomic_write, dumps_record
 
 from .aggregator import AggregatorCore, fleet_view
+from .ledger_file import LedgerReader, LedgerWriter, StaleLedger, is_ledger_file, with_ledger
 from .policy import field_values, round_fields
 from .state import decode_nonces, encode_nonces, generator_state, restore_generator
 
@@ -40,6 +52,7 @@ __all__ = [
     "generator_state",
     "has_checkpoint",
     "load_checkpoint",
+    "read_checkpoint",
     "restore_generator",
     "round_fields",
     "save_checkpoint",
@@ -47,7 +60,13 @@ __all__ = [
 
 STATE = "checkpoint.json"
 PARAMS = "checkpoint.npy"  # format 1; format 2 names a content-addressed checkpoint-<sha>.npy
-FORMAT = 2
+FORMAT = 3  # 3: releases, noised rounds and history in the ledger file; 2: inline
+
+#: each core's ledger writer per checkpoint directory: what it appended so far (a core resumed
+#: from a directory gets the one :func:`load_checkpoint` read; any other starts a new file)
+_WRITERS: weakref.WeakKeyDictionary[AggregatorCore, dict[str, LedgerWriter]] = (
+    weakref.WeakKeyDictionary()
+)
 
 
 def build_round(core: AggregatorCore, data: dict[str, Any], now: float = 0.0) -> Any:
@@ -75,12 +94,19 @@ def save_checkpoint(
         "format": FORMAT,
         "job": core.settings.job,
         "config_digest": core.settings.config_digest,
-        **core.snapshot(),
+        **core.snapshot(ledger=False),
         "journal_seq": journal_seq,
         "last_record": last_record,
     }
-    # the parameters go to a content-addressed file first, then the state that names them is
-    # renamed into place: a crash between the two leaves the previous pair intact
+    key = os.path.abspath(d)
+    writers = _WRITERS.setdefault(core, {})
+    # the round's ledger lines first (fsynced), then the parameters to a content-addressed file,
+    # then the state that covers and names both is renamed into place: a crash before the rename
+    # leaves the previous checkpoint, which covers none of the new lines. The writer is kept only
+    # once the commit is complete: after a failure, what it appended may be uncovered, and the
+    # next commit starts a new ledger file
+    writer = _append_ledger(core, d, writers.pop(key, None))
+    state["ledger"] = writer.coverage()
     params_bytes = buf.getvalue()
     digest = _sha256(params_bytes)
     params_name = f"checkpoint-{digest[:16]}.npy"
@@ -88,10 +114,31 @@ def save_checkpoint(
     state["params_sha256"] = digest
     atomic_write(d / params_name, params_bytes)
     atomic_write(d / STATE, dumps_record(state).encode())
-    for old in d.glob("checkpoint*.npy"):
-        if old.name != params_name:
-            with contextlib.suppress(OSError):  # a stale file costs space, not correctness
-                old.unlink()
+    writers[key] = writer
+    # earlier parameters and ledger files, now that the state naming these is in place
+    keep = {params_name, writer.name}
+    with contextlib.suppress(OSError):  # a stale file costs space, not correctness
+        for old in d.iterdir():
+            name = old.name
+            params = name.startswith("checkpoint") and name.endswith(".npy")
+            if (params or is_ledger_file(name)) and name not in keep:
+                with contextlib.suppress(OSError):
+                    old.unlink()
+
+
+def _append_ledger(core: AggregatorCore, d: Path, writer: LedgerWriter | None) -> LedgerWriter:
+    """Append the core's new ledger entries (to a new file with all of them when ``writer`` is
+    None or cannot continue its file)."""
+    lists = (core.releases, core.noised_rounds, core.history)
+    if writer is not None:
+        try:
+            writer.append(*lists)
+            return writer
+        except StaleLedger:
+            pass
+    writer = LedgerWriter.start(d, core.settings.job, core.run_id.hex())
+    writer.append(*lists)
+    return writer
 
 
 def _sha256(data: bytes) -> str:
@@ -124,8 +171,31 @@ def load_checkpoint(core: AggregatorCore, directory: str | Path) -> dict[str, An
         raise ValueError(f"checkpoint in {d}: the parameters file does not match {STATE}")
     if params.shape != core.params.shape:
         raise ValueError(f"checkpoint parameters {params.shape} != model {core.params.shape}")
+    reader = LedgerReader()
+    try:
+        state = with_ledger(d, state, reader)
+    except ValueError as exc:
+        raise ValueError(f"cannot read the checkpoint in {d}: {exc}") from None
     core.restore(state, params)
+    if reader.name is not None:  # the next commit appends to the file it covers
+        writer = LedgerWriter.resume(d, reader, core.releases, core.noised_rounds, core.history)
+        if writer is not None:
+            _WRITERS.setdefault(core, {})[os.path.abspath(d)] = writer
     state.setdefault("devices", {})
     state.setdefault("journal_seq", 0)
     state.setdefault("last_record", None)
     return state
+
+
+def read_checkpoint(directory: str | Path) -> dict[str, Any]:
+    """The checkpoint's state in ``directory`` as plain data, with ``releases``, ``noised_rounds``
+    and ``history`` inline whichever format wrote it (what tools and reports read). Read only:
+    safe on a running job's directory. ValueError in one line when it cannot be read."""
+    d = Path(directory)
+    try:
+        state = json.loads((d / STATE).read_text())
+        if not isinstance(state, dict):
+            raise ValueError(f"{STATE} holds no object")
+        return with_ledger(d, state)
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"cannot read the checkpoint in {d}: {exc}") from None
