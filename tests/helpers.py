@@ -3,6 +3,7 @@ would, a real device agent on a small fixed data set."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 from pathlib import Path
@@ -90,3 +91,20 @@ def run_quiet_then_loaded(cfg, tmp_path: Path):
         hog.kill()
         hog.wait()
     return first, second, records(tmp_path / "quiet"), records(tmp_path / "loaded")
+
+
+@contextlib.contextmanager
+def mechanisms_registered(*mechanisms):
+    """Register test mechanisms for the block only: the registries (mechanisms and the wire
+    layer's parameter schemas) are process-wide, and other tests list every registered name."""
+    import pytest
+
+    import edge_fl.mechanisms as registry
+    import edge_fl.protocol.params as params
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(registry, "_REGISTRY", dict(registry._REGISTRY))
+        patch.setattr(params, "_SCHEMAS", dict(params._SCHEMAS))
+        for mechanism in mechanisms:
+            registry.register_mechanism(mechanism.name, mechanism)
+        yield

@@ -12,6 +12,7 @@ import uuid
 
 import numpy as np
 import pytest
+from helpers import mechanisms_registered
 
 import edge_fl
 from edge_fl.config import ConfigError
@@ -358,10 +359,10 @@ def test_a_mechanism_that_claims_privacy_but_charges_nothing_is_refused():
         def device_update(self, device, msg):
             return dense_update(device, msg, local_update(device, msg))
 
-    edge_fl.register_mechanism("silent-claim", Silent)
-    job = edge_fl.build_job(small(**{"privacy.mechanism": "silent-claim"}))
-    with pytest.raises(ValueError, match="claims pure DP per device but charges nothing"):
-        job.aggregator_core()
+    with mechanisms_registered(Silent):
+        job = edge_fl.build_job(small(**{"privacy.mechanism": "silent-claim"}))
+        with pytest.raises(ValueError, match="claims pure DP per device but charges nothing"):
+            job.aggregator_core()
     # every built-in mechanism that accounts charges something
     for name in ("laplace", "gaussian", "gaussian-central", "signds", "nbafl", "dpsgd"):
         over = {"privacy.mechanism": name, "privacy.epsilon": 8.0}

@@ -346,6 +346,34 @@ def secure_aggregator(
     return agg
 
 
+def start_minimal_devices(
+    url: str, job: str, tmp_path: Path, extra: list[str] | tuple[str, ...] = ()
+) -> dict[str, subprocess.Popen]:
+    """d00002 and d00003 as minimal devices (this file's device, its own process), each on its
+    share of digits."""
+    return {
+        name: subprocess.Popen(
+            [
+                sys.executable,
+                str(FILE),
+                "--broker",
+                url,
+                "--job",
+                job,
+                "--id",
+                name,
+                "--data",
+                str(digits_share(tmp_path / f"{name}.npz", part)),
+                "-v",
+                *extra,
+            ],
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for name, part in (("d00002", slice(0, 90)), ("d00003", slice(90, 180)))
+    }
+
+
 def stop(*procs: subprocess.Popen) -> None:
     for p in procs:
         if p.poll() is None:
@@ -380,27 +408,7 @@ def run_mixed_fleet(url: str, job: str, out: Path, tmp_path: Path, config: str, 
             )
             for i in (0, 1)
         ]
-        minis = {
-            name: subprocess.Popen(
-                [
-                    sys.executable,
-                    str(FILE),
-                    "--broker",
-                    url,
-                    "--job",
-                    job,
-                    "--id",
-                    name,
-                    "--data",
-                    str(digits_share(tmp_path / f"{name}.npz", part)),
-                    "-v",
-                    *key,
-                ],
-                stderr=subprocess.PIPE,
-                text=True,
-            )
-            for name, part in (("d00002", slice(0, 90)), ("d00003", slice(90, 180)))
-        }
+        minis = start_minimal_devices(url, job, tmp_path, key)
         procs += list(minis.values())
         _, stderr = agg.communicate(timeout=timeout)
         logs = {name: p.communicate(timeout=30)[1] for name, p in minis.items()}
@@ -884,26 +892,7 @@ def test_mixed_fleet_runs_secure_fedbuff_cohorts_with_the_real_aggregator(mosqui
             )
             for i in (0, 1)
         ]
-        minis = {
-            name: subprocess.Popen(
-                [
-                    sys.executable,
-                    str(FILE),
-                    "--broker",
-                    mosquitto.url,
-                    "--job",
-                    job,
-                    "--id",
-                    name,
-                    "--data",
-                    str(digits_share(tmp_path / f"{name}.npz", part)),
-                    "-v",
-                ],
-                stderr=subprocess.PIPE,
-                text=True,
-            )
-            for name, part in (("d00002", slice(0, 90)), ("d00003", slice(90, 180)))
-        }
+        minis = start_minimal_devices(mosquitto.url, job, tmp_path)
         procs += list(minis.values())
         _, stderr = agg.communicate(timeout=200)
         logs = {name: p.communicate(timeout=30)[1] for name, p in minis.items()}

@@ -9,9 +9,9 @@ from typing import Any
 
 import numpy as np
 import pytest
+from helpers import mechanisms_registered
 from test_secagg_wiring import EPS, Crash, SecureMean, config, run_secure
 
-from edge_fl.mechanisms import register_mechanism
 from edge_fl.server.aggregator import SECURE_RELEASE
 from edge_fl.server.cohorts import CohortPolicy, cohort_size
 from edge_fl.server.staleness import Staleness
@@ -22,14 +22,7 @@ NO_MASKED_INPUT = ("advertise", "share", "mask")
 
 @pytest.fixture(scope="module", autouse=True)
 def _registered():
-    """The test mechanism, registered for this module only (as tests/test_secagg_wiring.py)."""
-    import edge_fl.mechanisms as mechanisms
-    import edge_fl.protocol.params as params
-
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(mechanisms, "_REGISTRY", dict(mechanisms._REGISTRY))
-        patch.setattr(params, "_SCHEMAS", dict(params._SCHEMAS))
-        register_mechanism(SecureMean.name, SecureMean)
+    with mechanisms_registered(SecureMean):
         yield
 
 

@@ -15,9 +15,9 @@ from typing import Any
 
 import numpy as np
 import pytest
+from helpers import mechanisms_registered
 from test_secagg_wiring import SecureMean, config, contributions
 
-from edge_fl.mechanisms import register_mechanism
 from edge_fl.secagg.primitives import ring_mask
 from edge_fl.server.aggregator import SECURE_RELEASE
 from edge_fl.server.sharding import Coordinator
@@ -27,14 +27,7 @@ SIGNER: dict[str, Any] = {}
 
 @pytest.fixture(scope="module", autouse=True)
 def _registered():
-    """The test mechanism, registered for this module only (as tests/test_secagg_wiring.py)."""
-    import edge_fl.mechanisms as mechanisms
-    import edge_fl.protocol.params as params
-
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(mechanisms, "_REGISTRY", dict(mechanisms._REGISTRY))
-        patch.setattr(params, "_SCHEMAS", dict(params._SCHEMAS))
-        register_mechanism(SecureMean.name, SecureMean)
+    with mechanisms_registered(SecureMean):
         yield
 
 

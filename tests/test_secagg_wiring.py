@@ -11,9 +11,9 @@ from typing import Any
 
 import numpy as np
 import pytest
+from helpers import mechanisms_registered
 
 from edge_fl.config import load_config
-from edge_fl.mechanisms import register_mechanism
 from edge_fl.mechanisms.base import Guarantee, local_update
 from edge_fl.mechanisms.none import NoPrivacy
 from edge_fl.mechanisms.secure import SecureJob, SecureLayout, secure_sum
@@ -61,15 +61,7 @@ class SecureMean(NoPrivacy):
 
 @pytest.fixture(scope="module", autouse=True)
 def _registered():
-    """The test mechanism registered for this module only (as tests/test_models.py does for
-    models): the registries are process-wide, and other tests list every registered name."""
-    import edge_fl.mechanisms as mechanisms
-    import edge_fl.protocol.params as params
-
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(mechanisms, "_REGISTRY", dict(mechanisms._REGISTRY))
-        patch.setattr(params, "_SCHEMAS", dict(params._SCHEMAS))
-        register_mechanism(SecureMean.name, SecureMean)
+    with mechanisms_registered(SecureMean):
         yield
 
 
