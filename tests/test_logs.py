@@ -36,6 +36,7 @@ def test_dp_accountings_benign_convergence_notices_are_said_once_at_debug_and_dr
     quiet = BenignAccountingNotices()
     absl = logging.getLogger("absl.test_logs")
     absl.propagate = False
+    absl.setLevel(logging.WARNING)  # tests/test_ddg_audit.py sets "absl" to ERROR at import
     debug = logging.getLogger("edge_fl.privacy")
     streams = {"absl": io.StringIO(), "debug": io.StringIO()}
     handlers = {k: logging.StreamHandler(s) for k, s in streams.items()}
