@@ -363,6 +363,8 @@ def test_a_secure_simulation_learns_like_the_plain_one(mosquitto, tmp_path):
     assert secure["privacy"]["epsilon"] == pytest.approx(EPS * rounds, rel=1e-3)
 
 
+@pytest.mark.slow  # 85 s of CI on a 2-core machine; tests/test_secagg_virtual.py runs the same
+# dropout model (devices vanishing at a phase drawn per round) in every CI run
 def test_the_fleets_dropout_model_vanishes_devices_mid_protocol(mosquitto, tmp_path):
     """``fleet.dropout`` 0.35: a dropping device vanishes before a phase drawn uniformly. Each
     round sums exactly the integers of the devices whose masked input was charged, or fails
