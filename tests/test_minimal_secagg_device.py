@@ -346,6 +346,20 @@ def secure_aggregator(
     return agg
 
 
+def start_edge_fl_devices(
+    url: str, job: str, extra: list[str] | tuple[str, ...] = ()
+) -> list[subprocess.Popen]:
+    """d00000 and d00001 as `edge-fl device` processes (the project's own device)."""
+    return [
+        subprocess.Popen(
+            [EDGE_FL, "device", "--broker", url, "--job", job, "--id", f"d0000{i}", *extra],
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for i in (0, 1)
+    ]
+
+
 def start_minimal_devices(
     url: str, job: str, tmp_path: Path, extra: list[str] | tuple[str, ...] = ()
 ) -> dict[str, subprocess.Popen]:
@@ -400,14 +414,7 @@ def run_mixed_fleet(url: str, job: str, out: Path, tmp_path: Path, config: str, 
     agg = secure_aggregator(url, job, out, 4, 2, extra_config=config)
     procs = [agg]
     try:
-        procs += [
-            subprocess.Popen(
-                [EDGE_FL, "device", "--broker", url, "--job", job, "--id", f"d0000{i}", *key],
-                stderr=subprocess.PIPE,
-                text=True,
-            )
-            for i in (0, 1)
-        ]
+        procs += start_edge_fl_devices(url, job, key)
         minis = start_minimal_devices(url, job, tmp_path, key)
         procs += list(minis.values())
         _, stderr = agg.communicate(timeout=timeout)
@@ -519,14 +526,7 @@ def test_a_device_vanishing_after_its_shares_is_unmasked_by_its_neighbours(mosqu
     agg = secure_aggregator(mosquitto.url, job, out, 4, 1, config=config)
     procs, threads, devices = [agg], [], {}
     try:
-        procs += [
-            subprocess.Popen(
-                [EDGE_FL, "device", "--broker", mosquitto.url, "--job", job, "--id", f"d0000{i}"],
-                stderr=subprocess.PIPE,
-                text=True,
-            )
-            for i in (0, 1)
-        ]
+        procs += start_edge_fl_devices(mosquitto.url, job)
         for i, cls in ((2, Recording), (3, Vanishing)):
             name = f"d0000{i}"
             a = device_args(mosquitto.url, job, name, tmp_path, slice(90 * i, 90 * i + 90))
@@ -884,14 +884,7 @@ def test_mixed_fleet_runs_secure_fedbuff_cohorts_with_the_real_aggregator(mosqui
                             "--buffer-size", "2", "--concurrency", "4")  # fmt: skip
     procs = [agg]
     try:
-        procs += [
-            subprocess.Popen(
-                [EDGE_FL, "device", "--broker", mosquitto.url, "--job", job, "--id", f"d0000{i}"],
-                stderr=subprocess.PIPE,
-                text=True,
-            )
-            for i in (0, 1)
-        ]
+        procs += start_edge_fl_devices(mosquitto.url, job)
         minis = start_minimal_devices(mosquitto.url, job, tmp_path)
         procs += list(minis.values())
         _, stderr = agg.communicate(timeout=200)
