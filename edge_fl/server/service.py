@@ -363,10 +363,14 @@ class AggregatorService:
         record = core.close_secure(self.closed_at, wall, why)
         if self.sharding is not None:
             record.update(self.sharding.end_secure())
+        return self._secure_record(record, "round")
+
+    def _secure_record(self, record: dict[str, Any], what: str) -> dict[str, Any]:
+        """A closed secure round's or cohort's record: its failure logged, a stop noted."""
         failed = record.get("secure", {}).get("failed")
         if failed:
-            log.warning("round %d: secure aggregation failed in phase %s: %s",
-                        record["round"], failed["phase"], failed["reason"])  # fmt: skip
+            log.warning("%s %d: secure aggregation failed in phase %s: %s",
+                        what, record["round"], failed["phase"], failed["reason"])  # fmt: skip
         if self.stopped is not None:
             record["stopped"] = self.stopped
         return record
@@ -1047,14 +1051,9 @@ class AggregatorService:
         """A cohort's record (its sum applied, or skipped), not yet committed."""
         core = self.core
         started = self._cohort_started.pop(cohort.number, time.perf_counter())
-        record = core.close_cohort(cohort, self._now(), time.perf_counter() - started, why)
-        failed = record.get("secure", {}).get("failed")
-        if failed:
-            log.warning("cohort %d: secure aggregation failed in phase %s: %s",
-                        record["round"], failed["phase"], failed["reason"])  # fmt: skip
-        if self.stopped is not None:
-            record["stopped"] = self.stopped
-        return record
+        self.closed_at = self._now()
+        record = core.close_cohort(cohort, self.closed_at, time.perf_counter() - started, why)
+        return self._secure_record(record, "cohort")
 
     async def _commit_cohort(self, client: aiomqtt.Client, record: dict[str, Any]) -> None:
         if self.core.finished:
