@@ -24,9 +24,9 @@ from edge_fl.storage import OutputError
 D = 5
 DEVICES = [f"d{i}" for i in range(6)]
 MODES = [("sync", None), ("fedbuff", None), ("fedasync", 3)]
-#: the asynchronous policy's own checkpoint fields: its nonces (one per version) and applied
-#: updates (within the staleness bound) still grow with the versions; not the ledger's to carry
-ASYNC_OWN = ("held", "applied", "nonces")
+#: the asynchronous policy's own checkpoint fields: updates held for the next window and those
+#: applied within the staleness bound (both bounded; every version's nonce is in the history)
+ASYNC_OWN = ("held", "applied")
 
 
 def engine(mode: str = "sync", concurrency: int | None = None, seed: int = 3) -> AggregatorCore:

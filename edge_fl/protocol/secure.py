@@ -70,14 +70,44 @@ def secure_head(payload: bytes) -> tuple[int, bytes] | None:
     unpacker = msgpack.Unpacker(raw=False, max_buffer_size=len(payload))
     unpacker.feed(payload)
     try:
-        unpacker.read_map_header()
+        size = unpacker.read_map_header()
         head = [unpacker.unpack() for _ in range(8)]
     except Exception:
         return None
-    if head[4] != "r" or head[6] != "nc" or type(head[5]) is not int:
+    if head[4] == "r" and head[6] == "nc":  # the reference order: no need to read further
+        rnd, nonce = head[5], head[7]
+    else:  # key order is not significant (encoding rule 7): the session takes any order, so
+        # routing and charging must too (else a reordered mx was summed and never charged)
+        found = _keys(payload, size, ("r", "nc"))
+        if found is None:
+            return None
+        rnd, nonce = found
+    if type(rnd) is not int or not isinstance(nonce, bytes):
         return None
-    nonce = head[7]
-    return (head[5], nonce) if isinstance(nonce, bytes) else None
+    return rnd, nonce
+
+
+def _keys(payload: bytes, size: int, wanted: tuple[str, ...]) -> tuple[Any, ...] | None:
+    """The values of ``wanted`` in a msgpack map of ``size`` entries, or None when one is
+    missing, repeated or the map does not decode."""
+    unpacker = msgpack.Unpacker(raw=False, max_buffer_size=len(payload))
+    unpacker.feed(payload)
+    found: dict[str, Any] = {}
+    try:
+        unpacker.read_map_header()
+        for _ in range(size):
+            key = unpacker.unpack()
+            if key in wanted:
+                if key in found:
+                    return None
+                found[key] = unpacker.unpack()
+            else:
+                unpacker.skip()
+    except Exception:
+        return None
+    if len(found) != len(wanted):
+        return None
+    return tuple(found[k] for k in wanted)
 
 
 def check_secure_params(

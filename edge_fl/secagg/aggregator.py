@@ -13,6 +13,9 @@ the session materialises (tests/test_secagg.py proves none is an individual inpu
 
 from __future__ import annotations
 
+import itertools
+import math
+import random
 from collections import deque
 from collections.abc import Callable, Container, Iterable, Sequence
 
@@ -33,6 +36,10 @@ from edge_fl.secagg.session import (
 )
 
 Effect = Deliver | Rejected | Finished
+#: the most t-subsets of a target's shares tried when the first t fail its check: with h shares
+#: of which e are altered, a random subset is clean with probability C(h-e, t) / C(h, t)
+#: (h = 12, t = 7, e = 2: 0.32, so 64 draws all fail with probability 2e-11)
+MAX_SUBSETS = 64
 Observer = Callable[[str, np.ndarray], None]
 PHASES = ("keys", "shares", "masked", "unmask", "done")
 _KIND = {"keys": "ak", "shares": "sh", "masked": "mx", "unmask": "ua"}
@@ -65,6 +72,9 @@ class AggregatorSession:
         self._shares: dict[str, list[tuple[int, int]]] = {}
         self._seen: dict[str, bytes] = {}  # device -> the payload accepted in this phase
         self._answered = 0  # unmask answers accepted
+        #: devices whose unmask answer held a share off its target's polynomial (a lie, or a
+        #: corruption that no check before could catch): recovered around, and named here
+        self.altered: set[str] = set()
 
     @property
     def survivors(self) -> tuple[str, ...]:
@@ -292,16 +302,19 @@ class AggregatorSession:
                     "unmask", f"{v}'s {what} need {need} shares; {have} neighbours answered"
                 )
         for v in sorted(u3):
-            seed = P.combine(self._shares[v][:need])
             bh = self._adverts[v][2]
-            if P.seed_commitment(p.job, p.round, p.nonce, v, seed) != bh:
+            seed = self._recover(
+                v, lambda s, v=v, bh=bh: P.seed_commitment(p.job, p.round, p.nonce, v, s) == bh
+            )
+            if seed is None:
                 return self._fail("unmask", f"{v}'s seed shares do not match its commitment")
             mask = P.expand(P.self_seed(seed, p.job, p.round, p.nonce, v), p.dim, p.bits)
             self._notify("self_mask", mask)
             self._sum -= mask
         for v in dropped:
-            scalar = P.combine(self._shares[v][:need])
-            if scalar >= P.PRIME or P.public_bytes(scalar) != self._adverts[v][1]:
+            sk = self._adverts[v][1]
+            scalar = self._recover(v, lambda s, sk=sk: s < P.PRIME and P.public_bytes(s) == sk)
+            if scalar is None:
                 return self._fail("unmask", f"{v}'s key shares do not match its advertised key")
             for u in self._near[v]:
                 if u not in u3:
@@ -321,8 +334,31 @@ class AggregatorSession:
             return self._fail("unmask", "the unmasked sum is beyond what the inputs can reach")
         self._notify("sum", total)
         self.phase = "done"
-        self.outcome = Summed(total, tuple(sorted(u3)))
+        self.outcome = Summed(total, tuple(sorted(u3)), tuple(sorted(self.altered)))
         return [Finished(self.outcome)]
+
+    def _recover(self, target: str, check: Callable[[int], bool]) -> int | None:
+        """``target``'s secret from the shares its neighbours answered with, the one that passes
+        ``check`` (its commitment, or its advertised key): the first t shares in arrival order,
+        else other t-subsets, all of them when there are at most :data:`MAX_SUBSETS`, else that
+        many drawn from a generator seeded by the round (the core stays deterministic). So a
+        device that answers with an altered share cannot fail the round while t honest shares
+        remain; the holders whose shares lie off the recovered polynomial are named in
+        :attr:`altered`. None: no subset passes."""
+        shares = self._shares[target]
+        need = self.params.threshold
+        for subset in _subsets(shares, need, f"{self.params.nonce.hex()}:{target}"):
+            try:
+                secret = P.combine(subset)
+            except P.ShareError:
+                continue
+            if not check(secret):
+                continue
+            for x, y in shares:
+                if P.interpolate(subset, x) != y:
+                    self.altered.add(self._graph.roster[x - 1])
+            return secret
+        return None
 
     def _notify(self, label: str, vec: np.ndarray) -> None:
         if self._observe is not None:
@@ -439,3 +475,24 @@ class MaskedShare:
             self.devices.remove(device)
             return True
         return False
+
+
+def _subsets(
+    shares: Sequence[tuple[int, int]], need: int, seed: str
+) -> Iterable[Sequence[tuple[int, int]]]:
+    """The first ``need`` shares, then every other ``need``-subset when there are at most
+    MAX_SUBSETS of them, else MAX_SUBSETS subsets drawn deterministically from ``seed``."""
+    if len(shares) < need:
+        return
+    first = list(shares[:need])
+    yield first
+    if len(shares) == need:
+        return
+    if math.comb(len(shares), need) <= MAX_SUBSETS:
+        for subset in itertools.combinations(shares, need):
+            if list(subset) != first:
+                yield subset
+        return
+    draw = random.Random(seed)  # not a secret: which honest shares recover a public commitment
+    for _ in range(MAX_SUBSETS - 1):
+        yield draw.sample(list(shares), need)

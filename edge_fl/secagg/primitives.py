@@ -239,20 +239,26 @@ def split(secret: int, threshold: int, xs: Sequence[int], randbytes: RandBytes) 
 def combine(points: Sequence[tuple[int, int]]) -> int:
     """The polynomial's value at 0 from ``(x, share)`` points (Lagrange). Exactly the threshold's
     number of points is enough; with fewer the result is a uniformly random field element."""
+    return interpolate(points, 0)
+
+
+def interpolate(points: Sequence[tuple[int, int]], at: int) -> int:
+    """The value at ``at`` of the polynomial of degree len(points) - 1 through ``points``
+    (Lagrange): at 0 the secret; at another holder's point, the share it should hold."""
     xs = [x for x, _ in points]
     if not points or len(set(xs)) != len(xs) or not all(0 < x < PRIME for x in xs):
         raise ShareError("shares need distinct nonzero points")
-    secret = 0
+    value = 0
     for i, (xi, yi) in enumerate(points):
         if not 0 <= yi < PRIME:
             raise ShareError("a share is a field element")
         num, den = 1, 1
         for j, xj in enumerate(xs):
             if j != i:
-                num = num * xj % PRIME
-                den = den * (xj - xi) % PRIME
-        secret = (secret + yi * num * pow(den, -1, PRIME)) % PRIME
-    return secret
+                num = num * (at - xj) % PRIME
+                den = den * (xi - xj) % PRIME
+        value = (value + yi * num * pow(den, -1, PRIME)) % PRIME
+    return value
 
 
 def share_bytes(value: int) -> bytes:

@@ -114,10 +114,13 @@ class Aborted:
 
 @dataclass(frozen=True)
 class Summed:
-    """The round's sum: the devices' integers added, exactly, lifted to signed int64."""
+    """The round's sum: the devices' integers added, exactly, lifted to signed int64.
+    ``altered``: devices whose unmask answer held a share that was not their target's (the sum
+    was recovered from the other shares; see ``AggregatorSession.altered``)."""
 
     total: np.ndarray
     contributors: tuple[str, ...]
+    altered: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

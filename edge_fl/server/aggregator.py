@@ -52,6 +52,8 @@ INTERNAL_ERROR = "internal_error"  # a payload hit a bug of ours: counted, logge
 #: a sharded worker's answer for an update naming a round it never mirrored (it joined or
 #: restarted later): not judged nor counted here, the coordinator judges it (``judge_deferred``)
 DEFERRED = "deferred"
+#: closed secure rounds (cohorts) whose seed commitments are kept for their late masked inputs
+COMMITMENTS_KEPT = 64
 
 Evaluator = Callable[[np.ndarray], tuple[float, float]]  # params -> (accuracy, loss)
 
@@ -323,8 +325,9 @@ class AggregatorCore:
         self.secure: Any = None
         #: the open secure round's session (``edge_fl.server.secure.SecureRound``), or None
         self.secure_round: Any = None
-        #: with device keys: each secure round's accepted seed commitments (round -> device ->
-        #: bh), so a late masked input is charged only if its device signed it
+        #: with device keys: the last COMMITMENTS_KEPT secure rounds' accepted seed commitments
+        #: (round -> device -> bh), so a late masked input is charged only if its device signed
+        #: it; one for an older round is charged as after a restart (conservatively)
         self.secure_commitments: dict[int, dict[str, bytes]] = {}
 
     def configure_as_worker(self) -> None:
@@ -799,6 +802,15 @@ class AggregatorCore:
         self.record_release(device, round_number, SECURE_RELEASE)
         return True
 
+    def keep_commitments(self, round_number: int, commitments: dict[str, bytes]) -> None:
+        """A closed secure round's (or cohort's) commitments, for its late masked inputs; the
+        oldest go beyond COMMITMENTS_KEPT (they were kept for the whole job: 32 bytes per device
+        and round)."""
+        kept = self.secure_commitments
+        kept[round_number] = commitments
+        while len(kept) > COMMITMENTS_KEPT:
+            del kept[min(kept)]
+
     def record_noised_round(self, round_number: int) -> None:
         self.noised_rounds.append(round_number)
         if self.privacy is not None:
@@ -844,7 +856,7 @@ class AggregatorCore:
             outcome, info = sr.result(why)
             if self.secure is not None and self.secure.device_key is not None:
                 assert self.current is not None
-                self.secure_commitments[self.current.number] = sr.commitments()
+                self.keep_commitments(self.current.number, sr.commitments())
         else:  # rebuilt from a journal: its session died with the process
             outcome = Failed("keys", why or "the round ended unfinished")
             info = {"phases": {}, "outcome": "failed", "rejected_by_reason": {},
@@ -999,7 +1011,7 @@ class AggregatorCore:
         if sr is not None:
             outcome, info = sr.result(why)
             if plan.device_key is not None:
-                self.secure_commitments[cohort.number] = sr.commitments()
+                self.keep_commitments(cohort.number, sr.commitments())
         else:  # rebuilt after a restart: its session died with the process
             outcome = Failed("keys", why or "the cohort ended unfinished")
             info = {"phases": {}, "outcome": "failed", "rejected_by_reason": {},

@@ -149,7 +149,6 @@ class AsyncPolicy:
             engine.settings.deadline_s if dispatch_timeout_s is None else dispatch_timeout_s
         )
         self.applied: set[tuple[str, int]] = set()  # (device, base version) applied, recently
-        self.nonces: dict[int, bytes] = {}  # version -> nonce, for versions within max_staleness
         self.held: list[tuple[str, bytes]] = []  # arrived while no window had room
         self._held_keys: set[tuple[str, int]] = set()  # their (device, version): one each
         # concurrency limit. The selections are kept in the engine's ``history`` (version ->
@@ -263,7 +262,7 @@ class AsyncPolicy:
             flight[device] = e.version
             self._since[device] = now
         if sent:
-            nonce = self.nonces.setdefault(e.version, e.new_nonce("version", e.version))
+            nonce = self.nonce(e.version)
             e.history[e.version] = (nonce, self.selected_on(e.version) | set(sent))
             e.ever_selected.update(sent)
             self.dispatched += len(sent)
@@ -277,7 +276,7 @@ class AsyncPolicy:
         ``version`` by a message published mid-window (the in-flight set is rebuilt from it)."""
         e = self.engine
         devices = frozenset(str(d) for d in sent)
-        nonce = self.nonces.setdefault(version, e.new_nonce("version", version))
+        nonce = self.nonce(version)
         e.history[version] = (nonce, self.selected_on(version) | devices)
         e.ever_selected.update(devices)
         window = e.current
@@ -362,9 +361,10 @@ class AsyncPolicy:
                 e.charge_refused(device, payload)
             e.last_rejection = exc
             return exc.reason
-        if update.round not in self.nonces:  # never published: it cannot be admitted
+        published = self.nonce_of(update.round)
+        if published is None:  # never published: it cannot be admitted
             return Reject.FUTURE if update.round > e.version else Reject.WRONG_NONCE
-        if update.nonce != self.nonces[update.round]:
+        if update.nonce != published:
             return Reject.WRONG_NONCE
         if update.base_version != update.round:
             return Reject.WRONG_NONCE  # as AsyncWindow.admit: the nonce binds r only
@@ -392,17 +392,40 @@ class AsyncPolicy:
                 self._replace()
 
     def current_nonce(self) -> bytes | None:
-        return self.nonces.get(self.engine.version)
+        return self.nonce_of(self.engine.version)
 
     def nonce_of(self, round_number: int) -> bytes | None:
-        """Updates echo the nonce of the version they trained on."""
-        return self.nonces.get(round_number)
+        """Updates echo the nonce of the version they trained on (None: never published)."""
+        facts = self.engine.history.get(round_number)
+        return None if facts is None else facts[0]
+
+    def nonce(self, version: int) -> bytes:
+        """The nonce of ``version``, made when it is first published. Every version's nonce
+        lives in the engine's ``history`` beside its selection (empty without a limit), whose
+        entries a checkpoint appends to its ledger file: a commit writes only the new version's,
+        and a straggler's answer on any published version is still checked and charged."""
+        e = self.engine
+        facts = e.history.get(version)
+        if facts is not None and facts[0] is not None:
+            return facts[0]
+        nonce = e.new_nonce("version", version)
+        e.history[version] = (nonce, frozenset() if facts is None else facts[1])
+        return nonce
+
+    def _learn_nonces(self, encoded: dict[str, str]) -> None:
+        """Nonces a journal's ``open`` record (or a checkpoint written before they moved to
+        the history) carries, kept where the history has none."""
+        e = self.engine
+        for version, nonce in decode_nonces(encoded).items():
+            facts = e.history.get(version)
+            if facts is None or facts[0] is None:
+                e.history[version] = (nonce, frozenset() if facts is None else facts[1])
 
     def chargeable(self, device: str, update: Update) -> bool:
         """Without a limit any known device may train on any version that was published
         (``update.round`` is the version it trained on; its nonce was checked): a stale one was
         still released. With one, only a device selected for that version."""
-        if update.round not in self.nonces:
+        if self.nonce_of(update.round) is None:
             return False
         if self.concurrency is not None:
             return device in self.selected_on(update.round)
@@ -436,7 +459,7 @@ class AsyncPolicy:
         if not e.available():
             return None
         e.round_number += 1
-        self.nonces.setdefault(e.version, e.new_nonce("version", e.version))  # 16 B a version
+        self.nonce(e.version)
         self._start(self._window(e.round_number, now))
         # in async modes the "round" a device answers is the model version it trains on
         if self.concurrency is None:
@@ -446,8 +469,7 @@ class AsyncPolicy:
         return e.global_message(selected=sent, round_number=e.version)
 
     def reopen(self, rnd: AsyncWindow, spec: dict[str, Any]) -> None:
-        if "nonces" in spec:
-            self.nonces = decode_nonces(spec["nonces"])
+        self._learn_nonces(spec.get("nonces", {}))
         self._start(rnd)
 
     def _start(self, window: AsyncWindow) -> None:
@@ -477,7 +499,10 @@ class AsyncPolicy:
         return e.global_message(selected=selected, round_number=window.version)
 
     def open_spec(self) -> dict[str, Any]:
-        return {"nonces": encode_nonces(self.nonces)}  # the new version's included
+        # the new version's nonce: the earlier ones are in the checkpoint's history, or in the
+        # journal's earlier ``open`` records (a journal replayed without a checkpoint)
+        version = self.engine.version
+        return {"nonces": encode_nonces({version: self.nonce(version)})}
 
     def build_round(self, fields: dict[str, Any], now: float) -> AsyncWindow:
         staleness = self.engine.settings.staleness or Staleness()
@@ -518,11 +543,11 @@ class AsyncPolicy:
         self.applied |= rnd.accepted
 
     def remember(self, rnd: AsyncWindow) -> None:
-        """The versions' nonces are kept in ``nonces``; with a limit, the closing window's
+        """Every version's nonce is in ``history`` already; with a limit, the closing window's
         selection joins ``history`` (version -> (nonce, selected)), which checkpoints carry."""
         if self.concurrency is not None and rnd.selected:
             self.engine.history[rnd.version] = (
-                self.nonces.get(rnd.version),
+                self.nonce_of(rnd.version),
                 self.selected_on(rnd.version) | rnd.selected,
             )
 
@@ -578,12 +603,12 @@ class AsyncPolicy:
     # ----------------------------------------------------------- state
 
     def snapshot(self) -> dict[str, Any]:
-        """Updates held for the next window, what was applied (duplicates), every admissible
-        version's nonce (checkpoint keys ``held``, ``applied``, ``nonces``)."""
+        """Updates held for the next window and what was applied within ``max_staleness``
+        (duplicates): checkpoint keys ``held`` and ``applied``, both bounded. The versions' nonces
+        are in the engine's history."""
         return {
             "held": [[dev, base64.b64encode(p).decode()] for dev, p in self.held],
             "applied": sorted([dev, int(v)] for dev, v in self.applied),
-            "nonces": encode_nonces(self.nonces),
         }
 
     def restore(self, state: dict[str, Any]) -> None:
@@ -592,10 +617,9 @@ class AsyncPolicy:
             self._held_keys = set()  # a held payload decoded once; a re-delivery is no harm
         if "applied" in state:
             self.applied = {(dev, int(v)) for dev, v in state["applied"]}
-        if "nonces" in state:
-            self.nonces = decode_nonces(state["nonces"])
+        self._learn_nonces(state.get("nonces", {}))  # checkpoints before 2026-11-29
         self._flight = None
 
     def forget(self) -> None:
-        self.applied, self.nonces, self.held, self._held_keys = set(), {}, [], set()
+        self.applied, self.held, self._held_keys = set(), [], set()
         self._flight, self._since, self.unsent = None, {}, []

@@ -1,0 +1,79 @@
+"""A device that answers the unmask request with altered shares cannot fail the round while t
+honest shares of every secret remain: the aggregator recovers each secret from a t-subset that
+passes its check (the seed's commitment, the dropped device's advertised key) and names the
+device whose shares lie off the polynomial (a red team's device failed every FedBuff cohort it
+joined this way, and its honest partners were charged for nothing)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import edge_fl.secagg.messages as M
+import edge_fl.secagg.primitives as P
+from edge_fl.secagg.aggregator import MAX_SUBSETS, _subsets
+from edge_fl.secagg.driver import run_round
+from edge_fl.secagg.session import Failed, RoundParams, Summed
+
+
+def params(n: int, k: int, t: int) -> RoundParams:
+    roster = tuple(f"d{i:02d}" for i in range(n))
+    return RoundParams("job1", 7, bytes(range(16)), roster, k, t, 20, 8, 100)
+
+
+def lying(liars: set[str], how: str = "flip"):
+    def tamper(way: str, device: str, payload: bytes) -> bytes:
+        msg = M.decode(payload, 10**6)
+        if way == "up" and device in liars and msg.kind == "ua":
+
+            def alter(blob: bytes | None) -> bytes | None:
+                if blob is None:
+                    return None
+                if how == "flip":
+                    return bytes([blob[0] ^ 1]) + blob[1:]
+                return P.share_bytes(1234)
+
+            return M.encode("ua", msg.round, msg.nonce, s=[alter(x) for x in msg.body["s"]])
+        return payload
+
+    return tamper
+
+
+@pytest.mark.parametrize("how", ["flip", "constant"])
+@pytest.mark.parametrize("dropped", [{}, {"d00": "mask"}])
+def test_one_liar_among_the_answers_still_gives_the_exact_sum_and_is_named(how, dropped):
+    p = params(9, 8, 5)  # every secret has 8 (7 with d0 gone) shares; t = 5
+    xs = {d: np.arange(8) * (i + 1) - 20 for i, d in enumerate(p.roster)}
+    trace = run_round(p, xs, dict(dropped), tamper=lying({"d03"}, how))
+    assert isinstance(trace.outcome, Summed), trace.outcome
+    assert trace.outcome.altered == ("d03",)
+    expected = sum(xs[d] for d in trace.outcome.contributors)
+    assert np.array_equal(trace.outcome.total, expected)
+    assert "d03" in trace.outcome.contributors  # its own input is summed: only its shares lied
+
+
+def test_two_liars_beyond_exhaustive_search_are_recovered_around():
+    p = params(16, 14, 8)  # C(14, 8) = 3003 subsets: sampled, not enumerated
+    xs = {d: np.full(8, i) for i, d in enumerate(p.roster)}
+    trace = run_round(p, xs, {}, tamper=lying({"d01", "d02"}))
+    assert isinstance(trace.outcome, Summed), trace.outcome
+    assert trace.outcome.altered == ("d01", "d02")
+    assert np.array_equal(trace.outcome.total, sum(xs.values()))
+
+
+def test_without_t_honest_shares_the_round_still_fails_rather_than_sum_wrong():
+    p = params(6, 5, 4)  # 5 shares per secret, t = 4: two liars leave 3 honest
+    trace = run_round(
+        p, {d: np.ones(8, dtype=np.int64) for d in p.roster}, {}, tamper=lying({"d01", "d02"})
+    )
+    assert isinstance(trace.outcome, Failed)
+    assert "do not match its" in trace.outcome.reason
+
+
+def test_subsets_start_with_the_arrival_order_and_stay_deterministic():
+    shares = [(x, x * 7) for x in range(1, 15)]
+    first = list(_subsets(shares, 8, "seed"))
+    assert first[0] == shares[:8] and len(first) == MAX_SUBSETS
+    assert first == list(_subsets(shares, 8, "seed"))
+    small = list(_subsets(shares[:6], 4, "seed"))  # C(6, 4) = 15: every subset, once
+    assert len(small) == 15 and len({tuple(s) for s in small}) == 15
