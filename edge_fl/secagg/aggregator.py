@@ -302,18 +302,14 @@ class AggregatorSession:
                     "unmask", f"{v}'s {what} need {need} shares; {have} neighbours answered"
                 )
         for v in sorted(u3):
-            bh = self._adverts[v][2]
-            seed = self._recover(
-                v, lambda s, v=v, bh=bh: P.seed_commitment(p.job, p.round, p.nonce, v, s) == bh
-            )
+            seed = self._recover(v, "seed")
             if seed is None:
                 return self._fail("unmask", f"{v}'s seed shares do not match its commitment")
             mask = P.expand(P.self_seed(seed, p.job, p.round, p.nonce, v), p.dim, p.bits)
             self._notify("self_mask", mask)
             self._sum -= mask
         for v in dropped:
-            sk = self._adverts[v][1]
-            scalar = self._recover(v, lambda s, sk=sk: s < P.PRIME and P.public_bytes(s) == sk)
+            scalar = self._recover(v, "key")
             if scalar is None:
                 return self._fail("unmask", f"{v}'s key shares do not match its advertised key")
             for u in self._near[v]:
@@ -337,28 +333,26 @@ class AggregatorSession:
         self.outcome = Summed(total, tuple(sorted(u3)), tuple(sorted(self.altered)))
         return [Finished(self.outcome)]
 
-    def _recover(self, target: str, check: Callable[[int], bool]) -> int | None:
-        """``target``'s secret from the shares its neighbours answered with, the one that passes
-        ``check`` (its commitment, or its advertised key): the first t shares in arrival order,
-        else other t-subsets, all of them when there are at most :data:`MAX_SUBSETS`, else that
-        many drawn from a generator seeded by the round (the core stays deterministic). So a
-        device that answers with an altered share cannot fail the round while t honest shares
-        remain; the holders whose shares lie off the recovered polynomial are named in
-        :attr:`altered`. None: no subset passes."""
-        shares = self._shares[target]
-        need = self.params.threshold
-        for subset in _subsets(shares, need, f"{self.params.nonce.hex()}:{target}"):
-            try:
-                secret = P.combine(subset)
-            except P.ShareError:
-                continue
-            if not check(secret):
-                continue
-            for x, y in shares:
-                if P.interpolate(subset, x) != y:
-                    self.altered.add(self._graph.roster[x - 1])
-            return secret
-        return None
+    def _recover(self, target: str, kind: str) -> int | None:
+        """``target``'s secret of ``kind`` (``seed`` or ``key``), checked by :meth:`_checks`
+        (the seed's commitment, the key's advertised public key), from the shares its
+        neighbours answered with (:func:`recover`); the holders of altered shares it could name
+        join :attr:`altered`."""
+        secret, off = recover(
+            self._shares[target],
+            self.params.threshold,
+            f"{self.params.nonce.hex()}:{target}",
+            lambda value: self._checks(target, kind, value),
+        )
+        self.altered.update(self._graph.roster[x - 1] for x in off)
+        return secret
+
+    def _checks(self, target: str, kind: str, secret: int) -> bool:
+        p = self.params
+        _, public_key, commitment, _ = self._adverts[target]
+        if kind == "seed":
+            return P.seed_commitment(p.job, p.round, p.nonce, target, secret) == commitment
+        return secret < P.PRIME and P.public_bytes(secret) == public_key
 
     def _notify(self, label: str, vec: np.ndarray) -> None:
         if self._observe is not None:
@@ -496,3 +490,33 @@ def _subsets(
     draw = random.Random(seed)  # not a secret: which honest shares recover a public commitment
     for _ in range(MAX_SUBSETS - 1):
         yield draw.sample(list(shares), need)
+
+
+def recover(
+    shares: Sequence[tuple[int, int]], need: int, seed: str, check: Callable[[int], bool]
+) -> tuple[int | None, list[int]]:
+    """The secret behind ``shares`` (``(point, value)``) that passes ``check``, and the points
+    of the shares that lie off its polynomial (named only when that is certain, below).
+
+    From the first ``need`` (t) shares, else from other t-subsets (:func:`_subsets`): a holder
+    that answers with an altered share cannot fail the round while t honest shares remain.
+    Points are named only when the first t failed, and only from a polynomial that passes and
+    agrees with more than (h + t - 1) / 2 of the h shares: two polynomials of degree t - 1
+    share at most t - 1 points, so at most one can, and it is the shares' own (altered shares
+    can cancel out at 0 and pass the check through a wrong polynomial, off which honest shares
+    lie). (None, []) when no subset passes."""
+    found: int | None = None
+    for i, subset in enumerate(_subsets(shares, need, seed)):
+        try:
+            secret = P.combine(subset)
+        except P.ShareError:
+            continue
+        if not check(secret):
+            continue
+        if i == 0:
+            return secret, []  # nothing failed: nothing to attribute
+        found = secret
+        off = [x for x, y in shares if P.interpolate(subset, x) != y]
+        if 2 * (len(shares) - len(off)) > len(shares) + need - 1:
+            return secret, off
+    return found, []
