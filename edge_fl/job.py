@@ -309,6 +309,20 @@ class Job:
         return lambda core: CohortPolicy(core, in_flight, plan.selected)
 
     @cached_property
+    def secure_selected(self) -> int:
+        """How many devices one secure round selects, the n its layout and noise are calibrated
+        for: ceil(target x over_selection) in sync rounds, a FedBuff cohort's K' = ceil(K / (1 -
+        dropout)); at most data.devices. The one rule: the engine's plan and ``edge-fl privacy
+        plan`` both take it from here."""
+        r = self.cfg.rounds
+        selected = math.ceil(self.target * r.over_selection)
+        if r.mode == "fedbuff":
+            from edge_fl.server.cohorts import cohort_size
+
+            selected = cohort_size(r.buffer_size, self.cfg.secure_aggregation.dropout)
+        return min(selected, self.cfg.data.devices)
+
+    @cached_property
     def secure_plan(self) -> Any:
         """The job's secure aggregation (``edge_fl.server.secure.SecurePlan``), or None."""
         sa = self.cfg.secure_aggregation
@@ -319,17 +333,11 @@ class Job:
 
         mech = secure_sum(self.mechanism)
         assert mech is not None  # build_job refused the combination
-        selected = math.ceil(self.target * self.cfg.rounds.over_selection)
-        if self.cfg.rounds.mode == "fedbuff":  # a cohort: K' = ceil(K / (1 - dropout))
-            from edge_fl.server.cohorts import cohort_size
-
-            selected = cohort_size(self.cfg.rounds.buffer_size, sa.dropout)
         # the mechanism calibrates its secure layout here (distributed-gaussian's sigma^2): in
         # the job's scope, so its row reaches the job document for devices without dp-accounting
         keys = self.device_keys  # a malicious operator: calibrated so that 2t > k
         with calibration.scope(self.calibrations):
-            plan = plan_secure(sa, mech, self.model.n_params,
-                               min(selected, self.cfg.data.devices),
+            plan = plan_secure(sa, mech, self.model.n_params, self.secure_selected,
                                against_lying=keys is not None)  # fmt: skip
         return plan if keys is None else dataclasses.replace(plan, device_keys=keys)
 

@@ -489,7 +489,7 @@ def plan_cmd(config: str | None, pairs: tuple[str, ...], as_json: bool) -> None:
     except ConfigError as exc:
         fail(str(exc))
     mech = job.mechanism
-    selected = max(2, math.ceil(job.target * cfg.rounds.over_selection))
+    selected = max(2, job.secure_selected)  # a FedBuff cohort's K', as the engine
     section = getattr(cfg, "secure_aggregation", None)
     secure_job = _guarded(lambda: secure_job_from(section, job.model.n_params, selected))
     if secure_job is None and isinstance(mech, DistributedGaussian):
