@@ -56,7 +56,15 @@ worker's modular partial sum; the coordinator adds them and merges the sum into 
 (:meth:`Coordinator.merge_masked`): exact, whatever the split. A worker lost by then fails the
 round (never a sum missing inputs whose masks the unmasking removes).
 
-Limits: synchronous rounds with a selection (no Poisson self-selection, no async modes); a
+Secure FedBuff cohorts (several SecAgg+ cohorts in flight, ``edge_fl.server.cohorts``): the
+same, once per cohort, keyed by the cohort number (``r``): a worker keeps a
+:class:`CohortShare` per cohort and reports each summed masked input with its cohort (``cx``),
+the coordinator keeps a :class:`ShardedRound` per cohort (:attr:`Coordinator.cohort_rounds`)
+and merges each cohort's partials alone (:meth:`Coordinator.merge_cohort`); a cohort ``open``
+lists the cohorts still open (``o``: a worker drops the others' shares).
+
+Limits: synchronous rounds with a selection, or secure FedBuff cohorts (no Poisson
+self-selection, no plain async modes); a
 worker acknowledges an update once folded, so a worker killed mid-round loses its share of that
 round (the single aggregator's journal does not cover workers), and so does a restarted
 coordinator (:attr:`Coordinator.lost_before_resume`); docs/scale.md section 4.
