@@ -338,13 +338,13 @@ class AggregatorService:
         client = self._client
         sharding = self.sharding
         if sharding is not None and sr.phase == "masked" and self._wants_masked(sr):
-            # the workers learn U2 before any device can send a masked input (same connection)
+            # the workers learn U2 before any device can send a masked input (same connection).
+            # Queued now, not from a task: its sequence number ``q`` is drawn now, and a control
+            # message published before it ran (another cohort's ``freeze`` or ``open``, with a
+            # higher ``q``) would make the workers refuse it as a replay
             control = self._masked_control(sr)
             if client is not None:
-                task = asyncio.get_running_loop().create_task(
-                    client.publish(self.topics.ingest_control, control, qos=1)
-                )
-                task.add_done_callback(_retrieved)
+                client_adapter.publish_nowait(client, self.topics.ingest_control, control, qos=1)
         for effect in deliveries:
             self.core.tally.bytes_down += len(effect.payload)
             if client is not None:
