@@ -122,23 +122,27 @@ def first_cohort(job: Any) -> frozenset[str]:
 JOB = {"rounds.rounds": 4, "rounds.deadline_s": 10, "secure_aggregation.phase_timeout_s": 3.0}
 
 
-def test_two_workers_give_the_unsharded_cohort_jobs_model_and_ledger(mosquitto, tmp_path):
+@pytest.mark.parametrize("case", ["fails", "stale"])
+def test_two_workers_give_the_unsharded_cohort_jobs_model_and_ledger(case, mosquitto, tmp_path):
     """The same secure FedBuff job (same seed, reproducible) with 0 and with 2 ingest workers
-    (shared subscription), at once on one broker. Two devices of the first cohort vanish
-    before masking: that cohort (and any cohort with both) fails in its masked phase (4 masked
-    inputs, 5 needed) at its deadline while the other group's cohorts sum. Both jobs write the
-    same records, unmask the same sums per cohort (bit for bit the survivors' integers), end
-    with the same model bytes and the same ledger: every masked input's sender charged once
-    per cohort, summed or failed."""
+    (shared subscription), at once on one broker. ``fails``: two devices of the first cohort
+    vanish before masking, so that cohort (and any cohort with both) fails in its masked phase
+    (4 masked inputs, 5 needed) at its deadline while the other group's three cohorts sum.
+    ``stale``: one vanishes, so the first cohort sums at its deadline, after three others were
+    applied: staleness 3 > max_staleness 2, recorded skipped (stale). Both jobs write the same
+    records, unmask the same sums per cohort (bit for bit the survivors' integers), end with
+    the same model bytes and the same ledger: every masked input's sender charged once per
+    cohort, summed, failed or stale."""
     from edge_fl.job import build_job
 
     jobs = {}
     for name, workers in (("single", 0), ("sharded", 2)):
         job_id = f"csh-{name[:2]}-{uuid.uuid4().hex[:6]}"  # one length: the same bytes
-        jobs[name] = build_job(fedbuff(mosquitto, **JOB, job=job_id, **{"ingest.workers": workers}))
+        more = {"ingest.workers": workers, "rounds.max_staleness": 2}
+        jobs[name] = build_job(fedbuff(mosquitto, **JOB, job=job_id, **more))
     group = sorted(first_cohort(jobs["single"]))
     assert sorted(first_cohort(jobs["sharded"])) == group
-    vanish = {group[0]: "mask", group[1]: "mask"}
+    vanish = {d: "mask" for d in group[: 2 if case == "fails" else 1]}
     submitted: dict[tuple[str, str, int], np.ndarray] = {}  # (job, device, cohort) -> integers
     encode = SecureMean.secure_encode
 
@@ -172,12 +176,16 @@ def test_two_workers_give_the_unsharded_cohort_jobs_model_and_ledger(mosquitto, 
     assert rows["single"] == rows["sharded"]
     records = sharded.recorder.records
     assert sorted(r["round"] for r in records) == [1, 2, 3, 4]
-    failed = [r for r in records if r["status"] == "skipped"]
-    assert failed and len(failed) < len(records), records
-    for record in failed:
-        assert set(group[:2]) <= members(sharded.core, record["round"])
-        assert record["secure"]["failed"]["phase"] == "masked"
-        assert "4 masked inputs arrived; 5 needed" in record["secure"]["failed"]["reason"]
+    skipped = [r for r in records if r["status"] == "skipped"]
+    assert skipped and len(skipped) < len(records), records
+    for record in skipped:
+        assert set(vanish) <= members(sharded.core, record["round"])
+        if case == "fails":
+            assert record["secure"]["failed"]["phase"] == "masked"
+            assert "4 masked inputs arrived; 5 needed" in record["secure"]["failed"]["reason"]
+        else:
+            assert record["secure"]["outcome"] == "summed" and record["received"] == 5
+            assert record["secure"]["stale"] == "staleness 3 > max_staleness 2"
     for record in records:
         assert record["workers"] == 2 and record["workers_missing"] == []
     # every cohort's masked phase ended with both workers' partial sums merged
@@ -187,7 +195,8 @@ def test_two_workers_give_the_unsharded_cohort_jobs_model_and_ledger(mosquitto, 
     # each applied sum is bit for bit its survivors' integers, the same in both jobs (the
     # sums are observed in the order the cohorts close, as their records are written)
     for name, result in results.items():
-        closed = [r["round"] for r in result["run"].recorder.records if r["status"] == "closed"]
+        records_of = result["run"].recorder.records
+        closed = [r["round"] for r in records_of if r["secure"]["outcome"] == "summed"]
         sums = [total for _, total in result["sums"]]
         assert len(sums) == len(closed)
         for number, total in zip(closed, sums, strict=True):
