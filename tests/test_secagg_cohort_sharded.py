@@ -49,14 +49,16 @@ class Watched(Coordinator):
 
 
 async def run_job(
-    job, out, *, vanish, workers=0, hook=None, state=None, secret=None, hashed=False
-) -> dict[str, Any]:
+    job, out, *, vanish, workers=0, hook=None, state=None, secret=None, hashed=False,
+    on_sum=None,
+) -> dict[str, Any]:  # fmt: skip
     """One aggregator (with ``workers`` in-process ingest workers on the same broker, each its
     own MQTT session, and a :class:`Watched` coordinator) and a fleet; returns the run, the
     coordinator and the sums the sessions unmasked, in the order the cohorts closed. ``state``
     gets the worker services and their tasks (``ingest``, ``tasks``). ``secret``: the workers
     are other processes, started by the caller with keys from this secret (none started here).
-    ``hashed``: the device-id hash partition instead of a shared subscription."""
+    ``hashed``: the device-id hash partition instead of a shared subscription. ``on_sum``:
+    called with the service when a cohort's sum is unmasked."""
     import contextlib
 
     from edge_fl.protocol.signing import Signer
@@ -74,9 +76,14 @@ async def run_job(
         coordinator.on_progress_hook = hook
     service = run.make_service(broker, signer=signer, sharding=coordinator)
     sums: list[tuple[int, np.ndarray]] = []
-    service.secure_observer = lambda label, v: (
-        sums.append((run.core.round_number, np.array(v))) if label == "sum" else None
-    )
+
+    def observe(label: str, v: Any) -> None:
+        if label == "sum":
+            sums.append((run.core.round_number, np.array(v)))
+            if on_sum is not None:
+                on_sum(service)
+
+    service.secure_observer = observe
     ingest = {
         name: IngestService(
             IngestWorker(name, job.aggregator_core()),
@@ -306,6 +313,37 @@ def test_the_cli_runs_secure_cohorts_with_two_spawned_workers(mosquitto, tmp_pat
     assert got == [("closed", "summed", 6, 2)] * 3, records
 
 
+def test_a_stop_with_workers_records_every_open_cohort_skipped_and_keeps_its_charges(
+    mosquitto, tmp_path
+):
+    """A stop (SIGTERM) when the first cohort's sum is unmasked, with 2 workers: every cohort
+    still open gets a skipped record with the stop as its reason and its workers (never a
+    partial sum), and every masked input that reached a worker stays charged for its cohort."""
+    from edge_fl.job import build_job
+
+    job = build_job(fedbuff(mosquitto, **{**JOB, "ingest.workers": 2, "rounds.rounds": 6}))
+
+    def stop(service: Any) -> None:
+        if service.stopped is None:
+            service.request_stop("SIGTERM")
+
+    result = asyncio.run(run_job(job, tmp_path / "run", vanish={}, workers=2, on_sum=stop))
+    core = result["run"].core
+    records = result["run"].recorder.records
+    assert sorted(r["round"] for r in records) == sorted(core.history)
+    assert len(records) < 6 and core.ended_early == "stopped by SIGTERM"
+    assert [r["status"] for r in records].count("closed") == 1
+    for record in records:
+        assert record["workers"] == 2 and record["workers_missing"] == []
+        if record["status"] == "skipped":
+            assert record["secure"]["failed"]["reason"] == "stopped by SIGTERM"
+            assert record["stopped"] == "SIGTERM"
+    assert not core.cohorts.cohorts and not result["coordinator"].cohort_rounds
+    assert all(d in members(core, r) and n == SECURE_RELEASE for d, r, n in core.releases)
+    summed = next(r["round"] for r in records if r["status"] == "closed")
+    assert sorted(d for d, r, _ in core.releases if r == summed) == sorted(members(core, summed))
+
+
 def check_worker_lost(job: Any, result: dict[str, Any], killed: int, inputs: Any) -> None:
     """What a lost worker w1 may leave: every cohort it held a share of recorded skipped naming
     it (phase masked: every U2 device charged; an earlier phase: what was dealt to it missing,
@@ -511,6 +549,13 @@ def test_hostile_masked_inputs_at_a_worker_get_a_sync_rounds_reasons():
     assert kind == "partial"
     j = msgpack.unpackb(partial, raw=False)["j"]
     assert j == {"bad_masked": 2, "late": 2, "wrong_nonce": 1, "wrong_phase": 2}
+    # after its commit: a member's masked input is still charged (late), counted in the
+    # next partial's j
+    c = sorted(first.selected)[2]
+    worker.on_update(c, env.mx(c, 1, first.nonce))
+    assert (c, 1) in [(d, r) for d, r, _ in worker.core.releases]
+    (_, later), = env.control(env.coordinator.cohort_commit_message(2))  # fmt: skip
+    assert msgpack.unpackb(later, raw=False)["j"] == {"late": 1}
     # the coordinator counts them in cohort 1's record (its session never reached its masked
     # phase here, so nothing merges)
     sr = first.session
