@@ -609,10 +609,12 @@ class JobConfig(_Section):
     def _shardable(self) -> JobConfig:
         if not self.ingest.workers:
             return self
-        if self.rounds.mode != "sync":
+        cohorts = self.rounds.mode == "fedbuff" and self.secure_aggregation.enabled
+        if self.rounds.mode != "sync" and not cohorts:
             raise ValueError(
-                f"ingest.workers = {self.ingest.workers} needs rounds.mode = 'sync' (sharded "
-                f"ingest merges a round's partial sums; {self.rounds.mode} has no rounds)"
+                f"ingest.workers = {self.ingest.workers} needs rounds.mode = 'sync', or 'fedbuff' "
+                f"with secure_aggregation (cohorts) (sharded ingest merges a round's partial "
+                f"sums; {self.rounds.mode} has no rounds)"
             )
         if self.privacy.poisson_selection:
             raise ValueError(

@@ -685,11 +685,6 @@ def _cohort_refusal(cfg: JobConfig) -> str | None:
     r, sa = cfg.rounds, cfg.secure_aggregation
     if r.buffer_size < 2:
         return "rounds.buffer_size = 1: a cohort of one has no secrecy (its sum is its update)"
-    if cfg.ingest.workers:
-        return (
-            "ingest.workers: secure FedBuff cohorts run on one aggregator (the workers hold one "
-            "secure round's masked phase at a time, not several cohorts')"
-        )
     from edge_fl.server.cohorts import cohort_size
 
     size = cohort_size(r.buffer_size, sa.dropout)

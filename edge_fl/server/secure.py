@@ -207,6 +207,11 @@ class SecureRound:
         return out
 
     @property
+    def number(self) -> int:
+        """The round's number (a FedBuff cohort's: its cohort number)."""
+        return self.session.params.round
+
+    @property
     def forwarded(self) -> frozenset[str]:
         """U2 from the masked phase on: the devices whose masked inputs the round waits for."""
         return self.session.forwarded

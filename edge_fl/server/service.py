@@ -187,7 +187,7 @@ class AggregatorService:
         self._global_payload: bytes | None = resumed_payload
         self._dispatch_payload: bytes | None = None  # the open window's last dispatch message
         #: secure FedBuff: cohorts' global messages still to publish, and when each opened
-        self._cohort_payloads: list[bytes] = []
+        self._cohort_payloads: list[tuple[bytes | None, bytes]] = []  # (workers' open, global)
         self._cohort_started: dict[int, float] = {}
         self._client: aiomqtt.Client | None = None
         self._round_started = 0.0
@@ -312,6 +312,8 @@ class AggregatorService:
             facts = core.round_facts(head[0])
             if facts is not None and facts[0] == head[1] and device in facts[1]:
                 self._secure_charge(device, head[0], payload)
+        if self.sharding is not None and head is not None:
+            return  # a masked input a worker handed over (of a cohort it did not hold): charged
         sr = core.secure_round
         cohorts = core.cohorts
         if cohorts is not None:  # secure FedBuff: the cohort its r and nc name
@@ -335,14 +337,14 @@ class AggregatorService:
         ended wakes the round loop."""
         client = self._client
         sharding = self.sharding
-        if sharding is not None and sr.phase == "masked" and sharding.wants_masked():
-            # the workers learn U2 before any device can send a masked input (same connection)
+        if sharding is not None and sr.phase == "masked" and self._wants_masked(sr):
+            # the workers learn U2 before any device can send a masked input (same connection).
+            # Queued now, not from a task: its sequence number ``q`` is drawn now, and a control
+            # message published before it ran (another cohort's ``freeze`` or ``open``, with a
+            # higher ``q``) would make the workers refuse it as a replay
             control = self._masked_control(sr)
             if client is not None:
-                task = asyncio.get_running_loop().create_task(
-                    client.publish(self.topics.ingest_control, control, qos=1)
-                )
-                task.add_done_callback(_retrieved)
+                client_adapter.publish_nowait(client, self.topics.ingest_control, control, qos=1)
         for effect in deliveries:
             self.core.tally.bytes_down += len(effect.payload)
             if client is not None:
@@ -710,7 +712,15 @@ class AggregatorService:
         """Sharded ingest: the ``masked`` control message of the secure round (U2, and the
         seed commitments when devices sign)."""
         commitments = sr.commitments() if self.core.secure.device_key is not None else {}
+        if self.core.cohorts is not None:
+            return self.sharding.cohort_masked_message(sr.number, sr.forwarded, commitments)
         return self.sharding.masked_message(sr.forwarded, commitments)
+
+    def _wants_masked(self, sr: SecureRound) -> bool:
+        """Sharded ingest: whether the workers are still to learn the round's (or cohort's) U2."""
+        if self.core.cohorts is not None:
+            return bool(self.sharding.cohort_wants_masked(sr.number))
+        return bool(self.sharding.wants_masked())
 
     def _masked_by_workers(self, sr: SecureRound) -> bool:
         """Sharded ingest: the secure round is in its masked phase, which the workers hold."""
@@ -1033,7 +1043,10 @@ class AggregatorService:
                 self.journal.append("cohort", **cohorts.cohort_record(cohort))
                 self.journal.sync()
             self._global_payload = payload
-            self._cohort_payloads.append(payload)
+            control = None
+            if self.sharding is not None:  # the workers learn the cohort before its devices
+                control = self.sharding.open_cohort_message(cohort.number, payload)
+            self._cohort_payloads.append((control, payload))
             opened += 1
         return opened
 
@@ -1042,7 +1055,9 @@ class AggregatorService:
         stays on the topic; every device reads each live)."""
         core = self.core
         while self._cohort_payloads:
-            payload = self._cohort_payloads.pop(0)
+            control, payload = self._cohort_payloads.pop(0)
+            if control is not None:  # same connection: the broker delivers it first
+                await client.publish(self.topics.ingest_control, control, 1, retain=True)
             await client.publish(self.topics.global_model, payload, qos=1, retain=True)
             self._vt_published()  # virtual time: the fleet counts each cohort's model
             core.tally.bytes_down += len(payload) * core.online_count
@@ -1053,7 +1068,27 @@ class AggregatorService:
         started = self._cohort_started.pop(cohort.number, time.perf_counter())
         self.closed_at = self._now()
         record = core.close_cohort(cohort, self.closed_at, time.perf_counter() - started, why)
+        if self.sharding is not None:
+            record.update(self.sharding.end_cohort(cohort.number))
         return self._secure_record(record, "cohort")
+
+    async def _collect_cohort(self, client: aiomqtt.Client, cohort: Any) -> str | None:
+        """Sharded ingest: a cohort's masked phase ends (every U2 device's masked input summed
+        by some worker, or its deadline): freeze and commit the cohort on the workers, merge
+        their modular partial sums into its session (its unmask requests go out), or return why
+        the cohort fails (a worker's share lost), as :meth:`_collect_masked` for a sync round."""
+        sharding, sr, number = self.sharding, cohort.session, cohort.number
+        shard = sharding.cohort_rounds.get(number)
+        if shard is not None:
+            control = self.topics.ingest_control
+            with contextlib.suppress(aiomqtt.MqttError):
+                await client.publish(control, sharding.cohort_freeze_message(number), qos=1)
+                await self._await_workers(shard.unfrozen)
+                await client.publish(control, sharding.cohort_commit_message(number), qos=1)
+                await self._await_workers(shard.unmerged)
+        deliveries, why = sharding.merge_cohort(number, sr, self._now())
+        self._secure_deliver(sr, deliveries)
+        return why
 
     async def _commit_cohort(self, client: aiomqtt.Client, record: dict[str, Any]) -> None:
         if self.core.finished:
@@ -1090,7 +1125,18 @@ class AggregatorService:
             now = self._now()
             for cohort in cohorts.open_cohorts():
                 sr = cohort.session
-                if sr is not None and sr.outcome is None and now >= sr.deadline:
+                if sr is None or sr.outcome is not None:
+                    continue
+                if self._masked_by_workers(sr):
+                    # sharded: the workers hold the masked inputs; ends on all U2 or deadline
+                    done = self.sharding.cohort_masked_complete(cohort.number, sr.forwarded)
+                    if now < sr.deadline and not done:
+                        continue
+                    why = await self._collect_cohort(client, cohort)
+                    if why is not None:  # a worker's share lost: the cohort fails
+                        await self._commit_cohort(client, self._close_cohort(cohort, why=why))
+                    now = self._now()
+                elif now >= sr.deadline:
                     self._secure_deliver(sr, sr.tick(now))
             for cohort in cohorts.finished_cohorts():
                 await self._commit_cohort(client, self._close_cohort(cohort))

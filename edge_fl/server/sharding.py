@@ -56,7 +56,15 @@ worker's modular partial sum; the coordinator adds them and merges the sum into 
 (:meth:`Coordinator.merge_masked`): exact, whatever the split. A worker lost by then fails the
 round (never a sum missing inputs whose masks the unmasking removes).
 
-Limits: synchronous rounds with a selection (no Poisson self-selection, no async modes); a
+Secure FedBuff cohorts (several SecAgg+ cohorts in flight, ``edge_fl.server.cohorts``): the
+same, once per cohort, keyed by the cohort number (``r``): a worker keeps a
+:class:`CohortShare` per cohort and reports each summed masked input with its cohort (``cx``),
+the coordinator keeps a :class:`ShardedRound` per cohort (:attr:`Coordinator.cohort_rounds`)
+and merges each cohort's partials alone (:meth:`Coordinator.merge_cohort`); a cohort ``open``
+lists the cohorts still open (``o``: a worker drops the others' shares).
+
+Limits: synchronous rounds with a selection, or secure FedBuff cohorts (no Poisson
+self-selection, no plain async modes); a
 worker acknowledges an update once folded, so a worker killed mid-round loses its share of that
 round (the single aggregator's journal does not cover workers), and so does a restarted
 coordinator (:attr:`Coordinator.lost_before_resume`); docs/scale.md section 4.
@@ -255,6 +263,18 @@ def _forwarded(msg: dict[str, Any]) -> list[list[Any]]:
     )
     if not ok:
         raise ShardingError("a progress message's 'sa' lists [device, payload] pairs")
+    return items
+
+
+def _cohort_pairs(msg: dict[str, Any]) -> list[list[Any]]:
+    """A progress message's ``cx``: [cohort number, device] of each masked input summed."""
+    items = msg.get("cx", [])
+    ok = isinstance(items, list) and all(
+        isinstance(x, list) and len(x) == 2 and type(x[0]) is int and isinstance(x[1], str)
+        for x in items
+    )
+    if not ok:
+        raise ShardingError("a progress message's 'cx' lists [cohort, device] pairs")
     return items
 
 
@@ -493,6 +513,26 @@ class Recording:
 # ------------------------------------------------------------------------------- worker
 
 
+@dataclass
+class CohortShare:
+    """A worker's part of one secure FedBuff cohort (several run at once, each keyed by its
+    number, the ``r`` of its ``open`` and of every SecAgg+ message of it): its nonce and roster
+    from its ``open``, its masked inputs held before its ``masked`` message, its running sum in
+    Z_2^b from then on, what it refused, and its partial once committed (sent again if asked
+    again). docs/protocol.md, "Ingest workers", "Secure FedBuff cohorts"."""
+
+    number: int
+    nonce: bytes
+    selected: frozenset[str]
+    identity: tuple[Any, ...]  # its ``open``'s (a re-sent copy changes nothing)
+    masked: MaskedShare | None = None
+    early: list[tuple[str, bytes]] = field(default_factory=list)
+    early_held: Counter[str] = field(default_factory=Counter)
+    rejected: Counter[str] = field(default_factory=Counter)
+    frozen: bool = False
+    partial: bytes | None = None
+
+
 #: masked inputs a worker holds per device before the round's ``masked`` control message
 EARLY_PER_DEVICE = 2
 
@@ -533,6 +573,11 @@ class IngestWorker:
         self._early: list[tuple[str, bytes]] = []  # masked inputs before the round's ``masked``
         self._early_held: Counter[str] = Counter()  # of those, by device
         self.secure_rejected: Counter[str] = Counter()  # masked inputs refused (this round)
+        # secure FedBuff cohorts (``core.cohorts`` set): one share per cohort in flight
+        self.cohorts: dict[int, CohortShare] = {}
+        self._cohort_summed: list[list[Any]] = []  # [cohort, device] summed since the last progress
+        self._stray: Counter[str] = Counter()  # refused masked inputs of no cohort held here
+        self._epoch: Any = None  # the ``e`` of the last cohort ``open`` taken
 
     def on_update(self, device: str, payload: bytes) -> Reject | None:
         core = self.core
@@ -566,6 +611,9 @@ class IngestWorker:
             self.secure_rejected["malformed"] += 1
             return
         rnd, nonce = head
+        if core.cohorts is not None:
+            self._cohort_masked(device, payload, rnd, nonce)
+            return
         facts = core.round_facts(rnd)
         if facts is not None and facts[0] == nonce and device in facts[1]:
             core.charge_secure(device, rnd, payload)  # listed in the next progress (``rel``)
@@ -583,6 +631,47 @@ class IngestWorker:
                 self.secure_rejected["wrong_phase"] += 1
         else:
             self._sum_masked(device, payload)
+
+    def _cohort_masked(self, device: str, payload: bytes, rnd: int, nonce: bytes) -> None:
+        """A secure FedBuff job's ``mx``, routed by its ``r`` to the cohort of that number:
+        charged if the cohort selected the device and the nonce is the cohort's (as a single
+        aggregator charges it), then held (before the cohort's ``masked``), summed into the
+        cohort's share, or refused with the sync round's reason (``late``: the cohort is
+        frozen or committed here; ``wrong_phase``: before ``masked``, beyond what is held;
+        ``wrong_nonce``, ``bad_masked``, ...: the share's check). One naming a cohort this
+        worker does not hold (it joined later, or no such cohort) is ``late`` here and handed
+        to the coordinator (``sa``), which charges it if it names a cohort that selected the
+        device, with its nonce, and sums it nowhere."""
+        share = self.cohorts.get(rnd)
+        if share is None:
+            self._stray["late"] += 1
+            self._forward.append([device, bytes(payload)])
+            return
+        if share.nonce == nonce and device in share.selected:
+            self.core.charge_secure(device, rnd, payload)  # listed in the next progress
+        if share.partial is not None:
+            self._stray["late"] += 1  # its record is written: counted with the next partial
+        elif share.frozen:
+            share.rejected["late"] += 1
+        elif share.masked is None:
+            # held until ``masked`` comes: at most two copies a selected device
+            if device in share.selected and share.early_held[device] < EARLY_PER_DEVICE:
+                share.early_held[device] += 1
+                share.early.append((device, bytes(payload)))
+            else:
+                share.rejected["wrong_phase"] += 1
+        else:
+            self._sum_cohort(share, device, payload)
+
+    def _sum_cohort(self, share: CohortShare, device: str, payload: bytes) -> None:
+        assert share.masked is not None
+        rejected = share.masked.receive(device, payload)
+        if rejected is None:
+            self._cohort_summed.append([share.number, device])
+        else:
+            share.rejected[rejected.reason] += 1
+            log.info("cohort %s: masked input of %r refused (%s): %s", share.number, device,
+                     rejected.reason, rejected.detail)  # fmt: skip
 
     def _sum_masked(self, device: str, payload: bytes) -> None:
         assert self.masked is not None
@@ -633,20 +722,24 @@ class IngestWorker:
         the updates left to the coordinator to judge. None if nothing, unless ``final``."""
         core = self.core
         releases = [[d, int(r), int(n)] for d, r, n in core.releases[self._reported :]]
-        secure = self._forward or self._summed
+        secure = self._forward or self._summed or self._cohort_summed
         if not (self._accepted or self._refused or releases or self._deferred or final
                 or secure):  # fmt: skip
             return None
         if rnd is None:
             rnd = self.frozen if final and self.frozen is not None else core.round_number
         self._seq += 1
-        extra: dict[str, Any] = {"sa": self._forward, "sx": self._summed} if secure else {}
+        extra: dict[str, Any] = {}
+        if secure and core.cohorts is not None:  # cohorts: each summed input names its cohort
+            extra = {"sa": self._forward, "cx": self._cohort_summed}
+        elif secure:
+            extra = {"sa": self._forward, "sx": self._summed}
         out = self._seal("progress", w=self.name, r=rnd, a=self._accepted, f=self._refused,
                          z=final, rel=releases, d=self._deferred, **extra, i=self._instance,
                          s=self._seq)  # fmt: skip
         self._reported = len(core.releases)
         self._accepted, self._refused, self._deferred = [], [], []
-        self._forward, self._summed = [], []
+        self._forward, self._summed, self._cohort_summed = [], [], []
         return out
 
     def _seal(self, kind: str, **fields: Any) -> bytes:
@@ -678,7 +771,10 @@ class IngestWorker:
         return msg
 
     def _same_open(self, msg: dict[str, Any]) -> bool:
-        return _identity(msg) == self._opened
+        identity = _identity(msg)
+        return identity == self._opened or any(
+            c.identity == identity for c in self.cohorts.values()
+        )
 
     def on_control(self, payload: bytes) -> list[tuple[str, bytes]]:
         """Check and apply a coordinator message; returns (kind, payload) messages to publish."""
@@ -689,6 +785,8 @@ class IngestWorker:
         rnd = _int(msg, "r")
         if msg["k"] == "end":
             return []
+        if self.core.cohorts is not None:
+            return self._cohort_control(msg, rnd)
         if msg["k"] == "open":
             self._open(msg, rnd)
             return []
@@ -717,6 +815,7 @@ class IngestWorker:
         self._accepted, self._refused, self._deferred = [], [], []
         self._forward, self._summed = [], []
         self._drop_masked()
+        self.cohorts, self._cohort_summed, self._stray = {}, [], Counter()
 
     def _drop_masked(self) -> None:
         self.masked, self._masked_round, self._early = None, None, []
@@ -856,6 +955,111 @@ class IngestWorker:
         self._last_partial = (rnd, partial)
         return [("partial", partial)]
 
+    # ---------------------------------------------------------- secure FedBuff cohorts
+
+    def _cohort_control(self, msg: dict[str, Any], rnd: int) -> list[tuple[str, bytes]]:
+        """A control message of a secure FedBuff job: ``r`` names a cohort."""
+        kind = msg["k"]
+        if kind == "open":
+            self._open_cohort(msg, rnd)
+            return []
+        if kind == "masked":
+            self._cohort_masked_phase(msg, rnd)
+            return []
+        if kind == "freeze":
+            share = self.cohorts.get(rnd)
+            if share is not None:
+                share.frozen = True  # from now on its masked inputs are late (still charged)
+            final = self.progress(final=True, rnd=rnd)
+            assert final is not None
+            return [("progress", final)]
+        return self._commit_cohort(rnd, msg)
+
+    def _open_cohort(self, msg: dict[str, Any], rnd: int) -> None:
+        """A cohort dispatched: its nonce and roster (its masked inputs are charged against
+        them), and ``o``, the cohorts still open at the coordinator: a cohort held here and
+        not listed ended without asking for this worker's share (failed, or stopped), so what
+        it summed is dropped."""
+        identity = _identity(msg)
+        held = self.cohorts.get(rnd)
+        if held is not None and held.identity == identity:
+            return  # a re-sent open (a coordinator reconnect)
+        if self._reset_pending:
+            if self._epoch is not None and msg.get("e") != self._epoch:
+                self._forget()  # a new coordinator process after a clear: a new run
+            self._reset_pending = False
+        still = msg.get("o", [])
+        if not isinstance(still, list) or not all(type(n) is int for n in still):
+            raise ShardingError("a cohort open's 'o' lists the open cohorts' numbers")
+        blob = msg.get("g")
+        g = decode_global(blob if isinstance(blob, bytes) else b"")
+        if g.round != rnd or g.selected is None or g.nonce is None or g.mode != "fedbuff":
+            raise ShardingError("a cohort's open message carries its global message (mode "
+                                "fedbuff, its number as round, a selection, a nonce)")  # fmt: skip
+        for number in [n for n in self.cohorts if n not in still and n != rnd]:
+            del self.cohorts[number]
+        share = CohortShare(rnd, g.nonce, frozenset(g.selected), identity)
+        self.cohorts[rnd] = share
+        cohorts = self.core.cohorts
+        assert cohorts is not None
+        cohorts.remember(share)  # its facts: a late masked input for it is still charged
+        self._epoch = msg.get("e")
+
+    def _cohort_masked_phase(self, msg: dict[str, Any], rnd: int) -> None:
+        """The cohort entered its masked phase: U2 and (device keys) its commitments; this
+        worker checks and sums the cohort's masked inputs from now on (and those it held)."""
+        plan = self.core.secure
+        assert plan is not None  # a cohort job is a secure job
+        share = self.cohorts.get(rnd)
+        if share is None:
+            log.warning("masked phase of cohort %d: not a cohort held here", rnd)
+            return
+        if share.masked is not None:
+            return  # a re-sent copy
+        forwarded = _names(msg, "u")
+        commitments = msg.get("c") or {}
+        if not isinstance(commitments, dict) or not all(
+            isinstance(k, str) and isinstance(v, bytes) for k, v in commitments.items()
+        ):
+            raise ShardingError("a 'masked' message's 'c' maps devices to commitments")
+        if plan.device_key is not None:
+            self.core.secure_commitments[rnd] = dict(commitments)  # charges check signatures
+        params = plan.params(self.job, rnd, share.nonce, tuple(share.selected))
+        share.masked = MaskedShare(params, forwarded, commitments, plan.device_key)
+        early, share.early = share.early, []
+        share.early_held.clear()
+        for device, payload in early:
+            self._sum_cohort(share, device, payload)
+
+    def _commit_cohort(self, rnd: int, msg: dict[str, Any]) -> list[tuple[str, bytes]]:
+        """A cohort's partial, as a sync round's (:meth:`_commit_masked`): its sum in Z_2^b,
+        its devices, what it refused (``j``, with the refusals of no cohort held here since
+        the last partial); empty for a cohort this worker does not hold."""
+        share = self.cohorts.get(rnd)
+        if share is not None and share.partial is not None:
+            return [("partial", share.partial)]  # asked again
+        left_out = set(_names(msg.get("x", {}), self.name) if isinstance(msg.get("x"), dict)
+                       else ())  # fmt: skip
+        masked = share.masked if share is not None else None
+        lost, summed, devices = None, None, []
+        if masked is not None:
+            unkept = [d for d in sorted(left_out) if not masked.take_back(d)]
+            if unkept:
+                lost = f"cannot take back {unkept} (not among the last masked inputs kept)"
+                log.error("cohort %d: this worker's share is unreliable: %s", rnd, lost)
+            if masked.devices and lost is None:
+                summed = {"y": ring_pack(masked.sum, masked.params.bits), "b": masked.params.bits}
+            devices = list(masked.devices)
+        rejected = Counter(self._stray)
+        if share is not None:
+            rejected.update(share.rejected)
+        self._stray = Counter()
+        partial = self._partial(rnd, summed, devices, lost, j=dict(sorted(rejected.items())))
+        if share is not None:
+            share.partial, share.masked, share.frozen = partial, None, True
+            share.early, share.rejected = [], Counter()
+        return [("partial", partial)]
+
     def _partial(
         self, rnd: int, strategy: dict[str, Any] | None, devices: list[str], lost: str | None,
         **more: Any,
@@ -934,23 +1138,30 @@ class Coordinator:
         #: session (:meth:`take_secure`)
         self.secure_in: list[tuple[str, bytes]] = []
         self._secure_info: dict[str, Any] = {}  # the merged secure round's record fields
+        self._cohort_info: dict[int, dict[str, Any]] = {}  # merged cohorts' record fields
         #: the open round was rebuilt by a resumed coordinator: whatever its earlier workers
         #: held of it is gone (they die with the process that started them), so its merge
         #: charges every selected device as for a lost share
         self.lost_before_resume = False
+        #: secure FedBuff: one sharded round per cohort in flight, by cohort number (sync
+        #: rounds use :attr:`round`)
+        self.cohort_rounds: dict[int, ShardedRound] = {}
 
     def worker_online(self, worker: str) -> None:
         if worker not in self.workers:
             return
         self.online.add(worker)
         sr = self.round
+        if self.cohort_rounds:  # it mirrors the newest cohort only (the retained open)
+            sr = self.cohort_rounds[max(self.cohort_rounds)]
         if sr is not None and self.dealt and not sr.collecting:
             sr.workers.add(worker)  # it mirrors the round from the retained open
 
     def worker_offline(self, worker: str) -> None:
         self.online.discard(worker)
-        if self.round is not None and worker in self.round.workers:
-            self.round.lost.add(worker)  # what it folded and what was dealt to it is gone
+        for sr in [self.round, *self.cohort_rounds.values()]:
+            if sr is not None and worker in sr.workers:
+                sr.lost.add(worker)  # what it folded and what was dealt to it is gone
 
     def open_message(self, global_payload: bytes) -> bytes:
         """The ``open`` control message of the core's just-opened round."""
@@ -1061,6 +1272,7 @@ class Coordinator:
         accepted, refused = _names(msg, "a"), _names(msg, "f")
         releases, deferred = _releases(msg), _deferred(msg)
         forwarded, summed = _forwarded(msg), _names(msg, "sx")
+        cohort_summed = _cohort_pairs(msg)
         self._check_seal(payload, msg, worker)
         instance, seq = msg.get("i"), msg.get("s")
         if isinstance(instance, bytes) and type(seq) is int:
@@ -1087,6 +1299,9 @@ class Coordinator:
             self.refuse("progress", worker, "SecAgg+ messages in a job without secure rounds")
         elif forwarded:  # the round's session judges them (round, nonce, phase, sender)
             self.secure_in.extend((device, data) for device, data in forwarded)
+        if core.cohorts is not None:
+            self._cohort_progress(worker, rnd, cohort_summed, msg.get("z") is True)
+            return
         sr = self.round
         if sr is None or rnd != sr.number or worker not in sr.workers or worker in sr.lost:
             return  # a round already merged, or a share already counted as lost
@@ -1117,11 +1332,33 @@ class Coordinator:
         if msg.get("z") is True:
             sr.frozen.add(worker)
 
+    def _cohort_progress(self, worker: str, rnd: int, summed: list[list[Any]], final: bool
+                         ) -> None:  # fmt: skip
+        """A progress of a secure FedBuff job: each masked input summed names its cohort; the
+        first worker to report a device's input for a cohort owns it (a copy another worker
+        reports is left out with ``commit``'s ``x``, as in a sync round)."""
+        for number, device in summed:
+            cr = self.cohort_rounds.get(number)
+            if cr is None or worker not in cr.workers or worker in cr.lost:
+                continue  # a cohort already merged, or a share already counted as lost
+            facts = self.core.round_facts(number)
+            if facts is None or device not in facts[1] or not cr.masked:
+                log.error("cohort %d: worker %r reports a masked input of %r, which the cohort "
+                          "does not wait for", number, worker, device)  # fmt: skip
+                cr.left_out.setdefault(worker, []).append((device, Reject.NOT_SELECTED))
+            elif device in cr.owner:
+                cr.left_out.setdefault(worker, []).append((device, Reject.DUPLICATE))
+            else:
+                cr.owner[device] = worker
+        cr = self.cohort_rounds.get(rnd)
+        if final and cr is not None and worker in cr.workers:
+            cr.frozen.add(worker)
+
     def on_partial(self, payload: bytes, topic_worker: str | None = None) -> None:
         msg, worker = self._sealed(payload, ("partial",), topic_worker)
         rnd = _int(msg, "r")
         self._check_seal(payload, msg, worker)
-        sr = self.round
+        sr = self.round if self.core.cohorts is None else self.cohort_rounds.get(rnd)
         if sr is None or rnd != sr.number or worker not in sr.workers:
             log.warning("partial of worker %r for round %r ignored (not awaited)", worker, rnd)
             return
@@ -1160,8 +1397,15 @@ class Coordinator:
         without its masked inputs, whose masks the unmasking would remove, would be wrong);
         every device of U2 not yet charged for the round is charged (its masked input may have
         reached that worker: over- rather than under-counted)."""
-        core, sr = self.core, self.round
-        assert sr is not None and core.secure is not None
+        sr = self.round
+        assert sr is not None and self.core.current is not None
+        self.round = None
+        return self._merge_masked(sr, secure_round, now, self.core.current.number)
+
+    def _merge_masked(self, sr: ShardedRound, secure_round: Any, now: float, number: int
+                      ) -> tuple[list[Any], str | None]:  # fmt: skip
+        core = self.core
+        assert core.secure is not None
         bits = core.secure.layout.bits
         dim = core.secure.layout.length
         total = np.zeros(dim, dtype=np.uint64)
@@ -1196,15 +1440,15 @@ class Coordinator:
             for _device, reason in sr.left_out.get(worker, ()):
                 secure_round.rejected[str(reason)] += 1
         missing = sorted(set(bad) | sr.absent)
-        self._secure_info = {"workers": len(sr.workers), "workers_missing": missing,
-                             **self._refusals()}  # fmt: skip
-        self.round = None
+        info = {"workers": len(sr.workers), "workers_missing": missing, **self._refusals()}
+        if core.cohorts is not None:
+            self._cohort_info[number] = info
+        else:
+            self._secure_info = info
         if bad:
-            rnd = core.current
-            assert rnd is not None
             for device in sorted(secure_round.forwarded):
-                if not core.is_released(device, rnd.number):
-                    core.record_release(device, rnd.number, SECURE_RELEASE)
+                if not core.is_released(device, number):
+                    core.record_release(device, number, SECURE_RELEASE)
             what = "; ".join(f"{w}: {why}" for w, why in bad.items())
             return [], (f"ingest worker share lost mid-round ({what}): the masked inputs it held "
                         "cannot be summed")  # fmt: skip
@@ -1237,6 +1481,68 @@ class Coordinator:
             info = {"workers": len(self.round.workers),
                     "workers_missing": sorted(self.round.lost), **self._refusals()}  # fmt: skip
             self.round = None
+        return info
+
+    # ---------------------------------------------------------------- secure FedBuff cohorts
+
+    def open_cohort_message(self, number: int, global_payload: bytes) -> bytes:
+        """The ``open`` control message of a cohort just dispatched (its global message as
+        devices see it), with ``o``: every cohort still open (a worker drops the shares of
+        cohorts no longer listed: they ended without asking for them). The cohort's sharded
+        round has the workers online now."""
+        workers = set(self.workers & self.online) if self.dealt else set(self.workers)
+        cr = ShardedRound(number, workers)
+        if not self.dealt:
+            cr.lost = workers - self.online
+            cr.absent = set(cr.lost)
+        self.cohort_rounds[number] = cr
+        return self._control("open", r=number, g=global_payload, b=None, h=False, c=None,
+                             e=self.epoch, o=sorted(self.cohort_rounds))  # fmt: skip
+
+    def cohort_masked_message(self, number: int, forwarded: frozenset[str],
+                              commitments: dict[str, bytes]) -> bytes:  # fmt: skip
+        """Cohort ``number`` entered its masked phase (as :meth:`masked_message`)."""
+        self.cohort_rounds[number].masked = True
+        return self._control("masked", r=number, u=sorted(forwarded),
+                             c=dict(sorted(commitments.items())) or None)  # fmt: skip
+
+    def cohort_wants_masked(self, number: int) -> bool:
+        cr = self.cohort_rounds.get(number)
+        return cr is not None and not cr.masked
+
+    def cohort_masked_complete(self, number: int, forwarded: frozenset[str]) -> bool:
+        cr = self.cohort_rounds.get(number)
+        return cr is not None and cr.masked and forwarded <= set(cr.owner)
+
+    def cohort_freeze_message(self, number: int) -> bytes:
+        self.cohort_rounds[number].collecting = True
+        return self._control("freeze", r=number)
+
+    def cohort_commit_message(self, number: int) -> bytes:
+        cr = self.cohort_rounds[number]
+        left_out = {w: [d for d, _ in items] for w, items in cr.left_out.items()}
+        return self._control("commit", r=number, x=left_out)
+
+    def merge_cohort(self, number: int, secure_round: Any, now: float
+                     ) -> tuple[list[Any], str | None]:  # fmt: skip
+        """End cohort ``number``'s masked phase with the workers' partials, exactly as
+        :meth:`merge_masked` ends a sync round's (a lost worker: nothing merged, the reason
+        returned, every device of its U2 charged for the cohort)."""
+        cr = self.cohort_rounds.pop(number, None)
+        if cr is None:
+            return [], "the cohort's workers were not asked (no sharded cohort)"
+        return self._merge_masked(cr, secure_round, now, number)
+
+    def end_cohort(self, number: int) -> dict[str, Any]:
+        """The record fields of a cohort that closes (as :meth:`end_secure`): one that ends
+        before its masked inputs were merged takes nothing from the workers (its masked inputs
+        were charged as they came); they drop its share at the next ``open``."""
+        info = self._cohort_info.pop(number, None)
+        cr = self.cohort_rounds.pop(number, None)
+        if info is None:
+            workers, lost = (cr.workers, cr.lost) if cr is not None else (set(), set())
+            info = {"workers": len(workers), "workers_missing": sorted(lost),
+                    **self._refusals()}  # fmt: skip
         return info
 
     def merge(self) -> dict[str, Any]:
