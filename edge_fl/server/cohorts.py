@@ -92,6 +92,13 @@ class CohortPolicy:
         self.in_flight = in_flight
         self.size = size
         self.cohorts: dict[bytes, Cohort] = {}  # nonce -> open cohort
+        #: devices that advertised no keys in the last cohort that selected them (online, yet
+        #: silent): picked for a new cohort only when too few others are free, so one silent
+        #: device does not hold every cohort it lands in to the keys phase's timeout (while a
+        #: cohort is in its keys phase no other is dispatched). A hint, not a verdict: it
+        #: leaves the set the next time it advertises, and a restart forgets it
+        self.silent: set[str] = set()
+        self._keys_seen: set[int] = set()  # cohorts whose keys phase was noted in ``silent``
         #: cohorts that were open when the process died (checkpoint or journal): each gets a
         #: skipped record on resume, never a sum (its session died with the process)
         self.abandoned: list[Cohort] = []
@@ -129,13 +136,21 @@ class CohortPolicy:
         assert plan is not None, "a cohort job without secure aggregation"
         if not self.can_open():
             return None
+        for open_cohort in self.cohorts.values():
+            self._note_keys(open_cohort)
         busy = self.busy()
         pool = [d for d in e.available() if d not in busy]
         if len(pool) < max(2, plan.min_survivors):
             return None
         n = min(self.size, len(pool))
-        chosen = e.rng.choice(len(pool), size=n, replace=False)
-        selected = frozenset(pool[i] for i in chosen)
+        answering = [d for d in pool if d not in self.silent]
+        if len(answering) >= n:
+            chosen = e.rng.choice(len(answering), size=n, replace=False)
+            selected = frozenset(answering[i] for i in chosen)
+        else:  # every free device that answered, and silent ones to fill the cohort
+            silent = [d for d in pool if d in self.silent]
+            more = e.rng.choice(len(silent), size=n - len(answering), replace=False)
+            selected = frozenset(answering) | {silent[i] for i in more}
         e.round_number += 1
         s = e.settings
         cohort = Cohort(
@@ -177,7 +192,25 @@ class CohortPolicy:
         return sorted(self.cohorts.values(), key=lambda c: c.number)
 
     def drop(self, cohort: Cohort) -> None:
+        self._note_keys(cohort)
         self.cohorts.pop(cohort.nonce, None)
+        self._keys_seen.discard(cohort.number)
+
+    def _note_keys(self, cohort: Cohort) -> None:
+        """Once a cohort's keys phase is over: its members that advertised keys leave
+        ``silent``, the others join it."""
+        sr = cohort.session
+        if sr is None or (sr.phase == "keys" and not sr.finished):
+            return
+        if cohort.number in self._keys_seen:
+            return
+        self._keys_seen.add(cohort.number)
+        advertised = sr.commitments()
+        for device in cohort.selected:
+            if device in advertised:
+                self.silent.discard(device)
+            else:
+                self.silent.add(device)
 
     def restore_cohort(self, rec: dict[str, Any]) -> None:
         """A journaled ``cohort`` record (dispatched after the last checkpoint): remembered for
@@ -319,3 +352,5 @@ class CohortPolicy:
     def forget(self) -> None:
         self.cohorts.clear()
         self.abandoned.clear()
+        self.silent.clear()
+        self._keys_seen.clear()

@@ -828,7 +828,7 @@ class IngestWorker:
         if identity == self._opened:
             return  # a re-sent open (a coordinator reconnect), mirrored, frozen or committed
         if self._reset_pending:
-            epoch = self._opened[3] if self._opened is not None else None
+            epoch = self._opened[4] if self._opened is not None else None  # its e
             if self._opened is not None and msg.get("e") != epoch:
                 self._forget()  # a new coordinator process after a clear: a new run
             self._reset_pending = False

@@ -1,0 +1,85 @@
+"""A device that is online but never advertises keys held every FedBuff cohort it landed in to
+the keys phase's timeout, and no other cohort is dispatched meanwhile (a red team's silent
+device made 6 cohorts take 9.5 s instead of 1.5 s, and it stayed selectable). Now a device
+silent in its last cohort is picked only when too few others are free."""
+
+from __future__ import annotations
+
+from edge_fl.config import load_config
+from edge_fl.job import build_job
+from edge_fl.protocol import Status, encode_status
+from edge_fl.secagg.device import DeviceSession
+
+DEVICES = 14
+SILENT = "d00003"
+
+
+def secure_fedbuff_core():
+    cfg = load_config(None, {
+        "data.devices": DEVICES, "model.name": "logreg", "rounds.mode": "fedbuff",
+        "rounds.buffer_size": 4, "rounds.concurrency": DEVICES, "rounds.rounds": 50,
+        "secure_aggregation.enabled": True, "secure_aggregation.phase_timeout_s": 5.0,
+        "seed": 3, "reproducible": True,
+    })  # fmt: skip
+    core = build_job(cfg).aggregator_core()
+    for i in range(DEVICES):
+        device = f"d{i:05d}"
+        core.on_status(device, encode_status(Status(device, True, 30)))
+    return core
+
+
+def run_keys_phase(cohort, now: float) -> None:
+    """Every member but SILENT advertises; the keys phase then times out."""
+    sr = cohort.session
+    for device in sorted(cohort.selected - {SILENT}):
+        sr.receive(device, DeviceSession(device, sr.session.params).advertise().payload, now)
+    sr.tick(now + 5.0)
+    assert sr.phase != "keys" or sr.finished
+
+
+def test_a_device_silent_in_its_cohort_is_not_picked_again_while_others_are_free():
+    core = secure_fedbuff_core()
+    policy = core.cohorts
+    now = 0.0
+    while True:  # until SILENT lands in a cohort
+        cohort, _ = policy.open_cohort(now)
+        run_keys_phase(cohort, now)
+        policy.drop(cohort)
+        now += 10.0
+        if SILENT in cohort.selected:
+            break
+    assert SILENT in policy.silent
+    picked = 0
+    for _ in range(20):  # 13 answering devices free, cohorts of 6: never SILENT
+        cohort, _ = policy.open_cohort(now)
+        picked += SILENT in cohort.selected
+        run_keys_phase(cohort, now)
+        policy.drop(cohort)
+        now += 10.0
+    assert picked == 0
+
+
+def test_a_silent_device_fills_a_cohort_when_too_few_others_are_free_and_is_forgiven():
+    core = secure_fedbuff_core()
+    policy = core.cohorts
+    policy.silent.add(SILENT)
+    first, _ = policy.open_cohort(0.0)  # 6 of the 13 answering devices
+    run_keys_phase(first, 0.0)
+    second, _ = policy.open_cohort(10.0)  # 7 answering free + SILENT: 6 chosen, SILENT not
+    assert SILENT not in second.selected
+    policy.drop(first)
+    run_keys_phase(second, 10.0)
+    policy.drop(second)
+    core.on_status("d00000", encode_status(Status("d00000", False, 30)))
+    # 13 free, 12 of them answering... force a shortage: only 6 devices online
+    for i in range(DEVICES):
+        device = f"d{i:05d}"
+        online = device in {SILENT, "d00001", "d00002", "d00004", "d00005", "d00006"}
+        core.on_status(device, encode_status(Status(device, online, 30)))
+    third, _ = policy.open_cohort(20.0)
+    assert SILENT in third.selected  # needed to fill the cohort
+    sr = third.session
+    sr.receive(SILENT, DeviceSession(SILENT, sr.session.params).advertise().payload, 20.0)
+    sr.tick(25.0)
+    policy.drop(third)
+    assert SILENT not in policy.silent  # it advertised: forgiven
