@@ -125,3 +125,19 @@ def test_altered_shares_that_cancel_at_zero_never_name_an_honest_holder(holders)
     assert got == secret
     assert set(off) <= {a, b}
     assert set(off) == ({a, b} if holders == 7 else set())
+
+
+def test_the_round_record_names_the_altered_holders():
+    from types import SimpleNamespace
+
+    from edge_fl.server.secure import SecureRound
+
+    sr = SecureRound.__new__(SecureRound)  # only its result(): the record's secure map
+    sr.rejected = {}
+    summed = Summed(np.zeros(2, np.int64), ("d01", "d02"), ("d02",))
+    sr.session = SimpleNamespace(outcome=summed, phase="done", counts={"unmask": 2})
+    outcome, info = sr.result()
+    assert outcome is summed and info["altered"] == ["d02"] and info["outcome"] == "summed"
+    sr.session = SimpleNamespace(outcome=Summed(np.zeros(2, np.int64), ("d01",)), phase="done",
+                                 counts={})  # fmt: skip
+    assert "altered" not in sr.result()[1]

@@ -246,6 +246,8 @@ class SecureRound:
         }
         if isinstance(outcome, Failed):
             info["failed"] = {"phase": outcome.phase, "reason": outcome.reason}
+        elif outcome.altered:  # unmask answers with shares off their polynomial: summed around
+            info["altered"] = list(outcome.altered)
         return outcome, info
 
     def _take(self, effects: list, before: str, now: float) -> list[Deliver]:
