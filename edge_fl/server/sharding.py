@@ -465,6 +465,16 @@ class FixedReference:
         return self.cap
 
 
+def _commitments(msg: dict[str, Any]) -> dict[str, bytes]:
+    """A ``masked`` control message's ``c``: device -> seed commitment (empty: no device keys)."""
+    commitments = msg.get("c") or {}
+    if not isinstance(commitments, dict) or not all(
+        isinstance(k, str) and isinstance(v, bytes) for k, v in commitments.items()
+    ):
+        raise ShardingError("a 'masked' message's 'c' maps devices to commitments")
+    return commitments
+
+
 def _identity(msg: dict[str, Any]) -> tuple[Any, ...]:
     """What makes an ``open`` a new one: a re-sent copy has the same (a changed bound or cap
     is a new open of the round)."""
@@ -693,17 +703,13 @@ class IngestWorker:
         if self._masked_round == rnd:
             return  # a re-sent copy
         forwarded = _names(msg, "u")
-        commitments = msg.get("c") or {}
-        if not isinstance(commitments, dict) or not all(
-            isinstance(k, str) and isinstance(v, bytes) for k, v in commitments.items()
-        ):
-            raise ShardingError("a 'masked' message's 'c' maps devices to commitments")
+        commitments = _commitments(msg)
         current, facts = core.current, core.round_facts(rnd)
         if current is None or current.number != rnd or facts is None or facts[0] is None:
             log.warning("masked phase of round %d: not the round mirrored here", rnd)
             return
         if plan.device_key is not None:
-            core.secure_commitments[rnd] = dict(commitments)  # charges check signatures
+            core.keep_commitments(rnd, dict(commitments))  # charges check signatures
         params = plan.params(self.job, rnd, facts[0], tuple(current.selected))
         self.masked = MaskedShare(params, forwarded, commitments, plan.device_key)
         self._masked_round = rnd
@@ -1017,13 +1023,9 @@ class IngestWorker:
         if share.masked is not None:
             return  # a re-sent copy
         forwarded = _names(msg, "u")
-        commitments = msg.get("c") or {}
-        if not isinstance(commitments, dict) or not all(
-            isinstance(k, str) and isinstance(v, bytes) for k, v in commitments.items()
-        ):
-            raise ShardingError("a 'masked' message's 'c' maps devices to commitments")
+        commitments = _commitments(msg)
         if plan.device_key is not None:
-            self.core.secure_commitments[rnd] = dict(commitments)  # charges check signatures
+            self.core.keep_commitments(rnd, dict(commitments))  # charges check signatures
         params = plan.params(self.job, rnd, share.nonce, tuple(share.selected))
         share.masked = MaskedShare(params, forwarded, commitments, plan.device_key)
         early, share.early = share.early, []
