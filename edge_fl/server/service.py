@@ -322,6 +322,8 @@ class AggregatorService:
             sr = None if cohort is None else cohort.session
             if sr is not None:
                 self._secure_deliver(sr, sr.receive(device, payload, self._now()))
+            else:  # no open cohort of that r and nc: a closed one's, or none (counted, as a
+                core.tally.rejected[Reject.LATE] += 1  # worker counts it; an mx: charged above)
             return
         if sr is None or core.current is None:
             return  # between rounds: a late message, nothing to take it
