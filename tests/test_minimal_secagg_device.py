@@ -326,14 +326,15 @@ def digits_share(path: Path, part: slice) -> Path:
 
 
 def secure_aggregator(
-    broker, job, out, devices, rounds, *extra, config="  phase_timeout_s: 20\n", extra_config=""
-):
+    broker, job, out, devices, rounds, *extra, config="  phase_timeout_s: 20\n", extra_config="",
+    deadline=30,
+):  # fmt: skip
     yaml = "secure_aggregation:\n  enabled: true\n" + config + extra_config
     (out.parent / "agg.yaml").write_text(yaml)
     config = out.parent / "agg.yaml"
     cmd = [EDGE_FL, "aggregator", "--config", str(config), "--broker", broker, "--job", job]
     cmd += ["--devices", str(devices), "--rounds", str(rounds), "--clients-per-round", str(devices)]
-    cmd += ["--deadline", "30", "--out", str(out), *extra]
+    cmd += ["--deadline", str(deadline), "--out", str(out), *extra]
     agg = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 120  # the job starts (run.json), or the config is refused
     while agg.poll() is None and not (out / "run.json").exists() and time.monotonic() < deadline:
@@ -523,7 +524,9 @@ def test_a_device_vanishing_after_its_shares_is_unmasked_by_its_neighbours(mosqu
 
     job, out = f"mini-sa-{uuid.uuid4().hex[:6]}", tmp_path / "run"
     config = "  neighbours: 3\n  min_survivors: 3\n  phase_timeout_s: 15\n"  # complete graph
-    agg = secure_aggregator(mosquitto.url, job, out, 4, 1, config=config)
+    # the masked phase waits out the round's deadline (d00003 never sends): 15 s, not 30, is
+    # ample for four devices' keys, shares and three masked inputs
+    agg = secure_aggregator(mosquitto.url, job, out, 4, 1, config=config, deadline=15)
     procs, threads, devices = [agg], [], {}
     try:
         procs += start_edge_fl_devices(mosquitto.url, job)

@@ -156,7 +156,10 @@ def test_devices_vanishing_at_each_phase_leave_exactly_the_contributors_sum(mosq
     job = build_job(config(
         mosquitto, **{"data.devices": 12, "rounds.clients_per_round": 12, "rounds.rounds": 1,
                       "secure_aggregation.min_survivors": 4,
-                      "secure_aggregation.neighbours": 11, "secure_aggregation.threshold": 3}
+                      "secure_aggregation.neighbours": 11, "secure_aggregation.threshold": 3,
+                      # the masked phase waits for the deadline (two never send): 20 s is the
+                      # two 5 s phase timeouts before it and 10 s for the 7 masked inputs
+                      "rounds.deadline_s": 20}
     ))  # fmt: skip
     seen: list[tuple[str, np.ndarray]] = []
     before = job.aggregator_core().params.copy()
@@ -276,9 +279,11 @@ def test_too_many_vanishing_fails_the_round_cleanly(mosquitto, tmp_path):
     from edge_fl.job import build_job
 
     vanish = {f"d{i:05d}": "mask" for i in range(5)}
+    # the masked phase waits for the round's deadline (five never send): 10 s, not 30, is ample
+    # for 8 devices' keys, shares and 3 masked inputs
     job = build_job(config(
         mosquitto, **{"data.devices": 8, "rounds.clients_per_round": 8, "rounds.rounds": 1,
-                      "secure_aggregation.min_survivors": 4}
+                      "secure_aggregation.min_survivors": 4, "rounds.deadline_s": 10}
     ))  # fmt: skip
     before = job.aggregator_core().params.copy()
     run, *_ = asyncio.run(run_secure(job, tmp_path / "run", vanish=vanish))

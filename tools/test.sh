@@ -7,6 +7,7 @@
 #   tools/test.sh              # CI subset: everything not marked slow/bench
 #   EDGE_FL_SLOW=1 tools/test.sh   # also the slow tests
 #   EDGE_FL_TORCH=0 tools/test.sh  # skip installing torch (torch tests then skip)
+#   EDGE_FL_WORKERS=0 tools/test.sh  # one pytest process (default: 2 xdist workers)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -68,4 +69,8 @@ echo "== mypy (mypy.ini)"
 echo "== pytest"
 MARKS="not slow and not bench"
 [ "${EDGE_FL_SLOW:-0}" = "1" ] && MARKS="not bench"
-exec .venv/bin/python -m pytest -m "$MARKS" --durations=25 "$@"
+# Two pytest-xdist workers (most tests wait on brokers and subprocesses, so two nearly halve the
+# wall time on 2 cores); tests that must not run beside each other share an xdist_group.
+# EDGE_FL_WORKERS=0 runs in one process; a later -n in "$@" wins.
+exec .venv/bin/python -m pytest -m "$MARKS" -n "${EDGE_FL_WORKERS:-2}" --dist loadgroup \
+    --durations=25 "$@"
