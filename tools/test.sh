@@ -67,6 +67,10 @@ echo "== mypy (mypy.ini)"
 .venv/bin/python -m mypy
 
 echo "== pytest"
+# Byte-compile the package once, as pip does when it installs a wheel: with PYTHONDONTWRITEBYTECODE
+# set (as on the CI machines) every edge-fl process a test starts would otherwise compile ~110
+# modules from source (0.2-0.7 s of CPU each; BENCHMARKS.md section 1).
+.venv/bin/python -m compileall -q edge_fl >/dev/null
 MARKS="not slow and not bench"
 [ "${EDGE_FL_SLOW:-0}" = "1" ] && MARKS="not bench"
 # Two pytest-xdist workers (most tests wait on brokers and subprocesses, so two nearly halve the
