@@ -87,3 +87,24 @@ def run_job(
                 p.kill()
     errs = [head + tail for head, tail in zip([*early, *[""] * len(devices)], errs, strict=True)]
     return JobRun(stdout, stderr, agg.returncode, errs, [p.returncode for p in procs])
+
+
+def secure_records_with_workers(
+    broker_url: str, job_args: list[str], out: Path, *, timeout: float = 120
+) -> list[tuple[str, str, int, int]]:
+    """`edge-fl aggregator ... --secure-aggregation --workers 2 --out OUT` (workers spawned) and
+    `edge-fl fleet` with the same ``job_args`` (after ``--broker URL``), as separate processes;
+    each record's (status, secure outcome, received, workers)."""
+    import json
+
+    args = ["--broker", broker_url, *job_args, "--secure-aggregation"]
+    done = run_job(
+        [EDGE_FL, "aggregator", *args, "--out", str(out), "--workers", "2"],
+        [[EDGE_FL, "fleet", *args]],
+        timeout=timeout,
+        device_timeout=60,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.device_codes == [0], done.device_errs
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return [(r["status"], r["secure"]["outcome"], r["received"], r["workers"]) for r in records]

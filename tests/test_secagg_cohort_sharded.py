@@ -289,28 +289,13 @@ def test_the_cli_runs_secure_cohorts_with_two_spawned_workers(mosquitto, tmp_pat
     """`edge-fl aggregator --mode fedbuff --secure-aggregation --workers 2` (workers spawned,
     with their keys) and `edge-fl fleet`, as separate processes: every cohort sums on both
     workers' shares."""
-    import json
+    from processes import secure_records_with_workers
 
-    from processes import EDGE_FL
-    from processes import run_job as run_processes
-
-    job = f"csc-{uuid.uuid4().hex[:6]}"
-    args = ["--broker", mosquitto.url, "--job", job, "--devices", "12", "--rounds", "3"]
+    args = ["--job", f"csc-{uuid.uuid4().hex[:6]}", "--devices", "12", "--rounds", "3"]
     args += ["--mode", "fedbuff", "--buffer-size", "4", "--concurrency", "12"]
     args += ["--model", "logreg", "--reproducible", "--mechanism", "none", "--deadline", "10"]
-    args += ["--secure-aggregation"]
-    out = tmp_path / "out"
-    done = run_processes(
-        [EDGE_FL, "aggregator", *args, "--out", str(out), "--workers", "2"],
-        [[EDGE_FL, "fleet", *args]],
-        timeout=150,
-        device_timeout=60,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert done.device_codes == [0], done.device_errs
-    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    got = [(r["status"], r["secure"]["outcome"], r["received"], r["workers"]) for r in records]
-    assert got == [("closed", "summed", 6, 2)] * 3, records
+    got = secure_records_with_workers(mosquitto.url, args, tmp_path / "out", timeout=150)
+    assert got == [("closed", "summed", 6, 2)] * 3, got
 
 
 def test_a_stop_with_workers_records_every_open_cohort_skipped_and_keeps_its_charges(
