@@ -809,6 +809,8 @@ class AggregatorService:
             return
         want = self.expected_devices or self.core.settings.n_select
         need = min(want, self.core.settings.n_select)
+        if self.core.cohorts is not None:  # secure FedBuff: a cohort of K' opens the job
+            need = min(want, self.core.cohorts.size)
         if self.vclock is not None and not self.vclock.started:
             # virtual time about to start: every device's status is what is waited for here;
             # availability (a fleet that starts at night) is waited for in simulated time
