@@ -56,46 +56,37 @@ def up_kind(payload: bytes) -> str | None:
 
 
 def masked_head(payload: bytes) -> tuple[int, bytes] | None:
-    """(round, nonce) of an ``mx`` message (its head only, ``v k r nc``), or None."""
+    """(round, nonce) of an ``mx`` message (its ``r`` and ``nc``), or None."""
     if up_kind(payload) != "mx":
         return None
     return secure_head(payload)
 
 
 def secure_head(payload: bytes) -> tuple[int, bytes] | None:
-    """(round, nonce) of any SecAgg+ message on ``up/<device>`` (its head only, ``v k r nc``),
-    or None: what routes it to its FedBuff cohort's session (several may run at once)."""
+    """(round, nonce) of any SecAgg+ message on ``up/<device>`` (its ``r`` and ``nc``, in any
+    order after ``v k``), or None: what routes it to its FedBuff cohort's session and what
+    charges a masked input."""
     if up_kind(payload) is None:
         return None
-    unpacker = msgpack.Unpacker(raw=False, max_buffer_size=len(payload))
-    unpacker.feed(payload)
-    try:
-        size = unpacker.read_map_header()
-        head = [unpacker.unpack() for _ in range(8)]
-    except Exception:
+    # key order is not significant (encoding rule 7): the session takes r and nc anywhere, so
+    # routing and charging must too (a reordered mx was summed and never charged)
+    found = _keys(payload, ("r", "nc"))
+    if found is None:
         return None
-    if head[4] == "r" and head[6] == "nc":  # the reference order: no need to read further
-        rnd, nonce = head[5], head[7]
-    else:  # key order is not significant (encoding rule 7): the session takes any order, so
-        # routing and charging must too (else a reordered mx was summed and never charged)
-        found = _keys(payload, size, ("r", "nc"))
-        if found is None:
-            return None
-        rnd, nonce = found
+    rnd, nonce = found
     if type(rnd) is not int or not isinstance(nonce, bytes):
         return None
     return rnd, nonce
 
 
-def _keys(payload: bytes, size: int, wanted: tuple[str, ...]) -> tuple[Any, ...] | None:
-    """The values of ``wanted`` in a msgpack map of ``size`` entries, or None when one is
-    missing, repeated or the map does not decode."""
+def _keys(payload: bytes, wanted: tuple[str, ...]) -> tuple[Any, ...] | None:
+    """The values of ``wanted`` in a msgpack map, or None when one is missing, repeated or the
+    map does not decode (the other values are skipped, not decoded)."""
     unpacker = msgpack.Unpacker(raw=False, max_buffer_size=len(payload))
     unpacker.feed(payload)
     found: dict[str, Any] = {}
     try:
-        unpacker.read_map_header()
-        for _ in range(size):
+        for _ in range(unpacker.read_map_header()):
             key = unpacker.unpack()
             if key in wanted:
                 if key in found:

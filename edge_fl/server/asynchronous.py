@@ -408,18 +408,20 @@ class AsyncPolicy:
         facts = e.history.get(version)
         if facts is not None and facts[0] is not None:
             return facts[0]
-        nonce = e.new_nonce("version", version)
-        e.history[version] = (nonce, frozenset() if facts is None else facts[1])
-        return nonce
+        return self._keep_nonce(version, e.new_nonce("version", version))
 
     def _learn_nonces(self, encoded: dict[str, str]) -> None:
         """Nonces a journal's ``open`` record (or a checkpoint written before they moved to
         the history) carries, kept where the history has none."""
-        e = self.engine
         for version, nonce in decode_nonces(encoded).items():
-            facts = e.history.get(version)
-            if facts is None or facts[0] is None:
-                e.history[version] = (nonce, frozenset() if facts is None else facts[1])
+            if self.nonce_of(version) is None:
+                self._keep_nonce(version, nonce)
+
+    def _keep_nonce(self, version: int, nonce: bytes) -> bytes:
+        """``version``'s nonce into the history, beside its selection so far."""
+        facts = self.engine.history.get(version)
+        self.engine.history[version] = (nonce, frozenset() if facts is None else facts[1])
+        return nonce
 
     def chargeable(self, device: str, update: Update) -> bool:
         """Without a limit any known device may train on any version that was published
@@ -617,7 +619,7 @@ class AsyncPolicy:
             self._held_keys = set()  # a held payload decoded once; a re-delivery is no harm
         if "applied" in state:
             self.applied = {(dev, int(v)) for dev, v in state["applied"]}
-        self._learn_nonces(state.get("nonces", {}))  # checkpoints before 2026-11-29
+        self._learn_nonces(state.get("nonces", {}))  # a checkpoint that still lists them
         self._flight = None
 
     def forget(self) -> None:
