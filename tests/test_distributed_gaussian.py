@@ -231,7 +231,7 @@ def test_encode_sum_decode_is_unbiased_with_the_calibrated_variance():
         for dev in devices(n, seed=300 + trial):
             x = local_update(copy.deepcopy(dev), msg)
             truth += x * min(1.0, clip / float(np.linalg.norm(x)))
-            ints = mech.secure_encode(dev, msg, layout, seed)
+            ints = mech.secure_encode(dev, msg, layout, seed).values
             assert ints.dtype == np.int64 and ints.shape == (layout.length,)
             total += ints
         mean = mech.secure_decode(total, n, layout, seed)
@@ -255,7 +255,7 @@ def test_a_secagg_round_of_ddg_integers_decodes_through_the_ring():
     mech = mechanism(epsilon=None, noise_multiplier=1.0)
     layout = mech.secure_layout(SecureJob(N_PARAMS, n, 4))
     seed, msg = os.urandom(32), message()
-    ints = {d.device_id: mech.secure_encode(d, msg, layout, seed) for d in devices(n, seed=9)}
+    ints = {d.device_id: mech.secure_encode(d, msg, layout, seed).values for d in devices(n, seed=9)}
     roster = tuple(sorted(ints))
     # max_int 0: a modular layout's values are unbounded (noise), as the server passes it
     rp = RoundParams("job1", 2, os.urandom(16), roster, n - 1, 3, layout.bits, layout.length,

@@ -36,6 +36,7 @@ from edge_fl.device.policy import (
 )
 from edge_fl.mechanisms import Mechanism
 from edge_fl.mechanisms.none import NoPrivacy
+from edge_fl.mechanisms.secure import SecureInput
 from edge_fl.models.base import Model
 from edge_fl.models.training import LocalTraining
 from edge_fl.protocol import (
@@ -179,7 +180,7 @@ class DeviceAgent:
         #: integers wait here between the training thread and the session (event loop)
         self.session: DeviceSession | None = None
         self.session_key: tuple[int, bytes | None] | None = None
-        self._secure_input: dict[tuple[int, bytes | None], np.ndarray] = {}
+        self._secure_input: dict[tuple[int, bytes | None], SecureInput] = {}
         self._masked_rounds: set[int] = set()  # rounds whose masked input this device sent
 
     @property
@@ -270,7 +271,8 @@ class DeviceAgent:
             return []
         assert msg.secure is not None
         try:
-            return self._effects(session.submit(values, modular=msg.secure["md"]), msg.round)
+            submitted = session.submit(values.values, modular=msg.secure["md"], noise=values.noise)
+            return self._effects(submitted, msg.round)
         except (ValueError, RuntimeError) as exc:
             log.warning("round %d: the secure input was refused: %s", msg.round, exc)
             return []
@@ -293,7 +295,9 @@ class DeviceAgent:
         if self.budget is not None:
             self.budget.events.extend(events)
         self.state.exposures += 1  # released to its session: counted whatever happens next
-        self._secure_input = {(msg.round, msg.nonce): np.asarray(values, dtype=np.int64)}
+        if not isinstance(values, SecureInput):
+            values = SecureInput(np.asarray(values, dtype=np.int64))
+        self._secure_input = {(msg.round, msg.nonce): values}
 
     def wants(self, msg: GlobalModel) -> bool:
         """Whether this global model asks this device for an update it has not yet given."""

@@ -32,7 +32,7 @@ import numpy as np
 
 import edge_fl.protocol.fields as F
 from edge_fl.mechanisms.base import Device, Guarantee, JobFacts, Mechanism, local_update
-from edge_fl.mechanisms.secure import SecureJob, SecureLayout, secure_job
+from edge_fl.mechanisms.secure import SecureInput, SecureJob, SecureLayout, secure_job
 from edge_fl.privacy.calibration import calibrated
 from edge_fl.protocol import PayloadRejected, Reject, Update
 from edge_fl.protocol.params import MAX_COUNT, MAX_DIM, int_param, number_param
@@ -200,7 +200,7 @@ class DistributedGaussian(Mechanism):
                 f"{NAME}: {job.selected} devices' integers need a {bits}-bit ring (> {MAX_BITS}); "
                 "raise secure_aggregation.step"
             )
-        layout = SecureLayout(params.padded, max_int, bits, modular=True)
+        layout = SecureLayout(params.padded, max_int, bits, modular=True, removable_noise=True)
         cal = DdgCalibration(job, params, layout, rounds, float(cfg.delta))
         self._calibrations[job] = cal
         return cal
@@ -236,13 +236,15 @@ class DistributedGaussian(Mechanism):
 
     def secure_encode(
         self, device: Device, msg: GlobalModel, layout: SecureLayout, round_seed: bytes
-    ) -> np.ndarray:
+    ) -> SecureInput:
         """Train, then clip, rotate (``round_seed``: 32 public bytes), scale, round and add this
-        device's noise share from its CSPRNG (``ddg.device_encode``)."""
+        device's noise share from its CSPRNG (``ddg.device_parts``); the noise is kept apart
+        too, for the aggregator's request when more than the floor survive."""
         p = self._for_layout(layout, msg)
         _check_seed(round_seed)
         delta = local_update(device, msg)
-        return ddg.device_encode(delta, p, round_seed, device.rng.bytes)
+        rounded, noise = ddg.device_parts(delta, p, round_seed, device.rng.bytes)
+        return SecureInput(rounded + noise, noise)
 
     def secure_decode(
         self, total: np.ndarray, contributors: int, layout: SecureLayout, round_seed: bytes

@@ -30,6 +30,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "DEFAULT_DROPOUT",
+    "SecureInput",
     "SecureJob",
     "SecureLayout",
     "SecureSum",
@@ -99,10 +100,24 @@ class SecureLayout:
     max_int: int
     bits: int
     modular: bool = False
+    #: the integers carry distributed-DP noise calibrated for the survivors floor: a round asks
+    #: the survivors beyond the floor for their own noise (``SecureInput.noise``) and removes it
+    #: from the sum, which then keeps the floor's noise shares, not more (an honest-but-curious
+    #: aggregator; never with device keys: docs/specs/secagg.md section 12)
+    removable_noise: bool = False
 
     def __post_init__(self) -> None:
         if self.length < 1 or self.max_int < 0 or not 2 <= self.bits <= 64:
             raise ValueError("a secure layout has length >= 1, max_int >= 0, bits in [2, 64]")
+
+
+@dataclass(frozen=True)
+class SecureInput:
+    """A device's integers for one secure round and the noise inside them, which the device
+    reveals if the aggregator asks (``SecureLayout.removable_noise``)."""
+
+    values: np.ndarray
+    noise: np.ndarray | None = None
 
 
 @runtime_checkable
@@ -115,8 +130,9 @@ class SecureSum(Protocol):
 
     def secure_encode(
         self, device: Device, msg: GlobalModel, layout: SecureLayout, round_seed: bytes
-    ) -> np.ndarray:
-        """Train on ``msg`` and return the device's ``layout.length`` integers (int64)."""
+    ) -> np.ndarray | SecureInput:
+        """Train on ``msg`` and return the device's ``layout.length`` integers (int64), or a
+        :class:`SecureInput` holding them and the removable noise they include."""
         ...
 
     def secure_decode(

@@ -7,12 +7,15 @@ A phase closes when every device it waits for answered, or at ``close_phase``.
 
 The session never holds a device's unmasked vector: a masked vector is added into one running sum
 in Z_2^b the moment it arrives and then dropped; unmasking subtracts the survivors' self masks and
-the dropped devices' pairwise masks from that sum. ``observer(label, vector)`` sees every vector
+the dropped devices' pairwise masks from that sum, and, for distributed DP, the noise that
+survivors beyond ``noise_floor`` revealed (their own noise, never their input).
+``observer(label, vector)`` sees every vector
 the session materialises (tests/test_secagg.py proves none is an individual input).
 """
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import math
 import random
@@ -73,6 +76,8 @@ class AggregatorSession:
         self._shares: dict[str, list[tuple[int, int]]] = {}
         self._seen: dict[str, bytes] = {}  # device -> the payload accepted in this phase
         self._answered = 0  # unmask answers accepted
+        self._reveal: frozenset[str] = frozenset()  # survivors asked for their own noise
+        self._denoised: list[str] = []
         #: devices whose unmask answer held a share off its target's polynomial (a lie, or a
         #: corruption that no check before could catch): recovered around, and named here
         self.altered: set[str] = set()
@@ -173,6 +178,14 @@ class AggregatorSession:
         return None
 
     def _on_unmask(self, device: str, msg: M.Message) -> str | None:
+        p = self.params
+        noise = None
+        if (msg.body["z"] is not None) != (device in self._reveal):
+            return f"noise {'not asked for' if msg.body['z'] is not None else 'missing'}"
+        if msg.body["z"] is not None:
+            noise = P.unpack(msg.body["z"], p.dim, p.bits)
+            if noise is None:
+                return f"the noise is not {p.dim} values of Z_2^{p.bits}"
         asked = self._asked[device]
         point = self._graph.point(device)
         got: list[tuple[str, int]] = []
@@ -186,6 +199,11 @@ class AggregatorSession:
                 got.append((v, value))
         for v, value in got:
             self._shares.setdefault(v, []).append((point, value))
+        if noise is not None:
+            self._notify("revealed_noise", noise)
+            self._sum -= noise  # out of the (still masked) sum at once
+            self._sum &= P.ring_mask(p.bits)
+            self._denoised.append(device)
         self._answered += 1
         return None
 
@@ -278,6 +296,7 @@ class AggregatorSession:
             return self._fail(
                 "masked", f"{len(u3)} masked inputs arrived; {p.min_survivors} needed"
             )
+        self._reveal = self._noise_to_remove(u3)
         out: list[Effect] = []
         for u in sorted(u3):
             asks = [
@@ -285,9 +304,20 @@ class AggregatorSession:
                 for v in self._near[u]
             ]
             self._asked[u] = asks
-            out.append(Deliver(u, M.encode("uq", p.round, p.nonce, a=asks)))
+            extra = {"z": True} if u in self._reveal else {}
+            out.append(Deliver(u, M.encode("uq", p.round, p.nonce, a=asks, **extra)))
         self.phase, self._waiting = "unmask", set(u3)
         return out
+
+    def _noise_to_remove(self, u3: set[str]) -> frozenset[str]:
+        """The survivors beyond the noise floor, in an order keyed by the round's nonce (so the
+        extra upload falls on different devices each round): the sum keeps the noise of the
+        other ``noise_floor`` (and of any asked device that does not answer)."""
+        p = self.params
+        if not p.noise_floor:
+            return frozenset()
+        order = sorted(u3, key=lambda d: hashlib.sha256(p.nonce + d.encode()).digest())
+        return frozenset(order[: max(0, len(u3) - p.noise_floor)])
 
     def _finish(self) -> list[Effect]:
         p = self.params
@@ -331,7 +361,9 @@ class AggregatorSession:
             return self._fail("unmask", "the unmasked sum is beyond what the inputs can reach")
         self._notify("sum", total)
         self.phase = "done"
-        self.outcome = Summed(total, tuple(sorted(u3)), tuple(sorted(self.altered)))
+        self.outcome = Summed(
+            total, tuple(sorted(u3)), tuple(sorted(self.altered)), tuple(sorted(self._denoised))
+        )
         return [Finished(self.outcome)]
 
     def _recover(self, target: str, kind: str) -> int | None:

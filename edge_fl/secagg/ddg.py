@@ -279,6 +279,15 @@ def device_encode(
     delta: np.ndarray, p: DdgParams, rotation_seed: bytes, randbytes: RandBytes
 ) -> np.ndarray:
     """A device's integer vector: clipped, rotated, scaled, rounded, noised."""
+    rounded, noise = device_parts(delta, p, rotation_seed, randbytes)
+    return rounded + noise
+
+
+def device_parts(
+    delta: np.ndarray, p: DdgParams, rotation_seed: bytes, randbytes: RandBytes
+) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`device_encode`'s two terms: the rounded integers and the noise added to them (a
+    device beyond the survivors floor reveals its noise: docs/specs/secagg.md section 12)."""
     norm = float(np.linalg.norm(delta))
     x = delta * (min(1.0, p.clip / norm) if norm > 0 else 1.0)
     scaled = rotate(x, rotation_seed) / p.gamma
@@ -286,7 +295,7 @@ def device_encode(
         ChaCha(key=int.from_bytes(randbytes(32), "little"), counter=0, rounds=20)
     )
     rounded = conditional_round(scaled, p.l2, rng)
-    return rounded + Exact(randbytes).discrete_gaussians(p.sigma2, rounded.size)
+    return rounded, Exact(randbytes).discrete_gaussians(p.sigma2, rounded.size)
 
 
 def server_decode(total: np.ndarray, p: DdgParams, rotation_seed: bytes) -> np.ndarray:

@@ -60,6 +60,7 @@ class DeviceSession:
         self._keys: dict[str, tuple[bytes, bytes]] = {}  # neighbour -> (ck, sk)
         self._held: dict[str, tuple[int, int]] = {}  # neighbour -> (its key share, its seed share)
         self._input: np.ndarray | None = None
+        self._noise: np.ndarray | None = None  # the distributed-DP noise inside the input
         self._replies: dict[bytes, bytes] = {}  # a payload answered -> the answer
         self._c = self._s = self._seed = 0
         self._own = b""  # this device's ck || sk
@@ -112,11 +113,15 @@ class DeviceSession:
                 self._replies[payload] = effect.payload
         return effects
 
-    def submit(self, values: np.ndarray, *, modular: bool = False) -> list[Effect]:
+    def submit(
+        self, values: np.ndarray, *, modular: bool = False, noise: np.ndarray | None = None
+    ) -> list[Effect]:
         """The device's integer vector (quantised, |value| <= max_int): masked and sent as soon
         as the neighbours' shares are in. ``modular``: values beyond max_int are taken modulo
         2^b (distributed DP's noised integers: the sum mod 2^b is a function of the true sum, so
-        a wrap costs accuracy, never privacy)."""
+        a wrap costs accuracy, never privacy). ``noise``: the distributed-DP noise ``values``
+        include, kept so that the device can reveal it when the aggregator asks (the sum keeps
+        more than the floor's noise shares: docs/specs/secagg.md section 12)."""
         p = self.params
         vec = np.asarray(values)
         if vec.shape != (p.dim,) or vec.dtype.kind not in "iu":
@@ -125,6 +130,11 @@ class DeviceSession:
             raise ValueError(f"an input value exceeds max_int = {p.max_int} (the sum could wrap)")
         if self._input is not None or self.phase in ("masked", "done"):
             raise RuntimeError("a device submits one input per round")
+        if noise is not None:
+            z = np.asarray(noise)
+            if z.shape != (p.dim,) or z.dtype.kind not in "iu":
+                raise ValueError(f"the noise is {p.dim} integers, got {z.dtype} {z.shape}")
+            self._noise = z.astype(np.int64)
         self._input = vec.astype(np.int64)
         return self._masked() if self.phase == "ready" else []
 
@@ -230,5 +240,13 @@ class DeviceSession:
                 return self._abort(f"asked for a share of {v}, which sent none")
             key_share, seed_share = self._held[v]
             answer.append(P.share_bytes(seed_share if ask == M.ASK_SEED else key_share))
+        fields: dict[str, object] = {"s": answer}
+        if msg.body["z"]:
+            if self._signer is not None:  # device keys: the aggregator may be malicious
+                return self._abort("asked for its noise in a job with device keys")
+            if self._noise is None:
+                return self._abort("asked for noise it never added")
+            fields["z"] = P.pack(P.to_ring(self._noise, p.bits), p.bits)
+        self._noise = None
         self.phase = "done"
-        return [Send(M.encode("ua", p.round, p.nonce, s=answer))]
+        return [Send(M.encode("ua", p.round, p.nonce, **fields))]

@@ -55,10 +55,12 @@ def run_round(
     modular: bool = False,
     signers: Mapping[str, Signs] | None = None,
     directory: Callable[[str], Verifies | None] | None = None,
+    noise: Mapping[str, np.ndarray] | None = None,
 ) -> Trace:
     """Run a round; ``vanish[device]`` is the phase (in :data:`VANISH`) before which it stops.
     ``tamper(direction, device, payload)`` may replace any payload in transit ("up": device to
-    aggregator, "down": aggregator to device), as a hostile broker would."""
+    aggregator, "down": aggregator to device), as a hostile broker would. ``noise[device]``:
+    the distributed-DP noise inside its input (revealed if the aggregator asks for it)."""
     vanish = dict(vanish or {})
     gone: set[str] = set()
     agg = AggregatorSession(params, observer=observer, device_key=directory)
@@ -137,8 +139,9 @@ def run_round(
             dev = devs[effect.device]
             handle(effect.device, timed(effect.device, partial(dev.receive, payload)))
             if phase == "mask" and dev.phase == "ready":
-                x = inputs[effect.device]
-                handle(effect.device, timed(effect.device, partial(dev.submit, x, modular=modular)))
+                x, z = inputs[effect.device], (noise or {}).get(effect.device)
+                submit = partial(dev.submit, x, modular=modular, noise=z)
+                handle(effect.device, timed(effect.device, submit))
     if trace.outcome is None:
         aggregator_does(agg.close_phase)  # a Deliver now has no phase left to go to
     return trace

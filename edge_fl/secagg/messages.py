@@ -14,8 +14,8 @@ msgpack, exact types, no unknown or repeated keys) and raises
 | ``sh`` | device -> aggregator | ``c``: per neighbour nil or its sealed shares (80 bytes) |
 | ``sf`` | aggregator -> device | ``c``: per neighbour nil or the shares it sealed for this device |
 | ``mx`` | device -> aggregator | ``b`` (bits), ``m`` (bitmap: masked with neighbour i), ``y`` (masked vector, ceil(b/8) bytes per value), ``sig`` (opt.) |
-| ``uq`` | aggregator -> device | ``a``: per neighbour 0 (nothing), 1 (survived: its seed share), 2 (dropped: its key share) |
-| ``ua`` | device -> aggregator | ``s``: per neighbour nil or the asked share (32 bytes) |
+| ``uq`` | aggregator -> device | ``a``: per neighbour 0 (nothing), 1 (survived: its seed share), 2 (dropped: its key share); ``z`` (opt., true: send your noise) |
+| ``ua`` | device -> aggregator | ``s``: per neighbour nil or the asked share (32 bytes); ``z`` (when asked: the device's own noise, packed as ``y``) |
 """
 
 from __future__ import annotations
@@ -39,8 +39,8 @@ _KEYS: dict[str, frozenset[str]] = {
     "sh": frozenset({*_HEAD, "c"}),
     "sf": frozenset({*_HEAD, "c"}),
     "mx": frozenset({*_HEAD, "b", "m", "y", "sig"}),
-    "uq": frozenset({*_HEAD, "a"}),
-    "ua": frozenset({*_HEAD, "s"}),
+    "uq": frozenset({*_HEAD, "a", "z"}),
+    "ua": frozenset({*_HEAD, "s", "z"}),
 }
 MAX_COUNTER = 2**40
 
@@ -148,10 +148,14 @@ def decode(payload: Any, max_bytes: int, neighbours: int | None = None) -> Messa
         for i, a in enumerate(asks):
             F.integer(a, f"a[{i}]", "unmask request", ASK_NOTHING, ASK_KEY)
         body["a"] = asks
+        if "z" in obj and obj["z"] is not True:
+            raise F.out_of_range("z", "noise request", obj["z"], "true, or no key")
+        body["z"] = "z" in obj
     else:  # ua
         body["s"] = _optional_bins(
             _array(obj, "s", "shares", neighbours), "s", "share", SHARE_BYTES
         )
+        body["z"] = F.get(obj, "z", bytes, "revealed noise", "bin") if "z" in obj else None
     return Message(kind, rnd, nonce, body)
 
 

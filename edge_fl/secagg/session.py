@@ -29,6 +29,7 @@ class RoundParams:
     dim: int
     max_int: int
     min_survivors: int = 2
+    noise_floor: int = 0
 
     def __post_init__(self) -> None:
         if len(self.nonce) != NONCE_BYTES:
@@ -43,6 +44,8 @@ class RoundParams:
             raise ValueError(f"threshold {self.threshold} is not in [1, {self.neighbours}]")
         if not 2 <= self.bits <= 64 or self.dim < 1 or self.max_int < 0:
             raise ValueError("bits in [2, 64], dim >= 1 and max_int >= 0")
+        if self.noise_floor and self.noise_floor < self.min_survivors:
+            raise ValueError(f"noise_floor {self.noise_floor} is 0 or at least min_survivors")
         if len(self.roster) * self.max_int >= 1 << (self.bits - 1):
             raise ValueError(
                 f"{len(self.roster)} x {self.max_int} does not fit Z_2^{self.bits} as a signed sum"
@@ -116,11 +119,13 @@ class Aborted:
 class Summed:
     """The round's sum: the devices' integers added, exactly, lifted to signed int64.
     ``altered``: devices whose unmask answer held a share that was not their target's (the sum
-    was recovered from the other shares; see ``AggregatorSession.altered``)."""
+    was recovered from the other shares; see ``AggregatorSession.altered``). ``denoised``:
+    contributors whose own noise was removed from the sum (``RoundParams.noise_floor``)."""
 
     total: np.ndarray
     contributors: tuple[str, ...]
     altered: tuple[str, ...] = ()
+    denoised: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -88,7 +88,17 @@ class SecurePlan:
             dim=lay.length,
             max_int=0 if lay.modular else lay.max_int,
             min_survivors=self.min_survivors,
+            noise_floor=self.noise_floor,
         )
+
+    @property
+    def noise_floor(self) -> int:
+        """The noise shares a sum keeps (``RoundParams.noise_floor``): the survivors floor when
+        the layout's noise is removable and no device keys are in use (device keys mean a
+        possibly malicious aggregator, which could ask every survivor; their devices refuse)."""
+        if self.layout.removable_noise and self.device_keys is None:
+            return self.min_survivors
+        return 0
 
 
 def plan_secure(
@@ -246,8 +256,11 @@ class SecureRound:
         }
         if isinstance(outcome, Failed):
             info["failed"] = {"phase": outcome.phase, "reason": outcome.reason}
-        elif outcome.altered:  # unmask answers with shares off their polynomial: summed around
-            info["altered"] = list(outcome.altered)
+        else:
+            if outcome.altered:  # unmask answers with shares off their polynomial: summed around
+                info["altered"] = list(outcome.altered)
+            if self.session.params.noise_floor:  # distributed DP: the noise the sum still holds
+                info["noise_shares"] = len(outcome.contributors) - len(outcome.denoised)
         return outcome, info
 
     def _take(self, effects: list, before: str, now: float) -> list[Deliver]:
