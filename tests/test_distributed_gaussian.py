@@ -255,7 +255,9 @@ def test_a_secagg_round_of_ddg_integers_decodes_through_the_ring():
     mech = mechanism(epsilon=None, noise_multiplier=1.0)
     layout = mech.secure_layout(SecureJob(N_PARAMS, n, 4))
     seed, msg = os.urandom(32), message()
-    ints = {d.device_id: mech.secure_encode(d, msg, layout, seed).values for d in devices(n, seed=9)}
+    ints = {
+        d.device_id: mech.secure_encode(d, msg, layout, seed).values for d in devices(n, seed=9)
+    }
     roster = tuple(sorted(ints))
     # max_int 0: a modular layout's values are unbounded (noise), as the server passes it
     rp = RoundParams("job1", 2, os.urandom(16), roster, n - 1, 3, layout.bits, layout.length,
