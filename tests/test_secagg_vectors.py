@@ -139,6 +139,29 @@ def build() -> dict[str, Any]:
         "contributors": list(trace.outcome.contributors),
         "sum": trace.outcome.total.tolist(),
     }
+    # noise beyond the floor (section 12): floor 2, all four deliver, two reveal their noise
+    pn = RoundParams(JOB, ROUND, NONCE, p.roster, 3, 2, 12, 4, 0, min_survivors=2, noise_floor=2)
+    signal = {d: np.array([i + 1, -(i + 1), 5, -5], dtype=np.int64) for i, d in enumerate(p.roster)}
+    noise = {d: np.array([7 * i - 9, 40 - i, -300, 2 * i], dtype=np.int64)
+             for i, d in enumerate(p.roster)}  # fmt: skip
+    denoise = run_round(
+        pn, {d: signal[d] + noise[d] for d in pn.roster}, modular=True, noise=noise,
+        randbytes=lambda d: drbg(f"secagg-vector/noise/{d}"), record=True,
+    )  # fmt: skip
+    assert isinstance(denoise.outcome, Summed)
+    noise_round = {
+        **common,
+        "roster": list(pn.roster), "neighbours": 3, "threshold": 2, "bits": 12, "dim": 4,
+        "min_survivors": 2,
+        "signal": {d: v.tolist() for d, v in signal.items()},
+        "noise": {d: v.tolist() for d, v in noise.items()},
+        "messages": [
+            {"dir": way, "device": dev, "k": M.decode(b, 10**6).kind, "hex": b.hex()}
+            for way, dev, b in denoise.sent
+        ],
+        "denoised": list(denoise.outcome.denoised),
+        "sum": denoise.outcome.total.tolist(),
+    }  # fmt: skip
     ddg_vectors = distributed_gaussian()
     return {
         "about": "SecAgg+ test vectors, docs/specs/secagg.md section 8; checked by tests/test_secagg_vectors.py",
@@ -148,6 +171,7 @@ def build() -> dict[str, Any]:
         "masking": masking,
         "graph": graph,
         "round_with_dropout": round_,
+        "round_with_noise_removal": noise_round,
         "distributed_gaussian": ddg_vectors,
     }
 
@@ -217,6 +241,15 @@ def test_the_vectors_mean_what_they_say() -> None:
     kinds = [(msg["dir"], msg["k"]) for msg in r["messages"]]
     assert ("up", "mx") in kinds and ("up", "ua") in kinds
     assert not any(msg["device"] == "d3" and msg["k"] == "mx" for msg in r["messages"])
+    r = v["round_with_noise_removal"]
+    kept = [d for d in r["roster"] if d not in r["denoised"]]
+    assert len(kept) == r["min_survivors"] == 2
+    assert r["sum"] == list(
+        np.sum([r["signal"][d] for d in r["roster"]] + [r["noise"][d] for d in kept], axis=0)
+    )
+    asked = {m["device"] for m in r["messages"] if m["k"] == "uq" and b"\xa1z\xc3" in
+             bytes.fromhex(m["hex"])}  # fmt: skip
+    assert asked == set(r["denoised"])
     g = v["distributed_gaussian"]
     # the rotation is orthogonal: it keeps the clipped delta's norm, and the decode of the
     # rotated delta on the grid gives the clipped delta back
