@@ -409,9 +409,10 @@ def records(out: Path) -> list[dict]:
 
 
 def run_mixed_fleet(url: str, job: str, out: Path, tmp_path: Path, config: str, key: list[str],
-                    timeout: float = 200) -> None:  # fmt: skip
+                    timeout: float = 200, noise_shares: int | None = None) -> None:  # fmt: skip
     """2 `edge-fl device` and 2 of this file's devices (processes), 2 secure rounds of 4 with the
-    real aggregator: each closes summed with all four among the contributors."""
+    real aggregator: each closes summed with all four among the contributors (and, given
+    noise_shares, the record says the sum kept that many devices' noise)."""
     agg = secure_aggregator(url, job, out, 4, 2, extra_config=config)
     procs = [agg]
     try:
@@ -428,6 +429,7 @@ def run_mixed_fleet(url: str, job: str, out: Path, tmp_path: Path, config: str, 
     for r in recs:
         assert r["secure"]["outcome"] == "summed" and r["secure"]["rejected_by_reason"] == {}
         assert r["secure"]["phases"] == {"keys": 4, "shares": 4, "masked": 4, "unmask": 4}
+        assert r["secure"].get("noise_shares") == noise_shares, r
     for log in logs.values():
         for kind in ("ak", "sh", "mx", "ua"):
             assert log.count(f"sent {kind},") == 2, log
@@ -710,22 +712,25 @@ def test_discrete_gaussian_variance_matches_sigma2():
 
 
 def test_ddg_encode_is_the_rotated_rounded_clipped_delta_plus_noise():
-    """With σ² tiny the noise is almost always 0: the encoding times γ, rotated back, is the
-    clipped delta within γ·√D′ (per coordinate at most γ after the rounding's ±1, in L2 √D′ γ)."""
+    """ddg_encode gives the rounded signal and the noise apart (the noise is kept for a `z`
+    request). The signal times γ, rotated back, is the clipped delta within γ·√D′ (per coordinate
+    at most γ after the rounding's ±1, in L2 √D′ γ), and its L2 norm is at most Δ₂, always."""
     rng = np.random.default_rng(3)
     u, job, r, nc = rng.normal(size=11) * 3, "demo", 4, bytes(range(16))
     mp = ddg_mp(s2=0.001, g=0.01)
-    x = sa.ddg_encode(u, mp, job, r, nc, sa.Generator(b"\x07" * 32))
-    assert x.dtype == np.int64 and len(x) == 16
+    x, z = sa.ddg_encode(u, mp, job, r, nc, sa.Generator(b"\x07" * 32))
+    assert x.dtype == z.dtype == np.int64 and len(x) == len(z) == 16
     clipped = u / np.linalg.norm(u)
     back = sa.unrotate(x * mp["g"], sa.signs(sa.round_seed(job, r, nc), 16), 11)
     assert np.linalg.norm(back - clipped) <= mp["g"] * 4 + 1e-12
-    assert np.sqrt((x.astype(float) ** 2).sum()) <= sa.delta2(1.0, 0.01, 16) + 3  # + rare noise
-    # the mean over many encodings is the clipped delta (rounding unbiased, noise mean 0)
+    assert np.sqrt((x.astype(float) ** 2).sum()) <= sa.delta2(1.0, 0.01, 16)  # the signal alone
+    assert np.abs(z).max() <= 3  # σ² = 0.001: almost always 0
+    # the mean over many encodings (signal + noise) is the clipped delta (rounding unbiased,
+    # noise mean 0)
     mp = ddg_mp(s2=4.0, g=0.05)
     xs = np.array(
         [
-            sa.ddg_encode(u, mp, job, r, nc, sa.Generator(i.to_bytes(32, "little")))
+            sum(sa.ddg_encode(u, mp, job, r, nc, sa.Generator(i.to_bytes(32, "little"))))
             for i in range(400)
         ]
     )
@@ -747,6 +752,134 @@ def test_modular_submit():
     ref.submit(np.array([5, 2**12 - 1, 0, 7]), modular=True)
     ref.receive(down("d0", "nk"))
     assert msgpack.unpackb(ref.receive(down("d0", "sf")))["y"] == mx["y"]
+
+
+RN = V["round_with_noise_removal"]
+
+
+def noise_session(u, **kw):
+    """A device of the round_with_noise_removal vector (section 8: label secagg-vector/noise/<u>),
+    its signal and noise submitted (modular) before any message arrives."""
+    args = dict(job=RN["job"], r=RN["round"], nc=bytes.fromhex(RN["nonce"]), roster=RN["roster"])
+    args |= dict(k=RN["neighbours"], t=RN["threshold"], b=RN["bits"], d=RN["dim"], q=0)
+    s = sa.Session(u, **(args | {"randbytes": drbg(f"secagg-vector/noise/{u}")} | kw))
+    s.advertise()
+    return s
+
+
+def noise_down(u, k):
+    return next(bytes.fromhex(m["hex"]) for m in RN["messages"] if (m["device"], m["k"]) == (u, k))
+
+
+def noise_round(**kw):
+    """The vector's round up to each device's masked input; -> the sessions, what they sent."""
+    sessions = {u: noise_session(u, **kw) for u in RN["roster"]}
+    out = {}
+    for u, s in sessions.items():
+        assert s.submit(RN["signal"][u], modular=True, noise=RN["noise"][u]) is None
+        out["sh", u] = s.receive(noise_down(u, "nk"))
+        out["mx", u] = s.receive(noise_down(u, "sf"))
+    return sessions, out
+
+
+def test_round_with_noise_removal_byte_for_byte():
+    """Every up message of the vector, the two `ua` with `z` among them; and its sum is every
+    signal plus the noise of the devices not denoised, exactly, which are the last |U3| −
+    min_survivors in the order of SHA-256(nc ‖ id) (section 12: the first ones are asked)."""
+    sessions, out = noise_round()
+    for u, s in sessions.items():
+        out["ua", u] = s.receive(noise_down(u, "uq"))
+        assert s.state == "done" and s.noise is None  # the noise went with the round
+    for m in RN["messages"]:
+        if m["dir"] == "up" and m["k"] != "ak":
+            assert out[m["k"], m["device"]].hex() == m["hex"], (m["k"], m["device"])
+    nc = bytes.fromhex(RN["nonce"])
+    order = sorted(RN["roster"], key=lambda u: hashlib.sha256(nc + u.encode()).digest())
+    asked = [u for u in RN["roster"] if msgpack.unpackb(noise_down(u, "uq")).get("z")]
+    assert sorted(order[: len(RN["roster"]) - RN["min_survivors"]]) == asked == RN["denoised"]
+    kept = [u for u in RN["roster"] if u not in asked]
+    total = sum(np.array(RN["signal"][u]) for u in RN["roster"])
+    total = total + sum(np.array(RN["noise"][u]) for u in kept)
+    assert total.tolist() == RN["sum"]
+
+
+def test_a_z_request_is_answered_with_the_exact_packed_noise():
+    sessions, _ = noise_round()
+    s, uq = sessions["d0"], noise_down("d0", "uq")
+    ua = s.receive(uq)
+    assert s.receive(uq) == ua  # a QoS 1 duplicate: the same bytes again
+    m = msgpack.unpackb(ua)
+    assert list(m) == ["v", "k", "r", "nc", "s", "z"] and len(m["z"]) == 4 * 2  # d · ceil(12/8)
+    z = np.frombuffer(m["z"], "<u2").astype(np.int64)
+    assert z.tolist() == [v % 2**12 for v in RN["noise"]["d0"]]  # mod 2^b, packed as y
+    s = sessions["d2"]  # not asked: no z, and the noise is dropped all the same
+    assert list(msgpack.unpackb(s.receive(noise_down("d2", "uq")))) == ["v", "k", "r", "nc", "s"]
+    assert s.noise is None
+    # a noise of the width of b: every bit of the 8-byte words above b is dropped, not packed
+    s = noise_session("d0", b=33, d=4)
+    s.submit([0, 0, 0, 0], modular=True, noise=[-1, 2**40, -(2**40) - 3, 7])
+    s.receive(noise_down("d0", "nk"))
+    s.receive(noise_down("d0", "sf"))
+    s.state, s.held = "masked", {}  # straight to the uq (this vector's sf is for b = 12)
+    z = msgpack.unpackb(s.on_uq([0, 0, 0], z=True))["z"]
+    assert len(z) == 4 * 5 and [int.from_bytes(z[i : i + 5], "little") for i in range(0, 20, 5)] == [
+        2**33 - 1, 0, 2**33 - 3, 7]  # fmt: skip
+
+
+def test_a_z_request_aborts_a_device_without_noise_or_with_a_signing_key():
+    s = noise_session("d0")  # submitted without noise (e.g. mechanism none): nothing to reveal
+    s.submit(RN["signal"]["d0"], modular=True)
+    s.receive(noise_down("d0", "nk"))
+    s.receive(noise_down("d0", "sf"))
+    assert reason(s.receive, noise_down("d0", "uq")) == (
+        "Aborted",
+        "asked for my noise, but I added none",
+    )
+    assert s.state == "aborted" and reason(s.receive, noise_down("d0", "uq"))[1] == "closed"
+    signer = Ed25519PrivateKey.generate()
+    sessions, _ = noise_round(sign=signer.sign)  # a device with device keys never reveals it
+    s = sessions["d0"]
+    assert reason(s.receive, noise_down("d0", "uq")) == (
+        "Aborted",
+        "asked for my noise, but I sign (device keys): I never reveal it",
+    )
+    assert s.state == "aborted" and s.noise is None
+    # without z the signing device answers as ever
+    assert msgpack.unpackb(sessions["d2"].receive(noise_down("d2", "uq")))["k"] == "ua"
+
+
+@pytest.mark.parametrize(
+    ("z", "why"),
+    [
+        (False, "out_of_range"),
+        (1, "bad_type"),
+        (0, "bad_type"),
+        ("true", "bad_type"),
+        (None, "bad_type"),
+        (b"\x01", "bad_type"),
+        ([True], "bad_type"),
+    ],
+)
+def test_a_uq_whose_z_is_not_true_is_rejected(z, why):
+    """docs/protocol.md, encoding rules 5 and 6: `z` is a bool (1 is not a bool) whose domain is
+    {true}; a rejected uq changes nothing, so the genuine one still gets its ua."""
+    sessions, _ = noise_round()
+    s = sessions["d0"]
+    assert reason(s.receive, with_(noise_down("d0", "uq"), z=z)) == ("Rejected", why)
+    assert s.state == "masked" and s.noise is not None
+    assert "z" in msgpack.unpackb(s.receive(noise_down("d0", "uq")))
+    # z exists in uq only: in an nk or sf it is an unknown key
+    t = noise_session("d0")
+    assert reason(t.receive, with_(noise_down("d0", "nk"), z=True)) == ("Rejected", "unknown_field")
+
+
+def test_submit_takes_noise_with_modular_inputs_only():
+    s = noise_session("d0")
+    for bad in (dict(noise=[1, 2, 3, 4]), dict(modular=True, noise=[1, 2, 3]),
+                dict(modular=True, noise=[0.5, 0, 0, 0])):  # fmt: skip
+        with pytest.raises(ValueError):
+            s.submit([0, 0, 0, 0], **bad)
+    assert s.x is None and s.noise is None
 
 
 DDG_CONFIG = "privacy:\n  mechanism: distributed-gaussian\n  epsilon: 8.0\n  clip: 1.0\n"
@@ -776,21 +909,32 @@ def test_distributed_gaussian_rounds_sum_exactly_the_minimal_devices_integers(mo
     """3 of this file's devices in one process against the real aggregator with
     privacy.mechanism distributed-gaussian: every round closes summed over all three, and the next
     model is exactly the last one plus γ · the inverse rotation of the sum of the integers they
-    submitted (noise included), over 3: the aggregator took the devices' rotation, grid and noisy
-    integers as the device computed them."""
+    submitted (signal and noise), less the noise of the devices the aggregator asked for it
+    (min_survivors 2 of 3: one `uq` with `z` a round, section 12 "Noise beyond the floor"), over
+    3: the aggregator took the devices' rotation, grid, noisy integers and revealed noise as the
+    device computed them."""
 
     import threading
 
     job, out = f"mini-ddg-{uuid.uuid4().hex[:6]}", tmp_path / "run"
     client, got = tap(mosquitto.url, job, ["global", "job"])
-    agg = secure_aggregator(mosquitto.url, job, out, 3, 2, extra_config=DDG_CONFIG)
+    agg = secure_aggregator(mosquitto.url, job, out, 3, 2, extra_config=DDG_CONFIG,
+                            config="  phase_timeout_s: 20\n  min_survivors: 2\n")  # fmt: skip
     submitted: dict[str, list] = {}
+    asked: dict[int, list] = {}  # round -> the devices whose uq carried z
     encode = sa.ddg_encode
 
     def recording(u, mp, job_, r, nc, rng=None):
-        x = encode(u, mp, job_, r, nc, rng)
-        submitted.setdefault(threading.current_thread().name, []).append((r, x))
-        return x
+        x, z = encode(u, mp, job_, r, nc, rng)
+        submitted.setdefault(threading.current_thread().name, []).append((r, x, z))
+        return x, z
+
+    class Recording(sa.SecureDevice):
+        def on_inbox(self, payload):
+            m = msgpack.unpackb(payload)
+            if m.get("k") == "uq" and m.get("z") is True:
+                asked.setdefault(m["r"], []).append(self.id)
+            super().on_inbox(payload)
 
     sa.ddg_encode = recording
     devices = {}
@@ -799,7 +943,7 @@ def test_distributed_gaussian_rounds_sum_exactly_the_minimal_devices_integers(mo
         for i in range(3):
             name = f"d0000{i}"
             a = device_args(mosquitto.url, job, name, tmp_path, slice(90 * i, 90 * i + 90))
-            devices[name] = sa.SecureDevice(a)
+            devices[name] = Recording(a)
             threads.append(threading.Thread(target=devices[name].run, name=name, daemon=True))
             threads[-1].start()
         _, stderr = agg.communicate(timeout=240)
@@ -825,7 +969,13 @@ def test_distributed_gaussian_rounds_sum_exactly_the_minimal_devices_integers(mo
     g0 = rounds[0]
     mp, params, d = g0["mp"], g0["sa"], len(g0["w"]) // 4
     assert mp["m"] == sa.DDG and params["md"] is True and params["n"] == mp["dp"] == sa.padded(d)
-    assert params["b"] == mp["b"]
+    assert params["b"] == mp["b"] and params["ms"] == 2
+    # noise beyond the floor: 3 masked inputs, floor 2, so one device (the first by
+    # SHA-256(nc ‖ id)) was asked for its noise and its noise left the sum; the record says 2 kept
+    for r, g in zip(recs, rounds, strict=True):
+        assert r["secure"]["noise_shares"] == 2, r
+        order = sorted(g["sel"], key=lambda u: hashlib.sha256(g["nc"] + u.encode()).digest())
+        assert asked[g["rnd"]] == order[:1] == r["secure"]["noise_removed"], (asked, order)
     # secagg.md section 7: "Q is then 0 on the wire"; the aggregator sends ⌈Δ₂⌉ (see the report)
     assert params["q"] == int(np.ceil(sa.delta2(mp["clip"], mp["g"], mp["dp"])))
     # the documents' bit width from the documents' formula (n = the selection)
@@ -834,8 +984,11 @@ def test_distributed_gaussian_rounds_sum_exactly_the_minimal_devices_integers(mo
     for dev in devices.values():  # each device took the job document's calibration row
         assert dev.config is not None and sa.check_cal(mp, d, dev.config, dev.cal) is not None
     # exactness: w1 = w0 + server_lr · unrotate(γ Σ x) / 3 (server_lr 1 by default), float32
-    xs = [dict(submitted[f"d0000{i}"])[1] for i in range(3)]
-    total = np.sum(xs, axis=0)
+    mine = {f"d0000{i}": {r: (x, z) for r, x, z in submitted[f"d0000{i}"]}[1] for i in range(3)}
+    # Σ (signal + noise) less the noise the asked device revealed and the aggregator subtracted
+    total = np.sum([x + z for x, z in mine.values()], axis=0)
+    total = total - np.sum([mine[u][1] for u in asked[1]], axis=0)
+    assert any((mine[u][1] != 0).any() for u in asked[1])  # the noise removed was not nothing
     assert np.abs(total).max() < 2 ** (mp["b"] - 1)  # no wrap in the ring
     w0, w1 = (np.frombuffer(g["w"], "<f4").astype(np.float64) for g in rounds)
     s = sa.signs(sa.round_seed(job, 1, g0["nc"]), mp["dp"])
@@ -845,14 +998,21 @@ def test_distributed_gaussian_rounds_sum_exactly_the_minimal_devices_integers(mo
     # the wrong sign convention (bit 1 -> −1) would not be what the aggregator applied
     wrong = sa.unrotate(total * mp["g"], -s, d) / 3
     assert np.abs(w1 - (w0 + wrong)).max() > 1e-3
+    # nor the sum with the asked device's noise still in it: the aggregator removed it
+    noisy = sa.unrotate(np.sum([x + z for x, z in mine.values()], axis=0) * mp["g"], s, d) / 3
+    assert np.abs(w1 - (w0 + noisy)).max() > 1e-4
 
 
 @pytest.mark.broker
 def test_distributed_gaussian_mixed_fleet_with_the_real_aggregator(mosquitto, tmp_path):
     """2 `edge-fl device` and 2 of this file's devices (as processes), 2 distributed-gaussian
-    rounds: each closes summed with all four among the contributors."""
+    rounds: each closes summed with all four among the contributors. min_survivors 2: the
+    aggregator asks 2 of the 4 for their noise each round (this file's devices among them in 35
+    of 36 runs), every asked device answers (no rejection, nobody leaves the round), and the sum
+    keeps 2 noise shares."""
     job, out = f"mini-ddg-{uuid.uuid4().hex[:6]}", tmp_path / "run"
-    run_mixed_fleet(mosquitto.url, job, out, tmp_path, DDG_CONFIG, [], timeout=240)
+    config = "  min_survivors: 2\n" + DDG_CONFIG  # continues the secure_aggregation section
+    run_mixed_fleet(mosquitto.url, job, out, tmp_path, config, [], timeout=240, noise_shares=2)
 
 
 def test_distributed_gaussian_vectors():

@@ -8,8 +8,10 @@ discrete Gaussian, ``distributed-gaussian``), digits learns within 0.03 of ``gau
 IID devices, every device selected every round (participation 1, so neither claims amplification by
 sampling), logreg, 20 rounds, clip 1, delta 1e-5, the production CSPRNG (repeats differ). The
 distributed mechanism calibrates its noise for the survivors floor the job accepts
-(``secure_aggregation.dropout`` 0.3: 35 of 50), so with no dropout its sum carries sqrt(50/35) =
-1.2x the central noise; the ``dropout`` column says which floor a row used. Each run is
+(``secure_aggregation.dropout`` 0.3: 35 of 50); when more deliver, the survivors beyond the floor
+reveal their noise and the aggregator removes it, so the sum carries the central noise, not
+sqrt(50/35) = 1.2x it (docs/specs/secagg.md section 12); the ``dropout`` column says which floor a
+row used. Each run is
 ``edge_fl.simulation.simulate`` in this process (embedded Mosquitto, aggregator and fleet),
 strictly one at a time. Prints one markdown table; never run in CI.
 """

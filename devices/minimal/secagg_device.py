@@ -18,6 +18,7 @@ from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 P = 2**255 - 19  # GF(p): Shamir shares, X25519 scalars and self-mask seeds are field elements
 R_MAX = 2**40
 RECEIVED = {"nk": "keys", "sf": "c", "uq": "a"}  # kind -> its per-neighbour array
+OPTIONAL = {"uq": ("z",)}  # kind -> its optional keys (uq's z: "reveal your noise", section 12)
 
 
 class Rejected(Exception):  # a message the session ignores (its reason, as the protocol names it)
@@ -138,14 +139,14 @@ def unpack(payload):  # one map, str keys, none repeated, nothing after it
     return m
 
 
-def decode(payload):  # -> (kind, r, nc, per-neighbour array) of a message the device receives
+def decode(payload):  # -> (kind, r, nc, per-neighbour array, {optional key: value}) received
     m = unpack(payload)
     if type(m.get("v")) is not int or m["v"] != 1:
         raise Rejected("wrong_version")
     if type(m.get("k")) is not str or m["k"] not in RECEIVED:
         raise Rejected("wrong_kind")
     keys = ("v", "k", "r", "nc", RECEIVED[m["k"]])
-    if any(k not in keys for k in m):
+    if any(k not in keys + OPTIONAL.get(m["k"], ()) for k in m):
         raise Rejected("unknown_field")
     if any(k not in m for k in keys):
         raise Rejected("missing_field")
@@ -154,11 +155,20 @@ def decode(payload):  # -> (kind, r, nc, per-neighbour array) of a message the d
         raise Rejected("bad_type")
     if not 0 <= r <= R_MAX or len(nc) != 16:
         raise Rejected("out_of_range")
-    return m["k"], r, nc, arr
+    more = {k: m[k] for k in OPTIONAL.get(m["k"], ()) if k in m}
+    if "z" in more and type(more["z"]) is not bool:  # a bool is never an int (rule 5)
+        raise Rejected("bad_type")
+    if "z" in more and more["z"] is not True:  # its domain is {true}: false is not "absent"
+        raise Rejected("out_of_range")
+    return m["k"], r, nc, arr, more
 
 
 def pack(kind, r, nc, **body):  # key order: v k r nc, then the table's
     return msgpack.packb({"v": 1, "k": kind, "r": r, "nc": nc, **body})
+
+
+def packed(v, b):  # values mod 2^b (uint64) -> LE, ceil(b/8) bytes each (mx's y, ua's z)
+    return v.astype("<u8").view(np.uint8).reshape(-1, 8)[:, : -(-b // 8)].tobytes()
 
 
 def bins(entry, sizes):  # an array of bins of these sizes
@@ -187,6 +197,7 @@ class Session:
         self.point = {v: 1 + i for i, v in enumerate(roster)}  # Shamir point: 1 + roster index
         self.randbytes, self.sign, self.directory = randbytes, sign, directory or {}
         self.state, self.x, self.answers, self.mx = "new", None, {}, None
+        self.noise = None  # the noise added to x (mod 2^b), kept apart until the uq (section 12)
         self.c, _ = x25519_key(randbytes)  # draw order: share key, mask key, seed
         self.s, self.s_scalar = x25519_key(randbytes)
         self.beta = field_element(randbytes)
@@ -210,7 +221,7 @@ class Session:
             return self.mx if self.answers[payload] == "sf" else self.answers[payload]
         if self.state in ("done", "aborted"):
             raise Rejected("closed")
-        kind, r, nc, arr = decode(payload)
+        kind, r, nc, arr, more = decode(payload)
         if (r, nc) != (self.r, self.nc):
             raise Rejected("wrong_nonce")
         if kind != {"advertised": "nk", "shared": "sf", "masked": "uq"}.get(self.state):
@@ -218,9 +229,9 @@ class Session:
         if len(arr) != len(self.nb):
             raise Rejected("out_of_range")
         try:
-            out = getattr(self, "on_" + kind)(arr)
+            out = getattr(self, "on_" + kind)(arr, **more)
         except Aborted:
-            self.state, self.x, self.beta = "aborted", None, None
+            self.state, self.x, self.beta, self.noise = "aborted", None, None, None
             raise
         self.answers[payload] = "sf" if kind == "sf" else out
         return out
@@ -288,17 +299,24 @@ class Session:
         self.state = "ready"
         return self.masked()
 
-    def submit(self, x, modular=False):  # |x_i| <= Q, or any int64 reduced mod 2^b (modular)
+    def submit(self, x, modular=False, noise=None):  # |x_i| <= Q, or any int64 mod 2^b (modular)
+        # noise (distributed DP, modular only): d more int64 added to x, and kept on their own
+        # until the uq, which may ask for them (`z`, section 12); without it a `z` request aborts
         if self.x is not None or self.state in ("masked", "done", "aborted"):
             raise ValueError("submit: already submitted, or the session is closed")
-        x = np.asarray(x)
-        if x.shape != (self.d,) or not (x.dtype.kind in "iu" or x.size == 0):
-            raise ValueError(f"submit: expected {self.d} integers, got {x.dtype} {x.shape}")
-        if modular and x.size and x.dtype.kind == "u" and int(x.max()) >= 2**63:
-            raise ValueError("submit: modular values must be int64")
-        if not modular and x.size and int(np.abs(x.astype(object)).max()) > self.q:
+        if noise is not None and not modular:
+            raise ValueError("submit: noise is for modular (distributed DP) inputs only")
+        vs = [np.asarray(v) for v in (x, *(() if noise is None else (noise,)))]
+        for v in vs:
+            if v.shape != (self.d,) or not (v.dtype.kind in "iu" or v.size == 0):
+                raise ValueError(f"submit: expected {self.d} integers, got {v.dtype} {v.shape}")
+            if modular and v.size and v.dtype.kind == "u" and int(v.max()) >= 2**63:
+                raise ValueError("submit: modular values must be int64")
+        if not modular and vs[0].size and int(np.abs(vs[0].astype(object)).max()) > self.q:
             raise ValueError(f"submit: a value beyond Q = {self.q} could wrap the sum")
-        self.x = x.astype(np.int64).astype(np.uint64)  # two's complement: x mod 2^64
+        x, *z = (v.astype(np.int64).astype(np.uint64) for v in vs)  # two's complement: mod 2^64
+        self.x = x + z[0] if z else x  # uint64 wraps: mod 2^64, so mod 2^b
+        self.noise = z[0] & np.uint64(2**self.b - 1) if z else None
         return self.masked() if self.state == "ready" else None
 
     def masked(self):  # y = x + PRG(self) + Σ ±PRG(pair) mod 2^b, once both sf and x are in
@@ -314,24 +332,30 @@ class Session:
         self.x, self.beta, self.pair = None, None, None  # the input goes as soon as it is masked
         m = sum(1 << i for i, v in enumerate(self.nb) if v in self.held)
         m = m.to_bytes(-(-len(self.nb) // 8), "little")
-        y = y.astype("<u8").view(np.uint8).reshape(-1, 8)[:, : -(-self.b // 8)].tobytes()
+        y = packed(y, self.b)
         sig = self.sign and self.sign(self.ctx("masked", self.me) + self.nc + self.bh + m + y)
         self.state = "masked"
         self.mx = pack("mx", self.r, self.nc, b=self.b, m=m, y=y, **({"sig": sig} if sig else {}))
         return self.mx
 
-    def on_uq(self, a):  # -> ua: per neighbour its seed share (1), key share (2) or nil (0)
+    def on_uq(self, a, z=False):  # -> ua: per neighbour its seed share (1), key share (2) or
+        # nil (0); with z (true: decode refused anything else) also my own noise, packed as y
         if not all(type(x) is int for x in a):
             raise Rejected("bad_type")
         if not all(x in (0, 1, 2) for x in a):
             raise Rejected("out_of_range")
+        if z and self.noise is None:
+            raise Aborted("asked for my noise, but I added none")
+        if z and self.sign:  # an aggregator that may lie could ask everyone: all noise stripped
+            raise Aborted("asked for my noise, but I sign (device keys): I never reveal it")
         s = []
         for v, x in zip(self.nb, a, strict=True):
             if x and v not in self.held:
                 raise Aborted(f"asked for a share of {v}, which I do not hold")
             s.append(le32(self.held[v][2 - x]) if x else None)
-        self.state, self.held = "done", None
-        return pack("ua", self.r, self.nc, s=s)
+        body = {"s": s, **({"z": packed(self.noise, self.b)} if z else {})}
+        self.state, self.held, self.noise = "done", None, None  # the noise goes with the round
+        return pack("ua", self.r, self.nc, **body)
 
 
 # --- distributed discrete Gaussian (spec section 12; docs/protocol.md, `distributed-gaussian`)
@@ -509,14 +533,15 @@ def check_cal(mp, d, config, cal):  # mp against the job document's `cal` row fo
     return rows[0]
 
 
-def ddg_encode(u, mp, job, r, nc, rng=None):  # -> the D′ integers before reduction mod 2^b
+def ddg_encode(u, mp, job, r, nc, rng=None):  # -> (x, noise): D′ integers each, before the
+    # reduction mod 2^b; x + noise is what is summed, noise is kept apart for a `z` request
     rng = rng or Generator()
     clip, g, dp = float(mp["clip"]), float(mp["g"]), mp["dp"]
     u = np.asarray(u, np.float64)
     u = u * min(1.0, clip / max(float(np.linalg.norm(u)), 1e-300))
     z = rotate(u, signs(round_seed(job, r, nc), dp)) / g
     x = conditional_round(z, delta2(clip, g, dp), rng)
-    return x + discrete_gaussian(mp["s2"], dp, rng)
+    return x, discrete_gaussian(mp["s2"], dp, rng)
 
 
 # --- the MQTT device: devices/minimal/device.py plus secure rounds (docs/protocol.md, "Secure
@@ -626,7 +651,10 @@ class SecureDevice(plain.Device):
         except Aborted as e:
             return plain.log.warning("round %d: left the secure round: %s", self.session.r, e)
         if out:
-            self.publish(out, msgpack.unpackb(out)["k"])
+            m = msgpack.unpackb(out)
+            self.publish(out, m["k"])
+            if "z" in m:  # a uq with z: the aggregator removes this noise from the sum
+                plain.log.info("round %d: revealed my noise (z) in ua", self.session.r)
 
     def answer(self, g):  # a secure round: a new session, ak at once, then train and submit
         if "sa" not in g:
@@ -652,8 +680,8 @@ class SecureDevice(plain.Device):
         self.shapes = self.shapes or plain.layout(self.a.model, f, c, d)
         u = plain.train(g["w"], self.shapes, self.X, self.y, mp["lr"], mp["ep"], mp["bs"])
         if ddg:
-            x = ddg_encode(u, mp, self.a.job, g["rnd"], g["nc"])
-            out = self.session.submit(x, modular=True)
+            x, noise = ddg_encode(u, mp, self.a.job, g["rnd"], g["nc"])
+            out = self.session.submit(x, modular=True, noise=noise)
         else:
             out = self.session.submit(encode(u, mp, sa, *self.clip))
         self.uploads += 1

@@ -5,8 +5,10 @@ docs/specs/secagg.md section 12): each device clips its update to L2 ``privacy.c
 (public seed: the round's), scales it by 1/gamma, rounds it conditionally to integers of L2 norm at
 most Delta_2 and adds N_Z(0, sigma^2) per coordinate; SecAgg+ reveals only the sum, which carries
 the noise of every device that delivered. sigma^2 is calibrated (``ddg.calibrate``) so that
-``min_survivors`` shares alone reach ``privacy.epsilon`` over ``rounds.rounds`` rounds: more
-survivors only add noise; a round with fewer is skipped by the engine. The aggregator, the broker
+``min_survivors`` shares alone reach ``privacy.epsilon`` over ``rounds.rounds`` rounds; a round
+with fewer is skipped by the engine, and from a round with more the aggregator removes the noise
+the survivors beyond the floor reveal (``SecureInput.noise``; never with device keys), so the
+sum carries the floor's noise shares, not more. The aggregator, the broker
 and anyone reading them see no individual update and no noise-free sum.
 
 Guarantee: (eps, delta)-DP per device under zero-out neighbours (its update replaced by zero, its

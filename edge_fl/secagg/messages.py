@@ -148,6 +148,8 @@ def decode(payload: Any, max_bytes: int, neighbours: int | None = None) -> Messa
         for i, a in enumerate(asks):
             F.integer(a, f"a[{i}]", "unmask request", ASK_NOTHING, ASK_KEY)
         body["a"] = asks
+        if "z" in obj and type(obj["z"]) is not bool:
+            raise F.bad_type("z", "noise request", obj["z"], "bool")
         if "z" in obj and obj["z"] is not True:
             raise F.out_of_range("z", "noise request", obj["z"], "true, or no key")
         body["z"] = "z" in obj

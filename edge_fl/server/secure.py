@@ -261,6 +261,7 @@ class SecureRound:
                 info["altered"] = list(outcome.altered)
             if self.session.params.noise_floor:  # distributed DP: the noise the sum still holds
                 info["noise_shares"] = len(outcome.contributors) - len(outcome.denoised)
+                info["noise_removed"] = list(outcome.denoised)
         return outcome, info
 
     def _take(self, effects: list, before: str, now: float) -> list[Deliver]:
