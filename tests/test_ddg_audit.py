@@ -107,6 +107,31 @@ def test_as_configured_stays_within_the_claim_and_matches_the_exact_rates():
     assert within(res["k0"], N, r0) and within(res["k1"], N, r1), (res, r0, r1)
 
 
+def test_noise_beyond_the_floor_removed_keeps_the_floors_rates_and_the_claim():
+    """Six deliver to a job whose floor is 4: the two survivors first by SHA-256(nonce || id)
+    reveal their noise and it leaves the sum (10 rounds through the whole SecAgg+ session, checked
+    bit for bit against the direct sum). The counts match the exact rates of 4 noise shares, not
+    6 (the removal happens), and the bound stays within the claim (it removes no more)."""
+    job = SecureJob(B.DIM, 6, 4)
+    row = B.Row("noise beyond the floor removed", job, 6, noise_floor=4)
+    assert row.honest == 4
+    claim = B.claimed_epsilon(job)
+    t = fixed_threshold(row, N)
+    p = params(row)
+    r0, r1 = B.exact_rates(p, 4, t)
+    res = audit(row, N, t, seed=107, secagg=10)
+    assert res["epsilon_lower_bound"] <= claim, res
+    assert within(res["k0"], N, r0) and within(res["k1"], N, r1), (res, r0, r1)
+
+    # had nothing been removed (6 shares): the counts favour 4 shares over 6 by likelihood
+    # (expected log-likelihood ratio ~26, standard deviation ~7: a false alarm ~1e-4)
+    def loglik(rates: tuple[float, float]) -> float:
+        return sum(k * math.log(r) + (N - k) * math.log(1 - r)
+                   for k, r in zip((res["k0"], res["k1"]), rates, strict=True))  # fmt: skip
+
+    assert loglik((r0, r1)) > loglik(B.exact_rates(p, 6, t)), res
+
+
 def test_a_third_of_the_noise_is_caught():
     row, claim = scaled(1 / 3), B.claimed_epsilon(JOB)
     t = fixed_threshold(row, N)

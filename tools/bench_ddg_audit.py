@@ -24,7 +24,11 @@ Rows: as configured; "half noise" (the real mechanism built with ``privacy.noise
 the configured calibration's, claiming the configured epsilon: a quarter of the variance);
 "undeclared colluders" (calibrated for 8 honest shares, collude = 0, but 6 of the 8 contributors
 pool their encoded vectors with the aggregator, which subtracts them from the secure sum mod 2^b:
-2 honest shares, a quarter of the noise variance the claim counts on).
+2 honest shares, a quarter of the noise variance the claim counts on); "noise beyond the floor
+removed" (all 6 selected deliver to a job whose floor is 4: two survivors reveal their noise and
+the aggregator subtracts it, as ``AggregatorSession`` does, choosing them by SHA-256(nonce || id);
+the sum keeps 4 shares, what the claim counts on: the canary's own noise may be among those
+removed).
 
     PYTHONPATH=. nice -n 19 .venv/bin/python tools/bench_ddg_audit.py --runs 10000 --jobs 2
 
@@ -34,6 +38,7 @@ Results and what they do not show: docs/bench/ddg-audit.md.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import logging
 import math
@@ -75,10 +80,13 @@ class Row:
     contributors: int
     colluders: int = 0
     noise_multiplier: float | None = None
+    noise_floor: int = 0  # > 0: the noise of the contributors beyond it is removed
 
     @property
     def honest(self) -> int:
-        return self.contributors - self.colluders
+        """The honest noise shares left in the sum."""
+        kept = min(self.contributors, self.noise_floor) if self.noise_floor else self.contributors
+        return kept - self.colluders
 
 
 def facts(n_params: int = DIM) -> JobFacts:
@@ -126,6 +134,7 @@ def rows() -> list[Row]:
         Row("as configured", small, 4),
         Row("half noise", small, 4, noise_multiplier=half_z),
         Row("undeclared colluders (6 of 8)", SecureJob(DIM, 10, 8), 8, colluders=6),
+        Row("noise beyond the floor removed (6 deliver)", small, 6, noise_floor=4),
     ]
 
 
@@ -146,18 +155,35 @@ def canary(p: ddg.DdgParams, seed: bytes) -> np.ndarray:
     return ddg.unrotate(axis, seed, p.dim)
 
 
+def name(i: int) -> str:
+    return f"d{i:03d}"
+
+
+def removed(nonce: bytes, n: int, floor: int) -> list[int]:
+    """The devices whose noise the aggregator removes: beyond the floor, in SHA-256 order."""
+    order = sorted(range(n), key=lambda i: hashlib.sha256(nonce + name(i).encode()).digest())
+    return order[: max(0, n - floor)] if floor else []
+
+
 def secagg_sum(
-    layout: SecureLayout, ints: list[np.ndarray], rng: np.random.Generator
+    layout: SecureLayout,
+    ints: list[np.ndarray],
+    rng: np.random.Generator,
+    nonce: bytes,
+    noise: list[np.ndarray] | None = None,
+    floor: int = 0,
 ) -> np.ndarray:
-    """The sum through a whole SecAgg+ round in memory (every device stays)."""
-    inputs = {f"d{i:03d}": v for i, v in enumerate(ints)}
+    """The sum through a whole SecAgg+ round in memory (every device stays; with ``floor``, the
+    survivors beyond it reveal their ``noise`` and the session removes it)."""
+    inputs = {name(i): v for i, v in enumerate(ints)}
     roster = tuple(sorted(inputs))
     k = len(roster) - 1  # a complete graph, threshold a majority of the neighbours
     # max_int 0: a modular layout's values are unbounded, as the server's plan sets it
     # (edge_fl/server/secure.py); SecAgg+'s "sum beyond what the inputs can reach" check is off
-    rp = RoundParams("audit", 1, rng.bytes(16), roster, k, k // 2 + 1, layout.bits,
-                     layout.length, 0)  # fmt: skip
-    trace = run_round(rp, inputs, randbytes=lambda d: rng.bytes, modular=True)
+    rp = RoundParams("audit", 1, nonce, roster, k, k // 2 + 1, layout.bits, layout.length, 0,
+                     min_survivors=floor or 2, noise_floor=floor)  # fmt: skip
+    revealed = {name(i): z for i, z in enumerate(noise)} if noise is not None else None
+    trace = run_round(rp, inputs, randbytes=lambda d: rng.bytes, modular=True, noise=revealed)
     if not isinstance(trace.outcome, Summed):
         raise RuntimeError(f"the SecAgg+ round failed: {trace.outcome}")
     return np.asarray(trace.outcome.total)
@@ -171,15 +197,20 @@ def statistic(row: Row, with_canary: bool, rng: np.random.Generator, secagg: boo
     zero = np.zeros(p.dim)
     update = canary(p, seed) if with_canary else zero
     # device 0 is the canary; devices 1 .. colluders are the colluders (if any)
-    ints = [ddg.device_encode(update if i == 0 else zero, p, seed, rng.bytes)
-            for i in range(row.contributors)]  # fmt: skip
+    parts = [ddg.device_parts(update if i == 0 else zero, p, seed, rng.bytes)
+             for i in range(row.contributors)]  # fmt: skip
+    ints = [r + z for r, z in parts]
+    nonce = rng.bytes(16)  # the round's nonce: it orders whose noise is removed
     mask = ring_mask(layout.bits)
     ring = np.zeros(layout.length, dtype=np.uint64)
     for v in ints:
         ring = (ring + to_ring(v, layout.bits)) & mask
+    for i in removed(nonce, row.contributors, row.noise_floor):
+        ring = (ring - to_ring(parts[i][1], layout.bits)) & mask
     total = from_ring(ring, layout.bits)
     if secagg:
-        via = secagg_sum(layout, ints, rng)
+        noise = [z for _, z in parts] if row.noise_floor else None
+        via = secagg_sum(layout, ints, rng, nonce, noise, row.noise_floor)
         if not np.array_equal(via, total):
             raise AssertionError("the SecAgg+ sum differs from the modular sum")
         total = via
