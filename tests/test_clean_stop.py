@@ -117,6 +117,58 @@ def test_aggregator_stops_cleanly_on_a_signal(mosquitto, tmp_path, sig):
     assert "--resume continues it, --overwrite replaces it" in again.stderr
 
 
+def test_fleet_stops_cleanly_on_sigterm(mosquitto, tmp_path):
+    """`edge-fl fleet` on SIGTERM mid-round: every session publishes its offline status and
+    disconnects, the last line says it was stopped and how many updates went out, exit 0 (the
+    default action killed it with 143 and no line); the aggregator lives on and stops cleanly."""
+    import paho.mqtt.client as paho
+
+    from edge_fl.protocol.codec import decode_status
+
+    job = f"stop-{uuid.uuid4().hex[:6]}"
+    out = tmp_path / "run"
+    args = common(mosquitto.url, job)
+    fleet = subprocess.Popen([EDGE_FL, "fleet", *args], stderr=subprocess.PIPE, text=True, env=ENV)
+    agg = subprocess.Popen([EDGE_FL, "aggregator", *args, "--out", str(out)],
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)  # fmt: skip
+    try:
+        wait_for(lambda: len(records(out)) >= 1, 60, "round 1", (agg, fleet))
+        time.sleep(0.4)  # round 2 is open: devices are training
+        t0 = time.monotonic()
+        fleet.send_signal(signal.SIGTERM)
+        _, fleet_err = fleet.communicate(timeout=20)
+        elapsed = time.monotonic() - t0
+        assert agg.poll() is None  # the aggregator is not told the job ended: it waits
+        statuses: dict[str, bool] = {}
+        client = paho.Client(paho.CallbackAPIVersion.VERSION2, client_id=f"check-{job}")
+
+        def on_message(_c, _u, msg):
+            status = decode_status(msg.payload)
+            statuses[status.device] = status.online
+
+        client.on_message = on_message
+        client.connect(mosquitto.host, mosquitto.port)
+        client.subscribe(f"edgefl/{job}/status/+", qos=1)
+        client.loop_start()
+        try:
+            wait_for(lambda: len(statuses) == 4, 10, "the four retained statuses")
+        finally:
+            client.loop_stop()
+            client.disconnect()
+        agg.send_signal(signal.SIGTERM)
+        agg.communicate(timeout=20)
+    finally:
+        stop_all(agg, fleet)
+    assert fleet.returncode == 0, fleet_err
+    assert elapsed < 5.0
+    assert "Traceback" not in fleet_err
+    last = fleet_err.strip().splitlines()[-1]
+    assert last.startswith("fleet shard 0/1: stopped by SIGTERM: ") and "updates published" in last
+    assert int(last.split(": ")[-1].split()[0]) >= 4  # round 1's updates at least
+    assert len(statuses) == 4 and set(statuses.values()) == {False}, statuses
+    assert agg.returncode == 0
+
+
 def test_simulate_stops_cleanly_on_sigterm(tmp_path):
     out = tmp_path / "sim"
     argv = [

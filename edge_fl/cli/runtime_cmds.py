@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import sys
 
@@ -282,7 +283,10 @@ def _parse_indices(indices: str | None, n_devices: int) -> range:
     "host, port and TLS from --broker, else from the lines",
 )
 def fleet(shard, indices, credentials, verbose, config, **kw) -> None:
-    """Run (a shard of) the simulated device fleet against a broker."""
+    """Run (a shard of) the simulated device fleet against a broker.
+
+    SIGTERM and SIGINT stop it cleanly: every session publishes its offline status and
+    disconnects (no last will), the last line says how many updates it published, exit 0."""
     configure_logging(verbose)
     cfg = load_job_config(config, job_overrides(kw))
     users = None
@@ -343,10 +347,29 @@ def fleet(shard, indices, credentials, verbose, config, **kw) -> None:
             checked.tls_context()
     except (ValueError, OSError) as exc:
         fail(str(exc))
+    from edge_fl.server.signals import StopSignals
+
+    signals = StopSignals().install()  # SIGTERM/SIGINT: every session leaves cleanly, then exit 0
+
+    async def serve() -> None:
+        task = asyncio.current_task()
+        assert task is not None
+
+        def stop(_name: str) -> None:
+            if not task.cancelling():  # once: a second signal must not cut the leaving short
+                task.cancel()
+
+        signals.attach(asyncio.get_running_loop(), stop)
+        with contextlib.suppress(asyncio.CancelledError):  # run()'s finally: sessions leave
+            await runtime.run()
+
     try:
-        asyncio.run(runtime.run())
+        asyncio.run(serve())
     except DeviceConnectError as exc:
         _fail_now(f"device {exc.device}: {_broker_problem(exc.spec.to_url(), exc.cause)}")
     except (aiomqtt.MqttError, OSError, RuntimeError) as exc:
         _fail_now(_broker_problem(spec.to_url(), exc))
-    click.echo(f"fleet shard {shard}: {runtime.published} updates published", err=True)
+    finally:
+        signals.restore()
+    stopped = f"stopped by {signals.received}: " if signals.received else ""
+    click.echo(f"fleet shard {shard}: {stopped}{runtime.published} updates published", err=True)
