@@ -83,3 +83,56 @@ def test_a_silent_device_fills_a_cohort_when_too_few_others_are_free_and_is_forg
     sr.tick(25.0)
     policy.drop(third)
     assert SILENT not in policy.silent  # it advertised: forgiven
+
+
+def shortage(core) -> None:
+    """Only six devices online, SILENT among them: every cohort needs it (frozen rosters)."""
+    for i in range(DEVICES):
+        device = f"d{i:05d}"
+        online = device in {SILENT, "d00001", "d00002", "d00004", "d00005", "d00006"}
+        core.on_status(device, encode_status(Status(device, online, 30)))
+
+
+def test_a_silent_device_on_probation_does_not_hold_the_keys_phase_to_its_timeout():
+    """With too few others free (the whole fleet in a cohort), SILENT is picked, but once every
+    other member advertised, the keys phase waits for it only as long again as the others took:
+    0.3 s here, not the 5 s timeout. A returning device that advertises within it is taken."""
+    core = secure_fedbuff_core()
+    policy = core.cohorts
+    policy.silent.add(SILENT)
+    shortage(core)
+    cohort, _ = policy.open_cohort(20.0)
+    assert SILENT in cohort.selected and cohort.session.probation == {SILENT}
+    sr = cohort.session
+    for device in sorted(cohort.selected - {SILENT}):
+        sr.receive(device, DeviceSession(device, sr.session.params).advertise().payload, 20.3)
+    assert sr.phase == "keys" and sr.deadline == 20.6
+    sr.tick(20.59)
+    assert sr.phase == "keys"
+    sr.tick(20.6)
+    assert sr.phase == "shares" and sr.session.counts["keys"] == 5  # closed without SILENT
+    policy.drop(cohort)
+    assert SILENT in policy.silent
+    # the next cohort: SILENT advertises in time (it came back) and is forgiven
+    again, _ = policy.open_cohort(30.0)
+    sr = again.session
+    for device in sorted(again.selected - {SILENT}):
+        sr.receive(device, DeviceSession(device, sr.session.params).advertise().payload, 30.3)
+    sr.receive(SILENT, DeviceSession(SILENT, sr.session.params).advertise().payload, 30.5)
+    assert sr.phase == "shares" and sr.session.counts["keys"] == 6
+    policy.drop(again)
+    assert SILENT not in policy.silent
+
+
+def test_without_probation_the_keys_phase_waits_for_every_member():
+    core = secure_fedbuff_core()
+    policy = core.cohorts
+    shortage(core)
+    cohort, _ = policy.open_cohort(0.0)  # SILENT not known silent yet: no probation
+    sr = cohort.session
+    assert sr.probation == frozenset()
+    for device in sorted(cohort.selected - {SILENT}):
+        sr.receive(device, DeviceSession(device, sr.session.params).advertise().payload, 0.3)
+    assert sr.deadline == 5.0
+    sr.tick(4.9)
+    assert sr.phase == "keys"

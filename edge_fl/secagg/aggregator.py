@@ -87,6 +87,11 @@ class AggregatorSession:
         return tuple(sorted(self._survivors))
 
     @property
+    def waiting(self) -> frozenset[str]:
+        """The devices the current phase still waits for."""
+        return frozenset(self._waiting)
+
+    @property
     def counts(self) -> dict[str, int]:
         """How many devices advertised keys (U1), sent shares (U2), delivered a masked input
         (U3) and answered the unmasking, so far: what a round's record reports."""

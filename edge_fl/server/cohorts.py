@@ -93,10 +93,11 @@ class CohortPolicy:
         self.size = size
         self.cohorts: dict[bytes, Cohort] = {}  # nonce -> open cohort
         #: devices that advertised no keys in the last cohort that selected them (online, yet
-        #: silent): picked for a new cohort only when too few others are free, so one silent
-        #: device does not hold every cohort it lands in to the keys phase's timeout (while a
-        #: cohort is in its keys phase no other is dispatched). A hint, not a verdict: it
-        #: leaves the set the next time it advertises, and a restart forgets it
+        #: silent): picked for a new cohort only when too few others are free, and then on
+        #: probation (the keys phase waits for it only as long again as the others took), so
+        #: one silent device does not hold every cohort it lands in to the keys phase's
+        #: timeout (while a cohort is in its keys phase no other is dispatched). A hint, not a
+        #: verdict: it leaves the set the next time it advertises, and a restart forgets it
         self.silent: set[str] = set()
         self._keys_seen: set[int] = set()  # cohorts whose keys phase was noted in ``silent``
         #: cohorts that were open when the process died (checkpoint or journal): each gets a
@@ -164,7 +165,8 @@ class CohortPolicy:
             deadline_s=s.deadline_s,
         )
         params = plan.params(s.job, cohort.number, cohort.nonce, tuple(sorted(selected)))
-        cohort.session = SecureRound(plan, params, now, cohort.deadline, self.observer)
+        cohort.session = SecureRound(plan, params, now, cohort.deadline, self.observer,
+                                     probation=frozenset(selected & self.silent))  # fmt: skip
         self.cohorts[cohort.nonce] = cohort
         self.remember(cohort)
         msg = e.global_message(

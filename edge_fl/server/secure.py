@@ -184,11 +184,17 @@ class SecureRound:
         now: float,
         round_deadline: float,
         observer: Callable[[str, Any], None] | None = None,
+        probation: frozenset[str] = frozenset(),
     ) -> None:
         self.plan = plan
         self.session = AggregatorSession(params, observer=observer, device_key=plan.device_key)
         self.round_deadline = round_deadline
         self.deadline = self._phase_deadline("keys", now)
+        #: members that were silent in their last round (advertised no keys): once every other
+        #: member has advertised, the keys phase waits for them only as long again as it took
+        #: so far, not to its timeout (a silent device held every cohort it was in to it)
+        self.probation = probation & set(params.roster)
+        self._began = now
         self.rejected: Counter = Counter()
         self.finished = False  # the session ended (summed or failed)
 
@@ -204,7 +210,12 @@ class SecureRound:
     def receive(self, device: str, payload: bytes, now: float) -> list[Deliver]:
         """A SecAgg+ message from ``device``; the inbox messages to publish."""
         before = self.phase
-        return self._take(self.session.receive(device, payload), before, now)
+        out = self._take(self.session.receive(device, payload), before, now)
+        if self.probation and self.phase == "keys" and self.outcome is None:
+            waiting = self.session.waiting
+            if waiting <= self.probation and self.session.counts["keys"] >= self.plan.min_survivors:
+                self.deadline = min(self.deadline, now + (now - self._began))
+        return out
 
     def tick(self, now: float) -> list[Deliver]:
         """Close the phase whose deadline has passed (nothing before it)."""
