@@ -135,10 +135,10 @@ def test_the_round_record_names_the_altered_holders():
     sr = SecureRound.__new__(SecureRound)  # only its result(): the record's secure map
     sr.rejected = {}
     summed = Summed(np.zeros(2, np.int64), ("d01", "d02"), ("d02",))
-    none = SimpleNamespace(noise_floor=0)
-    sr.session = SimpleNamespace(outcome=summed, phase="done", counts={"unmask": 2}, params=none)
+    sr.plan = SimpleNamespace(layout=SimpleNamespace(removable_noise=False))
+    sr.session = SimpleNamespace(outcome=summed, phase="done", counts={"unmask": 2})
     outcome, info = sr.result()
     assert outcome is summed and info["altered"] == ["d02"] and info["outcome"] == "summed"
     sr.session = SimpleNamespace(outcome=Summed(np.zeros(2, np.int64), ("d01",)), phase="done",
-                                 counts={}, params=none)  # fmt: skip
+                                 counts={})  # fmt: skip
     assert "altered" not in sr.result()[1]

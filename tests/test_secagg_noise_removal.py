@@ -59,6 +59,7 @@ def test_the_sum_keeps_exactly_the_floors_noise_whoever_vanishes(trial):
     assert asked - len(at_unmask) <= len(out.denoised) <= asked
     assert len(out.denoised) == len(asked_set(trace, u3))  # every answering asked device
     assert len(u3) - len(out.denoised) >= min(len(u3), floor)
+    assert len(out.noise_asked) == asked and set(out.denoised) <= set(out.noise_asked) <= u3
 
 
 def asked_set(trace, u3) -> set[str]:
@@ -192,3 +193,22 @@ def test_an_aggregator_session_holds_only_the_sum():
     """The revealed noise goes straight out of the running sum: no second vector is kept."""
     agg = AggregatorSession(params(5))
     assert [k for k, v in vars(agg).items() if isinstance(v, np.ndarray)] == ["_sum"]
+
+
+def test_the_record_counts_only_the_shares_never_asked_for():
+    """An asked device that answers late keeps its noise in the sum, but its late ua still
+    reveals it: the record's noise_shares counts the contributors never asked (the auditor's
+    finding), noise_removed the ones subtracted; with no removable noise, neither key."""
+    from types import SimpleNamespace
+
+    from edge_fl.server.secure import SecureRound
+
+    sr = SecureRound.__new__(SecureRound)  # only its result(): the record's secure map
+    sr.rejected = {}
+    sr.plan = SimpleNamespace(layout=SimpleNamespace(removable_noise=True))
+    out = Summed(np.zeros(2, np.int64), tuple(ROSTER[:7]), (), ("d1", "d2"), ("d1", "d2", "d5"))
+    sr.session = SimpleNamespace(outcome=out, phase="done", counts={})
+    info = sr.result()[1]
+    assert info["noise_shares"] == 4 and info["noise_removed"] == ["d1", "d2"]
+    sr.plan = SimpleNamespace(layout=SimpleNamespace(removable_noise=False))
+    assert "noise_shares" not in sr.result()[1]

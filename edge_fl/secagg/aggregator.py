@@ -367,7 +367,11 @@ class AggregatorSession:
         self._notify("sum", total)
         self.phase = "done"
         self.outcome = Summed(
-            total, tuple(sorted(u3)), tuple(sorted(self.altered)), tuple(sorted(self._denoised))
+            total,
+            tuple(sorted(u3)),
+            tuple(sorted(self.altered)),
+            tuple(sorted(self._denoised)),
+            tuple(sorted(self._reveal)),
         )
         return [Finished(self.outcome)]
 

@@ -120,12 +120,15 @@ class Summed:
     """The round's sum: the devices' integers added, exactly, lifted to signed int64.
     ``altered``: devices whose unmask answer held a share that was not their target's (the sum
     was recovered from the other shares; see ``AggregatorSession.altered``). ``denoised``:
-    contributors whose own noise was removed from the sum (``RoundParams.noise_floor``)."""
+    contributors whose own noise was removed from the sum (``RoundParams.noise_floor``);
+    ``noise_asked``: those asked for it (a late answer still reveals it, so the guarantee counts
+    only the contributors never asked)."""
 
     total: np.ndarray
     contributors: tuple[str, ...]
     altered: tuple[str, ...] = ()
     denoised: tuple[str, ...] = ()
+    noise_asked: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -270,8 +270,10 @@ class SecureRound:
         else:
             if outcome.altered:  # unmask answers with shares off their polynomial: summed around
                 info["altered"] = list(outcome.altered)
-            if self.session.params.noise_floor:  # distributed DP: the noise the sum still holds
-                info["noise_shares"] = len(outcome.contributors) - len(outcome.denoised)
+            if self.plan.layout.removable_noise:  # distributed DP: whose noise protects the sum
+                # the contributors never asked for their noise (an asked device's late answer
+                # still reveals it, so it does not count), and whose noise was removed
+                info["noise_shares"] = len(outcome.contributors) - len(outcome.noise_asked)
                 info["noise_removed"] = list(outcome.denoised)
         return outcome, info
 
