@@ -1108,8 +1108,32 @@ class AggregatorService:
             return
         await self._await_statuses()
         for cohort in list(cohorts.abandoned):
+            self._charge_lost_to_restart(cohort.number, cohort.selected, "cohort")
             record = self._close_cohort(cohort, why="the aggregator restarted mid-cohort")
             await self._commit_cohort(client, record)
+
+    def _charge_lost_to_restart(self, number: int, selected: Any, what: str) -> None:
+        """Sharded ingest, resumed: the dead process's workers charged masked inputs of this
+        round (or cohort) and acknowledged them, but the charges reached only that process's
+        journal through their progress reports, which this process cannot verify (a new run
+        secret). So every selected device not yet charged for it is charged: over- rather
+        than under-counted, as when a worker is lost."""
+        core = self.core
+        if self.sharding is None:
+            return  # one process: every charge was journaled before its mx was acknowledged
+        charged = 0
+        for device in sorted(selected):
+            if not core.is_released(device, number):
+                core.record_release(device, number, SECURE_RELEASE)
+                if self.journal is not None:
+                    self.journal.append("release", d=device, r=number, n=SECURE_RELEASE)
+                charged += 1
+        if charged:
+            if self.journal is not None:
+                self.journal.sync()
+            log.error("%s %d was open when the aggregator restarted with ingest workers: the "
+                      "charges its workers held are lost, so %d selected devices are charged",
+                      what, number, charged)  # fmt: skip
 
     async def _run_cohorts(self, client: aiomqtt.Client) -> None:
         """Secure FedBuff: keep cohorts in flight, end each one's phases on its answers or
@@ -1353,6 +1377,8 @@ class AggregatorService:
                     # running sum) died with the process; skip it, a new round has a new nonce
                     self._resumed_round = False
                     await self._await_statuses()
+                    rnd = self.core.current
+                    self._charge_lost_to_restart(rnd.number, rnd.selected, "secure round")
                     record = self._secure_close(why="the aggregator restarted mid-round")
                     if self.core.finished:
                         self._settle(record)
