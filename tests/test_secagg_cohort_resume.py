@@ -1,20 +1,23 @@
-"""A secure FedBuff job with two spawned ingest workers, as separate processes over a real
-Mosquitto (`edge-fl aggregator --workers 2 --out DIR`, `edge-fl fleet`): the aggregator is
-killed with SIGKILL while a cohort collects masked inputs, then `--resume`d to the job's end.
+"""A secure job with two spawned ingest workers, as separate processes over a real Mosquitto
+(`edge-fl aggregator --workers 2 --out DIR`, `edge-fl fleet`): the aggregator is killed with
+SIGKILL while a secure round collects masked inputs, then `--resume`d to the job's end. Two jobs:
+a FedBuff one (`rounds.mode: fedbuff`, each buffer one SecAgg+ cohort, several in flight) and a
+synchronous one (`rounds.mode: sync`, each round one SecAgg+ round of the whole fleet).
 
 What docs/protocol.md ("Secure aggregation", "Secure FedBuff cohorts", "Ingest workers") and
-docs/specs/secagg.md (sections 9 and 11) promise for that crash: the job finishes; the cohorts
-open at the crash are recorded skipped ("the aggregator restarted mid-cohort"), never summed
-from what survived; every record's cohort number appears once and the version rises by one per
-summed cohort; every summed cohort had at least `sa.ms` masked inputs; and the ledger charges
-every device once for every cohort whose masked input (`mx`) reached the aggregator or one of
-its workers, the interrupted ones included, never twice.
+docs/specs/secagg.md (sections 9 and 11) promise for that crash: the job finishes; the rounds
+(cohorts) open at the crash are recorded skipped ("the aggregator restarted mid-round", or
+"mid-cohort"), never summed from what survived; every record's round number appears once and
+the version rises by one per summed round; every summed round had at least `sa.ms` masked
+inputs; and the ledger charges every device once for every round whose masked input (`mx`)
+reached the aggregator or one of its workers, the interrupted ones included, never twice.
 
 The auditor is an independent MQTT subscriber to everything under `edgefl/<job>/`: it sees
-each cohort's global message (number, nonce, roster), each `mx` a device published (a payload
-on `up/<device>` whose map starts with `v` then `k` = "mx", naming `r` and `nc`) and each
-worker's `progress` on `ingest/progress/<w>` (its `rel`: the masked inputs the worker charged,
-with samples -1, before it acknowledged them to the broker).
+each round's (cohort's) global message (number, nonce, roster: a sync round's come from it as a
+cohort's do), each `mx` a device published (a payload on `up/<device>` whose map starts with
+`v` then `k` = "mx", naming `r` and `nc`) and each worker's `progress` on
+`ingest/progress/<w>` (its `rel`: the masked inputs the worker charged, with samples -1, before
+it acknowledged them to the broker).
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ import sys
 import time
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import msgpack
 import pytest
@@ -38,7 +41,31 @@ pytestmark = pytest.mark.broker
 ROOT = str(Path(__file__).resolve().parent.parent)  # this checkout's edge_fl, not an install
 ENTRY = "import sys; from edge_fl.cli import main; sys.argv[0] = 'edge-fl'; main()"
 ENV = {**os.environ, "PYTHONPATH": ROOT, "PYTHONUNBUFFERED": "1"}
-ROUNDS = 6  # cohorts
+
+
+class Job(NamedTuple):
+    rounds: int  # rounds (FedBuff: cohorts) before the job ends
+    what: str  # how the records and the logs name one
+    stall_on: str  # the ``stalled`` case stops the aggregator at the first of these it sends
+    overrides: dict[str, Any]
+
+
+JOBS = {
+    "fedbuff": Job(6, "cohort", "sf", {
+        "data.devices": 12,
+        "rounds.mode": "fedbuff",
+        "rounds.buffer_size": 4,  # K' = 6 (dropout 0.3), two cohorts in flight (C = 12)
+        "rounds.concurrency": 12,
+        "fleet.time_scale": 1.0,  # wall time: a cohort takes ~1 s
+    }),
+    # stopped at a sync round's first sf, the coordinator had sent no other (one device
+    # answered, when tried); at its first mx, every device had its sf and answers
+    "sync": Job(4, "round", "mx", {
+        "data.devices": 10,  # every device selected (clients_per_round's default, clamped)
+        "rounds.mode": "sync",
+        "fleet.time_scale": 5.0,  # wall time: a round takes ~0.5 s
+    }),
+}  # fmt: skip
 
 
 class MissedCharge(AssertionError):
@@ -97,8 +124,8 @@ def secagg(payload: bytes) -> dict[str, Any] | None:
     return obj
 
 
-def cohorts_seen(messages: list[tuple[str, bytes, float]], job: str) -> dict[int, dict]:
-    """Each cohort's global message: number -> {nonce, roster, base version}."""
+def rounds_seen(messages: list[tuple[str, bytes, float]], job: str) -> dict[int, dict]:
+    """Each secure round's (cohort's) global message: number -> {nonce, roster, version}."""
     from edge_fl.protocol import decode_global
 
     out: dict[int, dict] = {}
@@ -109,12 +136,12 @@ def cohorts_seen(messages: list[tuple[str, bytes, float]], job: str) -> dict[int
         if msg.done or msg.secure is None:
             continue
         seen = {"nonce": msg.nonce, "roster": frozenset(msg.selected or ()), "ver": msg.version}
-        assert out.setdefault(msg.round, seen) == seen, f"cohort {msg.round} dispatched twice"
+        assert out.setdefault(msg.round, seen) == seen, f"round {msg.round} dispatched twice"
     return out
 
 
 def masked_published(messages: list, job: str) -> list[tuple[str, int, bytes, float]]:
-    """Every ``mx`` a device published: (device, cohort number, nonce, when)."""
+    """Every ``mx`` a device published: (device, round number, nonce, when)."""
     prefix = f"edgefl/{job}/up/"
     out = []
     for topic, payload, when in messages:
@@ -122,6 +149,18 @@ def masked_published(messages: list, job: str) -> list[tuple[str, int, bytes, fl
             obj = secagg(payload)
             if obj is not None and obj.get("k") == "mx":
                 out.append((topic[len(prefix) :], obj["r"], bytes(obj["nc"]), when))
+    return out
+
+
+def shares_sent(messages: list, job: str) -> set[tuple[str, int]]:
+    """Every ``sf`` (a device's forwarded shares) the aggregator sent: (device, round)."""
+    prefix = f"edgefl/{job}/inbox/"
+    out = set()
+    for topic, payload, _ in messages:
+        if topic.startswith(prefix):
+            obj = secagg(payload)
+            if obj is not None and obj.get("k") == "sf":
+                out.add((topic[len(prefix) :], obj["r"]))
     return out
 
 
@@ -201,39 +240,38 @@ def workers_online_since(messages: list, job: str, since: float) -> float | None
 
 
 @pytest.mark.parametrize("crash", ["kill", "stalled"])
-def test_resume_after_sigkill_mid_cohort_with_workers(mosquitto, tmp_path, crash):
+@pytest.mark.parametrize("mode", list(JOBS))
+def test_resume_after_sigkill_mid_secure_round_with_workers(mosquitto, tmp_path, mode, crash):
     """``kill``: SIGKILL the aggregator the moment the auditor sees a masked input (after the
     job's first record), as a crash would. ``stalled``: the aggregator is stopped (SIGSTOP: a
-    hung or swapped-out process) the moment the auditor sees a cohort's first ``sf``, so the
-    cohort's masked inputs reach the workers, which charge, sum and acknowledge them and report
-    them in ``progress``; once the auditor saw every one reported, SIGKILL (a crash after the
-    workers acknowledged masked inputs and before the coordinator read their reports, the
-    window the ``kill`` case lands in by timing).
+    hung or swapped-out process) the moment the auditor sees a cohort's first ``sf`` (a sync
+    round's first ``mx``), so the round's masked inputs reach the workers, which charge, sum and
+    acknowledge them and report them in ``progress``; once the auditor saw every one reported,
+    SIGKILL (a crash after the workers acknowledged masked inputs and before the coordinator
+    read their reports, the window the ``kill`` case lands in by timing).
 
     Then ``--resume`` to the job's end. The ledger's completeness is checked last (it failed
-    before the resumed aggregator charged an abandoned cohort's selection: the progress reports
-    of the dead process's workers are sealed with its run secret, so they are refused)."""
+    before the resumed aggregator charged an abandoned round's or cohort's selection: the
+    progress reports of the dead process's workers are sealed with its run secret, so they are
+    refused)."""
     from edge_fl.config import load_config
     from edge_fl.job import build_job
     from edge_fl.protocol import Topics
     from edge_fl.secagg import ddg
 
+    job = JOBS[mode]
     job_id = f"scr-{uuid.uuid4().hex[:6]}"
     cfg = load_config(None, {
         "job": job_id,
         "broker.url": mosquitto.url,
-        "data.devices": 12,
         "model.name": "logreg",
-        "rounds.mode": "fedbuff",
-        "rounds.buffer_size": 4,  # K' = 6 (dropout 0.3), two cohorts in flight (C = 12)
-        "rounds.concurrency": 12,
-        "rounds.rounds": ROUNDS,
+        "rounds.rounds": job.rounds,
         "rounds.deadline_s": 20,
         "secure_aggregation.enabled": True,
         "secure_aggregation.phase_timeout_s": 5.0,
         "privacy.mechanism": "distributed-gaussian",
         "privacy.epsilon": 8.0,
-        "fleet.time_scale": 1.0,  # wall time: a cohort takes ~1 s
+        **job.overrides,
     })  # fmt: skip
     plan = build_job(cfg).secure_plan
     ms = plan.min_survivors
@@ -261,7 +299,7 @@ def test_resume_after_sigkill_mid_cohort_with_workers(mosquitto, tmp_path, crash
                              stderr=(logs / "fleet.err").open("w"))  # fmt: skip
     agg2 = None
     t0 = time.monotonic()
-    trigger = "sf" if crash == "stalled" else "mx"
+    trigger = job.stall_on if crash == "stalled" else "mx"
     try:
         wait_until(lambda: len(children(agg.pid)) == 2, 30, "the two spawned workers")
         workers = children(agg.pid)
@@ -284,17 +322,19 @@ def test_resume_after_sigkill_mid_cohort_with_workers(mosquitto, tmp_path, crash
         assert agg.poll() is None, (logs / "agg1.err").read_text()[-3000:]
         state["armed"] = True
         auditor.wait(lambda: "hit" in state, 60, f"an {trigger} after the first record", (agg,))
-        hit_cohort = state["hit"][1]
+        hit_round = state["hit"][1]
         if crash == "stalled":
             # the devices answer the sf they got with mx; the workers charge, sum, acknowledge
-            # and report each (rel), the coordinator stopped: wait until all were reported
+            # and report each (rel), the coordinator stopped: wait until every device sent an
+            # sf of the round published its mx and all were reported
             def reported() -> bool:
                 msgs = auditor.snapshot()
                 sent = {(d, r) for d, r, _, _ in masked_published(msgs, job_id)
-                        if r == hit_cohort}  # fmt: skip
-                return bool(sent) and sent <= worker_releases(msgs, job_id)
+                        if r == hit_round}  # fmt: skip
+                asked = {(d, r) for d, r in shares_sent(msgs, job_id) if r == hit_round}
+                return bool(sent) and asked <= sent <= worker_releases(msgs, job_id)
 
-            auditor.wait(reported, 30, "the workers' reports of the cohort's masked inputs")
+            auditor.wait(reported, 30, "the workers' reports of the round's masked inputs")
             state["at"] = time.monotonic()
             os.kill(agg.pid, signal.SIGKILL)
         agg.wait(10)
@@ -319,7 +359,7 @@ def test_resume_after_sigkill_mid_cohort_with_workers(mosquitto, tmp_path, crash
     published = masked_published(msgs, job_id)
     open_at_crash = sorted({r for _, r, _, when in published if when <= killed_at}
                            - {r["round"] for r in done_before})  # fmt: skip
-    print(f"{crash}: job took {elapsed:.1f} s; killed at cohort {hit_cohort} "
+    print(f"{mode} {crash}: job took {elapsed:.1f} s; killed at {job.what} {hit_round} "
           f"({trigger} of {state['hit'][0]}), {killed_at - t0:.1f} s in; "
           f"with masked inputs open: {open_at_crash}\n{out2}")  # fmt: skip
 
@@ -329,13 +369,13 @@ def test_resume_after_sigkill_mid_cohort_with_workers(mosquitto, tmp_path, crash
     assert fleet.returncode == 0, (logs / "fleet.err").read_text()[-3000:]
     assert "job finished: " in out2, out2
 
-    # 2. numbering: every dispatched cohort has one record; versions rise by one per sum
+    # 2. numbering: every dispatched round has one record; versions rise by one per sum
     rows = records(out)
     assert rows[: len(done_before)] == done_before  # nothing before the crash rewritten
     numbers = [r["round"] for r in rows]
-    dispatched = cohorts_seen(msgs, job_id)
-    assert sorted(numbers) == list(range(1, ROUNDS + 1)), numbers
-    # a cohort journaled by the dead process whose global message it never published (the
+    dispatched = rounds_seen(msgs, job_id)
+    assert sorted(numbers) == list(range(1, job.rounds + 1)), numbers
+    # a round journaled by the dead process whose global message it never published (the
     # journal is written first) has a record, skipped, and reached no device
     unpublished = set(numbers) - set(dispatched)
     assert set(dispatched) <= set(numbers), (sorted(dispatched), numbers)
@@ -348,31 +388,36 @@ def test_resume_after_sigkill_mid_cohort_with_workers(mosquitto, tmp_path, crash
 
     # 3. never a sum from what survived the crash; every sum of at least ms masked inputs
     by_number = {r["round"]: r for r in rows}
-    assert hit_cohort in open_at_crash or crash == "stalled"
-    for number in {*open_at_crash, hit_cohort, *unpublished}:
+    assert hit_round in open_at_crash or crash == "stalled"
+    for number in {*open_at_crash, hit_round, *unpublished}:
         row = by_number[number]
         assert row["status"] == "skipped", row
-        assert row["secure"]["failed"]["reason"] == "the aggregator restarted mid-cohort", row
+        why = row["secure"]["failed"]["reason"]
+        assert why == f"the aggregator restarted mid-{job.what}", row
     for row in rows:
         sec = row["secure"]
         if row["round"] in unpublished:
             assert row["secure"]["phases"].get("masked", 0) == 0, row
             continue
-        cohort = dispatched[row["round"]]
-        assert row["selected"] == len(cohort["roster"])
+        sent = dispatched[row["round"]]
+        assert row["selected"] == len(sent["roster"])
+        if mode == "sync":  # a round trains on the last one's model
+            assert sent["ver"] == row["version"] - (row["status"] == "closed"), row
+            assert len(sent["roster"]) == cfg.data.devices
         if row["status"] == "closed":
             assert sec["outcome"] == "summed" and "failed" not in sec, row
             assert sec["phases"]["masked"] >= ms and row["received"] >= ms, row
-            assert sec["base_version"] == cohort["ver"]
+            if mode == "fedbuff":
+                assert sec["base_version"] == sent["ver"]
             assert row["workers"] == 2 and row["workers_missing"] == [], row
         else:
             assert sec.get("failed") or sec.get("stale"), row
 
     # 4. the ledger: only masked inputs of members, never twice, and summary.json's epsilon
-    # is the calibration's at the worst device's number of charged cohorts
+    # is the calibration's at the worst device's number of charged rounds
     charged = ledger(out, job_id)
     pairs = {(d, r) for d, r, _ in charged}
-    assert len(pairs) == len(charged), "a device charged twice for one cohort"
+    assert len(pairs) == len(charged), f"a device charged twice for one {job.what}"
     assert all(n == -1 for _, _, n in charged)
     assert all(d in dispatched[r]["roster"] for d, r in pairs)
     counts: dict[str, int] = {}
@@ -381,12 +426,12 @@ def test_resume_after_sigkill_mid_cohort_with_workers(mosquitto, tmp_path, crash
     want = ddg.epsilon(calibration, max(counts.values()), cfg.privacy.delta)
     assert summary["privacy"]["epsilon"] == pytest.approx(want, rel=1e-9)
     assert rows[-1]["epsilon"] == pytest.approx(want, rel=1e-9)
-    # every cohort that summed: each contributor charged (received = its masked inputs)
+    # every round that summed: each contributor charged (received = its masked inputs)
     for row in rows:
         if row["status"] == "closed":
             assert sum(r == row["round"] for _, r in pairs) >= row["received"], row
 
-    # 5. ... and every masked input that reached the aggregator's side charged for its cohort:
+    # 5. ... and every masked input that reached the aggregator's side charged for its round:
     # each one a worker reported in its progress (charged there, then acknowledged), and each
     # one a device published once the resumed aggregator's workers were subscribed. (Those
     # published between the crash and then reached no subscriber of the aggregator: workers
@@ -413,7 +458,7 @@ def test_resume_after_sigkill_mid_cohort_with_workers(mosquitto, tmp_path, crash
                     when.setdefault((d, r), round(t - killed_at, 3))
         raise MissedCharge(
             f"masked inputs that reached the aggregator's side but are not in the ledger: "
-            f"{[(k, when.get(k)) for k in lost]} ((device, cohort), when a worker reported it, "
-            f"s after the SIGKILL); the resumed coordinator's refusals:\n"
+            f"{[(k, when.get(k)) for k in lost]} ((device, {job.what}), when a worker reported "
+            f"it, s after the SIGKILL); the resumed coordinator's refusals:\n"
             + "\n".join(x for x in err2.splitlines() if "refused" in x)[:3000]
         )
