@@ -9,8 +9,8 @@ The session never holds a device's unmasked vector: a masked vector is added int
 in Z_2^b the moment it arrives and then dropped; unmasking subtracts the survivors' self masks and
 the dropped devices' pairwise masks from that sum, and, for distributed DP, the noise that
 survivors beyond ``noise_floor`` revealed (their own noise, never their input).
-``observer(label, vector)`` sees every vector
-the session materialises (tests/test_secagg.py proves none is an individual input).
+``observer(label, vector)`` sees every vector the session materialises (tests/test_secagg.py
+proves none is an individual input).
 """
 
 from __future__ import annotations
