@@ -100,6 +100,7 @@ def test_a_silent_device_on_probation_does_not_hold_the_keys_phase_to_its_timeou
     core = secure_fedbuff_core()
     policy = core.cohorts
     policy.silent.add(SILENT)
+    policy.probation.add(SILENT)
     shortage(core)
     cohort, _ = policy.open_cohort(20.0)
     assert SILENT in cohort.selected and cohort.session.probation == {SILENT}
@@ -122,6 +123,7 @@ def test_a_silent_device_on_probation_does_not_hold_the_keys_phase_to_its_timeou
     assert sr.phase == "shares" and sr.session.counts["keys"] == 6
     policy.drop(again)
     assert SILENT not in policy.silent
+    assert SILENT in policy.probation  # kept: alternating silent and punctual gains nothing
 
 
 def test_without_probation_the_keys_phase_waits_for_every_member():
@@ -136,3 +138,29 @@ def test_without_probation_the_keys_phase_waits_for_every_member():
     assert sr.deadline == 5.0
     sr.tick(4.9)
     assert sr.phase == "keys"
+
+
+def test_a_device_that_advertises_just_before_the_timeout_goes_on_probation():
+    """A red team's device advertised 1.95 s into a 2 s keys phase, every cohort: never silent,
+    it held each one to nearly the timeout. Keys more than twice as late as the rest of the
+    cohort's, and by more than a tenth of the timeout, put it on probation; the next cohort
+    then waits for it only as long again as the others took."""
+    core = secure_fedbuff_core()
+    policy = core.cohorts
+    shortage(core)
+    cohort, _ = policy.open_cohort(0.0)
+    sr = cohort.session
+    for device in sorted(cohort.selected - {SILENT}):
+        sr.receive(device, DeviceSession(device, sr.session.params).advertise().payload, 0.2)
+    sr.receive(SILENT, DeviceSession(SILENT, sr.session.params).advertise().payload, 4.9)
+    assert sr.late_advertiser() == SILENT
+    policy.drop(cohort)
+    assert SILENT in policy.probation and SILENT not in policy.silent
+    again, _ = policy.open_cohort(10.0)
+    assert again.session.probation == {SILENT}
+    # punctual members are not flagged: the last of a close bunch is not late
+    sr = again.session
+    for i, device in enumerate(sorted(again.selected)):
+        sr.receive(device, DeviceSession(device, sr.session.params).advertise().payload,
+                   10.2 + 0.01 * i)  # fmt: skip
+    assert sr.late_advertiser() is None

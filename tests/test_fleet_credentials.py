@@ -182,3 +182,13 @@ def test_wrong_ca_is_one_line(broker, files, tmp_path) -> None:
     )
     line = _one_line_error(proc)
     assert "certificate verify failed" in line and "check the CA file" in line, line
+
+
+def test_fleets_split_by_indices_take_distinct_client_ids():
+    """A red team ran two fleets with --indices 0:4 and 4:12 and the default shard: both used the
+    downlink client id edgefl-<job>-s0of1-downlink, and the broker kept closing one of them."""
+    from edge_fl.cli.runtime_cmds import client_prefix
+
+    assert client_prefix("j", "0/1", None) == "edgefl-j-s0of1"  # unchanged without --indices
+    first, second = client_prefix("j", "0/1", "0:4"), client_prefix("j", "0/1", "4:12")
+    assert first != second and first.startswith("edgefl-j-s0of1")

@@ -638,6 +638,16 @@ def test_check_ddg_refuses_what_disagrees():
             sa.check_ddg(mp, params, d)
 
 
+def test_check_sa_asks_2t_above_k_only_of_a_signing_device():
+    """protocol.md: 2t > k with device keys only. A red team found the reference device
+    refusing every default secure round of 12 devices (k 6, t 3) although it signs nothing."""
+    g = {"mode": "sync", "nc": b"\0" * 16, "sel": [f"d{i:05d}" for i in range(12)],
+         "sa": {"b": 20, "k": 6, "md": False, "ms": 9, "n": 16, "q": 100, "t": 3}}  # fmt: skip
+    assert sa.check_sa(g)[0]["t"] == 3
+    with pytest.raises(ValueError, match=r"sa\.t = 3"):
+        sa.check_sa(g, signing=True)
+
+
 def test_check_cal_matches_the_jobs_row():
     config = {"privacy": {"clip": 1.0, "epsilon": 8.0, "delta": 1e-5}, "rounds": {"rounds": 2}}
     row = [sa.DDG, 8.0, 1e-5, 2, 1.0, 0.01, 11, 3, 100.0]

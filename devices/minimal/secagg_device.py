@@ -555,7 +555,7 @@ SA = {"b": (2, 64), "k": (1, None), "md": None, "ms": (2, None), "n": (1, 2**31)
       "t": (1, None)}  # fmt: skip
 
 
-def check_sa(g):  # -> sa, the roster; ValueError names the key (`out_of_range: sa.k`)
+def check_sa(g, signing=False):  # -> sa, the roster; ValueError names the key (`sa.k`)
     sa, sel = g["sa"], g.get("sel") or []
     if set(sa) - set(SA) or set(SA) - set(sa):
         raise ValueError(f"unknown_field/missing_field: sa keys {sorted(sa)}")
@@ -574,7 +574,9 @@ def check_sa(g):  # -> sa, the roster; ValueError names the key (`out_of_range: 
             raise ValueError(f"out_of_range: sa.{key} = {sa[key]}")
     if not sa["md"] and n * sa["q"] >= 2 ** (sa["b"] - 1):
         raise ValueError("out_of_range: sa.q (n q >= 2^(b-1))")
-    if not 2 * sa["t"] > sa["k"]:  # else one neighbour's share could reveal a secret
+    # with device keys (a device that signs) the aggregator may lie about who dropped: then t
+    # must exceed k/2, so it never collects t shares of both of a device's secrets
+    if signing and not 2 * sa["t"] > sa["k"]:
         raise ValueError(f"out_of_range: sa.t = {sa['t']} (2t must exceed k = {sa['k']})")
     return sa, sorted(sel)
 

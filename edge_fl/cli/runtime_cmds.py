@@ -255,6 +255,14 @@ def _line(r: dict) -> str:
     )
 
 
+def client_prefix(job: str, shard: str, indices: str | None) -> str:
+    """The fleet process's MQTT client ids start so: one per job, shard and device range, so two
+    fleets split by ``--indices`` do not take each other's shared sessions (the broker closes the
+    older of two connections with one client id)."""
+    span = "-i" + indices.replace(":", "to") if indices else ""
+    return f"edgefl-{job}-s{shard.replace('/', 'of')}{span}"
+
+
 def _parse_indices(indices: str | None, n_devices: int) -> range:
     if indices is None:
         return range(n_devices)
@@ -287,6 +295,9 @@ def fleet(shard, indices, credentials, verbose, config, **kw) -> None:
 
     SIGTERM and SIGINT stop it cleanly: every session publishes its offline status and
     disconnects (no last will), the last line says how many updates it published, exit 0."""
+    from edge_fl.server.signals import StopSignals
+
+    signals = StopSignals().install()  # from here on (a signal while the job is built counts too)
     configure_logging(verbose)
     cfg = load_job_config(config, job_overrides(kw))
     users = None
@@ -329,9 +340,7 @@ def fleet(shard, indices, credentials, verbose, config, **kw) -> None:
         spec = without_user(next(iter(users.values())))
     else:  # refused above already; said again for the type checker's sake
         fail("the fleet needs --broker (or broker.url in the config, or --credentials)")
-    runtime = job.fleet_runtime(
-        spec, selected, prefix=f"edgefl-{cfg.job}-s{shard.replace('/', 'of')}"
-    )
+    runtime = job.fleet_runtime(spec, selected, prefix=client_prefix(cfg.job, shard, indices))
     # virtual time: connect once the aggregator has subscribed (it counts every status live)
     runtime.wait_for_aggregator = cfg.fleet.virtual
     specs = {}
@@ -347,9 +356,6 @@ def fleet(shard, indices, credentials, verbose, config, **kw) -> None:
             checked.tls_context()
     except (ValueError, OSError) as exc:
         fail(str(exc))
-    from edge_fl.server.signals import StopSignals
-
-    signals = StopSignals().install()  # SIGTERM/SIGINT: every session leaves cleanly, then exit 0
 
     async def serve() -> None:
         task = asyncio.current_task()

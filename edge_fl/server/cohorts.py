@@ -93,12 +93,18 @@ class CohortPolicy:
         self.size = size
         self.cohorts: dict[bytes, Cohort] = {}  # nonce -> open cohort
         #: devices that advertised no keys in the last cohort that selected them (online, yet
-        #: silent): picked for a new cohort only when too few others are free, and then on
-        #: probation (the keys phase waits for it only as long again as the others took), so
-        #: one silent device does not hold every cohort it lands in to the keys phase's
-        #: timeout (while a cohort is in its keys phase no other is dispatched). A hint, not a
-        #: verdict: it leaves the set the next time it advertises, and a restart forgets it
+        #: silent): picked for a new cohort only when too few others are free, so one silent
+        #: device does not hold every cohort it lands in to the keys phase's timeout (while a
+        #: cohort is in its keys phase no other is dispatched). A hint, not a verdict: it
+        #: leaves the set the next time it advertises, and a restart forgets it
         self.silent: set[str] = set()
+        #: devices ever silent, or late (they advertised more than twice as late as the rest of
+        #: their cohort and by more than a tenth of the phase timeout): in every later cohort,
+        #: once all other members advertised, the keys phase waits for them only as long again
+        #: (``SecureRound.probation``). Kept for the process: a device that alternates silent
+        #: and punctual cohorts, or advertises just before the timeout, holds at most one
+        #: cohort to it (a red team's two ways round a forgiving rule)
+        self.probation: set[str] = set()
         self._keys_seen: set[int] = set()  # cohorts whose keys phase was noted in ``silent``
         #: cohorts that were open when the process died (checkpoint or journal): each gets a
         #: skipped record on resume, never a sum (its session died with the process)
@@ -166,7 +172,7 @@ class CohortPolicy:
         )
         params = plan.params(s.job, cohort.number, cohort.nonce, tuple(sorted(selected)))
         cohort.session = SecureRound(plan, params, now, cohort.deadline, self.observer,
-                                     probation=frozenset(selected & self.silent))  # fmt: skip
+                                     probation=frozenset(selected & self.probation))  # fmt: skip
         self.cohorts[cohort.nonce] = cohort
         self.remember(cohort)
         msg = e.global_message(
@@ -213,6 +219,10 @@ class CohortPolicy:
                 self.silent.discard(device)
             else:
                 self.silent.add(device)
+                self.probation.add(device)
+        late = sr.late_advertiser()
+        if late is not None:
+            self.probation.add(late)
 
     def restore_cohort(self, rec: dict[str, Any]) -> None:
         """A journaled ``cohort`` record (dispatched after the last checkpoint): remembered for
@@ -355,4 +365,5 @@ class CohortPolicy:
         self.cohorts.clear()
         self.abandoned.clear()
         self.silent.clear()
+        self.probation.clear()
         self._keys_seen.clear()

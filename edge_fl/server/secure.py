@@ -195,6 +195,8 @@ class SecureRound:
         #: so far, not to its timeout (a silent device held every cohort it was in to it)
         self.probation = probation & set(params.roster)
         self._began = now
+        #: when each member's keys were accepted, seconds into the keys phase
+        self.advertised_at: dict[str, float] = {}
         self.rejected: Counter = Counter()
         self.finished = False  # the session ended (summed or failed)
 
@@ -210,12 +212,25 @@ class SecureRound:
     def receive(self, device: str, payload: bytes, now: float) -> list[Deliver]:
         """A SecAgg+ message from ``device``; the inbox messages to publish."""
         before = self.phase
+        keys = self.session.counts["keys"] if before == "keys" else 0
         out = self._take(self.session.receive(device, payload), before, now)
+        if before == "keys" and self.session.counts["keys"] > keys:
+            self.advertised_at[device] = now - self._began
         if self.probation and self.phase == "keys" and self.outcome is None:
             waiting = self.session.waiting
             if waiting <= self.probation and self.session.counts["keys"] >= self.plan.min_survivors:
                 self.deadline = min(self.deadline, now + (now - self._began))
         return out
+
+    def late_advertiser(self) -> str | None:
+        """The member whose keys came last, if more than twice as late as any other's and by
+        more than a tenth of the phase timeout (what a device holding cohorts back does)."""
+        if len(self.advertised_at) < 2:
+            return None
+        *_, (_, t2), (last, t1) = sorted(self.advertised_at.items(), key=lambda kv: kv[1])
+        if t1 > 2 * t2 and t1 - t2 > 0.1 * self.plan.phase_timeout_s:
+            return last
+        return None
 
     def tick(self, now: float) -> list[Deliver]:
         """Close the phase whose deadline has passed (nothing before it)."""
