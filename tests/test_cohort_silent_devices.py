@@ -164,3 +164,39 @@ def test_a_device_that_advertises_just_before_the_timeout_goes_on_probation():
         sr.receive(device, DeviceSession(device, sr.session.params).advertise().payload,
                    10.2 + 0.01 * i)  # fmt: skip
     assert sr.late_advertiser() is None
+
+
+def test_devices_on_probation_are_spread_so_cutting_them_leaves_each_cohort_its_floor():
+    """A red team put a silent and a late device in a fleet of 12 (two cohorts of 6, floor 5):
+    both landed in the same cohort every time, cutting both would leave 4 < 5, so the keys
+    phase waited for the late one and then for the silent one's timeout. Answering devices on
+    probation now go at most n - floor to a cohort, spread over the cohorts."""
+    core = secure_fedbuff_core()
+    policy = core.cohorts
+    late = {"d00001", "d00002"}
+    policy.probation |= late
+    first, _ = policy.open_cohort(0.0)
+    floor = core.secure.min_survivors
+    assert len(first.selected) - floor == 1
+    run_keys_phase(first, 0.0)
+    second, _ = policy.open_cohort(10.0)
+    assert len(first.selected & late) == 1 and len(second.selected & late) == 1
+
+
+def test_a_cohort_waiting_only_for_members_on_probation_does_not_hold_the_next_dispatch():
+    """While a cohort is in its keys phase no other is dispatched (the retained global topic),
+    except once it waits only for members on probation: a silent and a late device in one cohort
+    (cutting both would leave it below its floor) held every dispatch to the timeout."""
+    core = secure_fedbuff_core()
+    policy = core.cohorts
+    policy.probation.add(SILENT)
+    first, _ = policy.open_cohort(0.0)
+    assert SILENT in first.selected  # one member on probation a cohort (spread)
+    sr = first.session
+    members = sorted(first.selected - {SILENT})
+    for device in members[:-1]:
+        sr.receive(device, DeviceSession(device, sr.session.params).advertise().payload, 0.1)
+    assert sr.phase == "keys" and not policy.can_open()  # an ordinary member still to come
+    sr.receive(members[-1], DeviceSession(members[-1], sr.session.params).advertise().payload,
+               0.1)  # fmt: skip
+    assert sr.phase == "keys" and policy.can_open()  # only SILENT left: not held back

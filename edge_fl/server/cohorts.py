@@ -18,6 +18,7 @@ the ``now`` it is given; the service publishes their messages. docs/specs/secagg
 from __future__ import annotations
 
 import base64
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -120,16 +121,30 @@ class CohortPolicy:
 
     def can_open(self) -> bool:
         """Room for another cohort, cohorts left in the job, and no open cohort still in its
-        keys phase: the global topic retains one message, so a cohort is dispatched only once
-        the one before it was taken (a device that subscribes late, or reconnects, finds the
-        newest cohort's message there, never a cohort it would miss for good)."""
+        keys phase (but one waiting only for members on probation): the global topic retains one
+        message, so a cohort is dispatched only once the one before it was taken (a device that
+        subscribes late, or reconnects, finds the newest cohort's message there, never a cohort
+        it would miss for good)."""
         e = self.engine
         return (
             e.ended_early is None
             and len(self.cohorts) < self.in_flight
             and e.round_number < e.settings.rounds
-            and not any(self._keys_phase(c) for c in self.cohorts.values())
+            and not any(self._holds_dispatch(c) for c in self.cohorts.values())
         )
+
+    @classmethod
+    def _holds_dispatch(cls, cohort: Cohort) -> bool:
+        """A cohort in its keys phase holds the next dispatch back, unless it waits only for
+        members on probation (every other member advertised: what a late subscriber could miss
+        on the retained topic is then only theirs). Else one late device, or a silent one beside
+        a late one where cutting both would leave the cohort below its floor, held every
+        dispatch to the keys phase's timeout (a red team's finding)."""
+        if not cls._keys_phase(cohort):
+            return False
+        sr = cohort.session
+        assert sr is not None
+        return not (sr.probation and sr.session.waiting <= sr.probation)
 
     @staticmethod
     def _keys_phase(cohort: Cohort) -> bool:
@@ -150,14 +165,7 @@ class CohortPolicy:
         if len(pool) < max(2, plan.min_survivors):
             return None
         n = min(self.size, len(pool))
-        answering = [d for d in pool if d not in self.silent]
-        if len(answering) >= n:
-            chosen = e.rng.choice(len(answering), size=n, replace=False)
-            selected = frozenset(answering[i] for i in chosen)
-        else:  # every free device that answered, and silent ones to fill the cohort
-            silent = [d for d in pool if d in self.silent]
-            more = e.rng.choice(len(silent), size=n - len(answering), replace=False)
-            selected = frozenset(answering) | {silent[i] for i in more}
+        selected = frozenset(self._choose(pool, n, plan.min_survivors))
         e.round_number += 1
         s = e.settings
         cohort = Cohort(
@@ -179,6 +187,26 @@ class CohortPolicy:
             selected=tuple(sorted(selected)), round_number=cohort.number, nonce=cohort.nonce
         )
         return cohort, msg
+
+    def _choose(self, pool: list[str], n: int, floor: int) -> list[str]:
+        """``n`` of the free devices ``pool``: devices on probation that answer are spread over
+        the cohorts (their share of the pool, at most ``n - floor`` a cohort, so cutting them
+        still leaves a cohort its floor: two late devices in one cohort of 6 with a floor of 5
+        held it to the timeout), the others drawn at random, and silent devices only to fill."""
+        rng = self.engine.rng
+        silent = [d for d in pool if d in self.silent]
+        late = [d for d in pool if d in self.probation and d not in self.silent]
+        rest = [d for d in pool if d not in self.probation and d not in self.silent]
+        k = min(len(late), max(0, n - floor), math.ceil(n * len(late) / len(pool)))
+        k = max(k, min(len(late), n - len(rest)))  # too few others: more of them
+        chosen: list[str] = []
+        for group, count in ((rest, n - k), (late, k), (silent, n)):
+            count = min(count, len(group), n - len(chosen))
+            if count == len(group):  # all of them (no draw: the same stream as before)
+                chosen += group
+            elif count > 0:
+                chosen += [group[i] for i in rng.choice(len(group), size=count, replace=False)]
+        return chosen
 
     def route(self, round_number: int, nonce: bytes) -> Cohort | None:
         """The open cohort a SecAgg+ message names by its ``r`` and ``nc``, or None."""

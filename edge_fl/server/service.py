@@ -321,13 +321,22 @@ class AggregatorService:
             cohort = None if head is None else cohorts.route(*head)
             sr = None if cohort is None else cohort.session
             if sr is not None:
-                self._secure_deliver(sr, sr.receive(device, payload, self._now()))
+                self._secure_receive(sr, device, payload)
             else:  # no open cohort of that r and nc: a closed one's, or none (counted, as a
                 core.tally.rejected[Reject.LATE] += 1  # worker counts it; an mx: charged above)
             return
         if sr is None or core.current is None:
             return  # between rounds: a late message, nothing to take it
+        self._secure_receive(sr, device, payload)
+
+    def _secure_receive(self, sr: SecureRound, device: str, payload: bytes) -> None:
+        """One SecAgg+ message into its round's session; a phase deadline it brought forward, or
+        a cohort now waiting only for members on probation (another may be dispatched), wakes
+        the round loop, which may be asleep until the old deadline."""
+        deadline = sr.deadline
         self._secure_deliver(sr, sr.receive(device, payload, self._now()))
+        if sr.deadline < deadline or (sr.probation and sr.phase == "keys"):
+            self._wake.set()
 
     def _secure_charge(self, device: str, rnd: int, payload: bytes) -> None:
         if self.core.charge_secure(device, rnd, payload) and self.journal is not None:
