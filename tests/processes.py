@@ -13,6 +13,29 @@ from pathlib import Path
 EDGE_FL = str(Path(sys.executable).with_name("edge-fl"))
 
 
+def wait_for(
+    predicate: Callable[[], object], timeout: float, what: str, procs: Sequence = ()
+) -> None:
+    """Poll ``predicate`` until it holds; AssertionError naming ``what`` after ``timeout`` s,
+    or at once when one of ``procs`` exits first."""
+    until = time.monotonic() + timeout
+    while not predicate():
+        for p in procs:
+            if p.poll() is not None:
+                raise AssertionError(f"{what}: a process exited early ({p.args[1]}: {p.poll()})")
+        if time.monotonic() > until:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.05)
+
+
+def stop_all(*procs: subprocess.Popen) -> None:
+    """Kill whatever of ``procs`` still runs (a failed test leaves none behind)."""
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+            p.wait(10)
+
+
 def keygen(directory: Path) -> tuple[Path, str]:
     """`edge-fl keygen DIR`: the private key file and the public key in hex."""
     made = subprocess.run(

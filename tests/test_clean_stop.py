@@ -21,6 +21,7 @@ import uuid
 from pathlib import Path
 
 import pytest
+from processes import stop_all, wait_for
 
 pytestmark = pytest.mark.broker
 
@@ -42,24 +43,6 @@ def records(out: Path) -> list[dict]:
     if not path.exists():
         return []
     return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
-
-
-def wait_for(predicate, timeout: float, what: str, procs=()) -> None:
-    until = time.monotonic() + timeout
-    while not predicate():
-        for p in procs:
-            if p.poll() is not None:
-                raise AssertionError(f"{what}: a process exited early ({p.args[1]}: {p.poll()})")
-        if time.monotonic() > until:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.05)
-
-
-def stop_all(*procs: subprocess.Popen) -> None:
-    for p in procs:
-        if p.poll() is None:
-            p.kill()
-            p.wait(10)
 
 
 def error_lines(stderr: str) -> list[str]:

@@ -35,6 +35,7 @@ from typing import Any, NamedTuple
 import msgpack
 import pytest
 from mqtt_tap import UpdateTap
+from processes import stop_all, wait_for
 
 pytestmark = pytest.mark.broker
 
@@ -211,21 +212,6 @@ def alive(pid: int) -> bool:
     return state != "Z"
 
 
-def wait_until(predicate: Any, timeout: float, what: str) -> None:
-    until = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > until:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.05)
-
-
-def stop_all(*procs: subprocess.Popen) -> None:
-    for p in procs:
-        if p.poll() is None:
-            p.kill()
-            p.wait(10)
-
-
 def workers_online_since(messages: list, job: str, since: float) -> float | None:
     """When both workers of the resumed aggregator had announced themselves (``live`` with
     ``on`` true on ``ingest/worker/<w>``, sent once subscribed), or None."""
@@ -301,7 +287,7 @@ def test_resume_after_sigkill_mid_secure_round_with_workers(mosquitto, tmp_path,
     t0 = time.monotonic()
     trigger = job.stall_on if crash == "stalled" else "mx"
     try:
-        wait_until(lambda: len(children(agg.pid)) == 2, 30, "the two spawned workers")
+        wait_for(lambda: len(children(agg.pid)) == 2, 30, "the two spawned workers")
         workers = children(agg.pid)
 
         def on_message(topic: str, payload: bytes) -> None:
@@ -318,7 +304,7 @@ def test_resume_after_sigkill_mid_secure_round_with_workers(mosquitto, tmp_path,
             os.kill(agg.pid, signal.SIGSTOP if crash == "stalled" else signal.SIGKILL)
 
         auditor.on_message = on_message
-        wait_until(lambda: bool(records(out)) or agg.poll() is not None, 60, "a first record")
+        wait_for(lambda: bool(records(out)) or agg.poll() is not None, 60, "a first record")
         assert agg.poll() is None, (logs / "agg1.err").read_text()[-3000:]
         state["armed"] = True
         auditor.wait(lambda: "hit" in state, 60, f"an {trigger} after the first record", (agg,))
@@ -342,7 +328,7 @@ def test_resume_after_sigkill_mid_secure_round_with_workers(mosquitto, tmp_path,
         # a kill -9 leaves the spawned workers (their own session, not the aggregator's process
         # group) to their parent-death signal (SIGTERM, edge_fl/cli/ingest_cmd.py LocalWorkers):
         # they must be gone, without anyone else killing them, before the resume
-        wait_until(lambda: not any(alive(w) for w in workers), 20, "the orphaned workers' exit")
+        wait_for(lambda: not any(alive(w) for w in workers), 20, "the orphaned workers' exit")
         done_before = records(out)
         agg2 = start_agg("agg2", "--resume")
         agg2.wait(150)
