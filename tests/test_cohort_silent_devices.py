@@ -200,3 +200,23 @@ def test_a_cohort_waiting_only_for_members_on_probation_does_not_hold_the_next_d
     sr.receive(members[-1], DeviceSession(members[-1], sr.session.params).advertise().payload,
                0.1)  # fmt: skip
     assert sr.phase == "keys" and policy.can_open()  # only SILENT left: not held back
+
+
+def test_a_phase_waiting_only_for_offline_devices_ends_after_the_settle_time():
+    """A red team stopped its fleet mid-cohort: the cohort waited its shares phase's whole
+    timeout for six devices whose last wills said offline. Now a phase that waits only for
+    devices whose status says offline ends ``settle`` seconds later."""
+    core = secure_fedbuff_core()
+    policy = core.cohorts
+    cohort, _ = policy.open_cohort(0.0)
+    sr = cohort.session
+    members = sorted(cohort.selected)
+    for device in members[:3]:
+        sr.receive(device, DeviceSession(device, sr.session.params).advertise().payload, 0.1)
+    assert not sr.shorten_if_gone(core.is_online, 0.2, 0.5)  # the others are online
+    for device in members[3:]:
+        core.on_status(device, encode_status(Status(device, False, 30)))
+    assert sr.shorten_if_gone(core.is_online, 0.2, 0.5) and sr.deadline == 0.7
+    assert not sr.shorten_if_gone(core.is_online, 0.3, 0.5)  # never later again
+    sr.tick(0.7)
+    assert sr.phase != "keys"

@@ -325,6 +325,9 @@ class AggregatorCore:
         self.secure: Any = None
         #: the open secure round's session (``edge_fl.server.secure.SecureRound``), or None
         self.secure_round: Any = None
+        #: sync secure rounds whose U2 the ingest workers were told (journal replay): what a
+        #: resume charges when the round died with the process (``restore_masked``)
+        self.handed_to_workers: dict[int, frozenset[str]] = {}
         #: with device keys: the last COMMITMENTS_KEPT secure rounds' accepted seed commitments
         #: (round -> device -> bh), so a late masked input is charged only if its device signed
         #: it; one for an older round is charged as after a restart (conservatively)
@@ -389,6 +392,11 @@ class AggregatorCore:
 
     def available(self) -> list[str]:
         return sorted(d for d, r in self.devices.items() if r.online and r.stopped is None)
+
+    def is_online(self, device: str) -> bool:
+        """Whether ``device``'s last status said online (an unknown device is not)."""
+        rec = self.devices.get(device)
+        return rec is not None and rec.online
 
     @property
     def online_count(self) -> int:
@@ -1057,6 +1065,15 @@ class AggregatorCore:
         if cohorts is None:
             raise ValueError("a cohort record belongs to a secure FedBuff job")
         cohorts.restore_cohort(rec)
+
+    def restore_masked(self, number: int, devices: list[str]) -> None:
+        """Replay of a journaled ``masked`` record: the ingest workers were told U2 of this
+        secure round or cohort, so they may have charged its masked inputs (what a resume
+        charges: ``handed_to_workers``)."""
+        if self.cohorts is not None:
+            self.cohorts.restore_masked(number, devices)
+        else:
+            self.handed_to_workers[number] = frozenset(devices)
 
     def retire(self) -> None:
         """The open round stops admitting (its strategy stays until the caller drops it): it

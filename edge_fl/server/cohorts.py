@@ -58,6 +58,9 @@ class Cohort:
     deadline_s: float
     extended: bool = False
     session: SecureRound | None = field(default=None, repr=False)
+    #: U2 once the ingest workers were told it (they may charge masked inputs from then on):
+    #: what a resume charges if the cohort dies with the process
+    handed_to_workers: frozenset[str] = frozenset()
     contributors: tuple[str, ...] = ()
     staleness: int | None = None  # set when the cohort closes: version then - base version
 
@@ -257,6 +260,12 @@ class CohortPolicy:
         charging its masked inputs, and abandoned (skipped on resume)."""
         self._abandon(rec)
 
+    def restore_masked(self, number: int, devices: list[str]) -> None:
+        """A journaled ``masked`` record of an abandoned cohort: its U2 was handed to workers."""
+        for cohort in self.abandoned:
+            if cohort.number == number:
+                cohort.handed_to_workers = frozenset(devices)
+
     def _abandon(self, rec: dict[str, Any]) -> None:
         e = self.engine
         number = int(rec["n"])
@@ -271,6 +280,7 @@ class CohortPolicy:
             min_updates=int(rec.get("ms", 0)),
             opened_at=0.0,
             deadline_s=e.settings.deadline_s,
+            handed_to_workers=frozenset(str(d) for d in rec.get("u2", ())),
         )
         e.round_number = max(e.round_number, number)
         self.remember(cohort)
@@ -286,6 +296,7 @@ class CohortPolicy:
             "sel": sorted(cohort.selected),
             "bv": cohort.base_version,
             "ms": cohort.min_updates,
+            **({"u2": sorted(cohort.handed_to_workers)} if cohort.handed_to_workers else {}),
         }
 
     # ----------------------------------------------------------- RoundPolicy

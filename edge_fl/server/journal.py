@@ -388,6 +388,8 @@ def replay(core: AggregatorCore, records: list[dict[str, Any]], resumed: Resumed
                 resumed.open_payload = rec["g"]
         elif kind == "cohort":  # a secure FedBuff cohort dispatched: skipped on resume
             core.restore_cohort(rec)
+        elif kind == "masked":  # a secure round's U2, handed to the ingest workers
+            core.restore_masked(int(rec["r"]), [str(d) for d in rec["u"]])
         elif kind == "release":
             key = (str(rec["d"]), int(rec["r"]))
             if key not in released:

@@ -222,6 +222,17 @@ class SecureRound:
                 self.deadline = min(self.deadline, now + (now - self._began))
         return out
 
+    def shorten_if_gone(self, online: Callable[[str], bool], now: float, settle: float) -> bool:
+        """Every device the phase still waits for is offline (its last will, or it left): the
+        phase ends ``settle`` seconds from now rather than at its timeout (a status may flap)."""
+        waiting = self.session.waiting
+        if self.outcome is not None or not waiting or any(online(d) for d in waiting):
+            return False
+        if now + settle < self.deadline:
+            self.deadline = now + settle
+            return True
+        return False
+
     def late_advertiser(self) -> str | None:
         """The member whose keys came last, if more than twice as late as any other's and by
         more than a tenth of the phase timeout (what a device holding cohorts back does)."""

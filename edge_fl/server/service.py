@@ -329,6 +329,15 @@ class AggregatorService:
             return  # between rounds: a late message, nothing to take it
         self._secure_receive(sr, device, payload)
 
+    def _shorten_if_gone(self, sr: SecureRound) -> bool:
+        """A secure round's phase waiting only for devices whose status says offline ends after
+        the status settle time, not at its timeout (not right after a reconnect, when every
+        status is stale, nor in a masked phase the workers hold)."""
+        now = self._now()
+        if now < self._grace_until or self._masked_by_workers(sr):
+            return False
+        return sr.shorten_if_gone(self.core.is_online, now, STATUS_SETTLE_S)
+
     def _secure_receive(self, sr: SecureRound, device: str, payload: bytes) -> None:
         """One SecAgg+ message into its round's session; a phase deadline it brought forward, or
         a cohort now waiting only for members on probation (another may be dispatched), wakes
@@ -354,6 +363,7 @@ class AggregatorService:
             # message published before it ran (another cohort's ``freeze`` or ``open``, with a
             # higher ``q``) would make the workers refuse it as a replay
             control = self._masked_control(sr)
+            self._hand_to_workers(sr)
             if client is not None:
                 client_adapter.publish_nowait(client, self.topics.ingest_control, control, qos=1)
         for effect in deliveries:
@@ -1117,21 +1127,34 @@ class AggregatorService:
             return
         await self._await_statuses()
         for cohort in list(cohorts.abandoned):
-            self._charge_lost_to_restart(cohort.number, cohort.selected, "cohort")
+            self._charge_lost_to_restart(cohort.number, cohort.handed_to_workers, "cohort")
             record = self._close_cohort(cohort, why="the aggregator restarted mid-cohort")
             await self._commit_cohort(client, record)
 
-    def _charge_lost_to_restart(self, number: int, selected: Any, what: str) -> None:
-        """Sharded ingest, resumed: the dead process's workers charged masked inputs of this
-        round (or cohort) and acknowledged them, but the charges reached only that process's
-        journal through their progress reports, which this process cannot verify (a new run
-        secret). So every selected device not yet charged for it is charged: over- rather
-        than under-counted, as when a worker is lost."""
+    def _hand_to_workers(self, sr: SecureRound) -> None:
+        """Before the workers learn a secure round's U2 (from then on they may charge its masked
+        inputs, and their charges reach only this process's journal through their progress
+        reports): U2 is journaled, and kept with an open cohort for its checkpoint."""
+        if self.journal is not None:
+            self.journal.append("masked", r=sr.number, u=sorted(sr.forwarded))
+            self.journal.sync()
+        cohorts = self.core.cohorts
+        cohort = cohorts.by_number(sr.number) if cohorts is not None else None
+        if cohort is not None:
+            cohort.handed_to_workers = sr.forwarded
+
+    def _charge_lost_to_restart(self, number: int, handed: Any, what: str) -> None:
+        """Sharded ingest, resumed: the dead process's workers may have charged masked inputs of
+        this round (or cohort) and acknowledged them, but the charges reached only that
+        process's journal through their progress reports, which this process cannot verify (a
+        new run secret). So every device of the U2 they were handed (``handed``; none if they
+        never were: no masked input could reach them) not yet charged for it is charged: over-
+        rather than under-counted, as when a worker is lost."""
         core = self.core
         if self.sharding is None:
             return  # one process: every charge was journaled before its mx was acknowledged
         charged = 0
-        for device in sorted(selected):
+        for device in sorted(handed):
             if not core.is_released(device, number):
                 core.record_release(device, number, SECURE_RELEASE)
                 if self.journal is not None:
@@ -1141,7 +1164,7 @@ class AggregatorService:
             if self.journal is not None:
                 self.journal.sync()
             log.error("%s %d was open when the aggregator restarted with ingest workers: the "
-                      "charges its workers held are lost, so %d selected devices are charged",
+                      "charges its workers held are lost, so %d devices of its U2 are charged",
                       what, number, charged)  # fmt: skip
 
     async def _run_cohorts(self, client: aiomqtt.Client) -> None:
@@ -1173,8 +1196,10 @@ class AggregatorService:
                     if why is not None:  # a worker's share lost: the cohort fails
                         await self._commit_cohort(client, self._close_cohort(cohort, why=why))
                     now = self._now()
-                elif now >= sr.deadline:
-                    self._secure_deliver(sr, sr.tick(now))
+                else:
+                    self._shorten_if_gone(sr)
+                    if now >= sr.deadline:
+                        self._secure_deliver(sr, sr.tick(now))
             for cohort in cohorts.finished_cohorts():
                 await self._commit_cohort(client, self._close_cohort(cohort))
             if core.finished:
@@ -1253,6 +1278,7 @@ class AggregatorService:
                         continue
                     why = await self._collect_masked(client, sr)
                 if sr.outcome is None and why is None:
+                    self._shorten_if_gone(sr)
                     if self._now() >= sr.deadline:
                         self._secure_deliver(sr, sr.tick(self._now()))
                         continue
@@ -1386,8 +1412,9 @@ class AggregatorService:
                     # running sum) died with the process; skip it, a new round has a new nonce
                     self._resumed_round = False
                     await self._await_statuses()
-                    rnd = self.core.current
-                    self._charge_lost_to_restart(rnd.number, rnd.selected, "secure round")
+                    number = self.core.current.number
+                    handed = self.core.handed_to_workers.pop(number, frozenset())
+                    self._charge_lost_to_restart(number, handed, "secure round")
                     record = self._secure_close(why="the aggregator restarted mid-round")
                     if self.core.finished:
                         self._settle(record)
