@@ -154,7 +154,7 @@ def test_the_mechanism_keeps_its_noise_apart_and_the_layout_says_it_is_removable
     p = mech.calibration(job).params
     rounded = enc.values - enc.noise
     assert np.linalg.norm(rounded) <= p.l2  # the noise-free part is the bounded signal
-    assert np.var(enc.noise) > 0.5 * float(p.sigma2)
+    assert np.var(enc.noise) > 0.2 * float(p.sigma2)  # chi2(32)/32 below 0.2: p ~ 3e-7
 
 
 def test_with_everyone_delivering_the_decoded_noise_is_the_floors_not_the_selections():
