@@ -108,3 +108,22 @@ def mechanisms_registered(*mechanisms):
         for mechanism in mechanisms:
             registry.register_mechanism(mechanism.name, mechanism)
         yield
+
+
+def relay_control(workers, coordinator, payload: bytes, gone=()) -> None:
+    """In-memory sharded ingest: an ingest control message to every worker not ``gone``, and
+    each worker's answers to the coordinator (what the broker would carry)."""
+    for worker in workers.values():
+        if worker.name in gone:
+            continue
+        for kind, data in worker.on_control(payload):
+            coordinator.on_message(kind, worker.name, data)
+
+
+def relay_update(worker, coordinator, device: str, payload: bytes, mute: bool = False) -> None:
+    """In-memory sharded ingest: a device's message to its worker, and the worker's progress
+    report to the coordinator (``mute``: the report is lost on the way)."""
+    worker.on_update(device, payload)
+    progress = worker.progress()
+    if progress is not None and not mute:
+        coordinator.on_message("progress", worker.name, progress)

@@ -14,10 +14,10 @@ from typing import Any
 
 import numpy as np
 import pytest
-from helpers import mechanisms_registered
+from helpers import mechanisms_registered, relay_control, relay_update
 from test_secagg_fedbuff import fedbuff, members
-from test_secagg_sharded import kill
-from test_secagg_wiring import SIGNER, SecureMean
+from test_secagg_sharded import kill, run_job
+from test_secagg_wiring import SecureMean
 
 from edge_fl.server.aggregator import SECURE_RELEASE
 from edge_fl.server.sharding import Coordinator
@@ -27,90 +27,6 @@ from edge_fl.server.sharding import Coordinator
 def _registered():
     with mechanisms_registered(SecureMean):
         yield
-
-
-class Watched(Coordinator):
-    """The coordinator, recording which worker summed which masked input of each cohort when
-    its masked phase ends, and calling ``on_progress_hook(self, worker)`` after each progress."""
-
-    def __init__(self, *args: Any, **kw: Any) -> None:
-        super().__init__(*args, **kw)
-        self.owners: dict[int, dict[str, str]] = {}
-        self.on_progress_hook: Any = None
-
-    def merge_cohort(self, number: int, secure_round: Any, now: float):
-        self.owners[number] = dict(self.cohort_rounds[number].owner)
-        return super().merge_cohort(number, secure_round, now)
-
-    def on_progress(self, payload: bytes, topic_worker: str | None = None) -> None:
-        super().on_progress(payload, topic_worker)
-        if self.on_progress_hook is not None:
-            self.on_progress_hook(self, topic_worker)
-
-
-async def run_job(
-    job, out, *, vanish, workers=0, hook=None, state=None, secret=None, hashed=False,
-    on_sum=None,
-) -> dict[str, Any]:  # fmt: skip
-    """One aggregator (with ``workers`` in-process ingest workers on the same broker, each its
-    own MQTT session, and a :class:`Watched` coordinator) and a fleet; returns the run, the
-    coordinator and the sums the sessions unmasked, in the order the cohorts closed. ``state``
-    gets the worker services and their tasks (``ingest``, ``tasks``). ``secret``: the workers
-    are other processes, started by the caller with keys from this secret (none started here).
-    ``hashed``: the device-id hash partition instead of a shared subscription. ``on_sum``:
-    called with the service when a cohort's sum is unmasked."""
-    import contextlib
-
-    from edge_fl.protocol.signing import Signer
-    from edge_fl.server.ingest import IngestService
-    from edge_fl.server.sharding import IngestWorker
-    from edge_fl.simulation import open_run
-    from edge_fl.transport.url import parse_broker_url
-
-    broker = parse_broker_url(job.cfg.broker.url)
-    signer = SIGNER.setdefault("key", Signer.generate())
-    run = open_run(job, out)
-    names = [f"w{i}" for i in range(workers)]
-    coordinator = Watched(run.core, names, dealt=not hashed, secret=secret) if workers else None
-    if coordinator is not None:
-        coordinator.on_progress_hook = hook
-    service = run.make_service(broker, signer=signer, sharding=coordinator)
-    sums: list[tuple[int, np.ndarray]] = []
-
-    def observe(label: str, v: Any) -> None:
-        if label == "sum":
-            sums.append((run.core.round_number, np.array(v)))
-            if on_sum is not None:
-                on_sum(service)
-
-    service.secure_observer = observe
-    ingest = {
-        name: IngestService(
-            IngestWorker(name, job.aggregator_core()),
-            broker,
-            job.topics,
-            group=job.cfg.ingest.group,
-            hash_partition=(i, workers) if hashed else None,
-        )
-        for i, name in enumerate(names if secret is None else ())
-    }
-    tasks = {name: asyncio.create_task(svc.run()) for name, svc in ingest.items()}
-    if state is not None:
-        state.update(ingest=ingest, tasks=tasks)
-    fleet = job.fleet_runtime(broker, trust=job.trust(signer.verifier))
-    fleet.secure_vanish = dict(vanish)
-    aggregator = asyncio.create_task(service.run())
-    await service.connected.wait()
-    fleet_task = asyncio.create_task(fleet.run())
-    try:
-        await asyncio.wait_for(aggregator, 150)
-    finally:
-        run.close()
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(fleet_task, 10)
-        await asyncio.gather(*(asyncio.wait_for(t, 10) for t in tasks.values()),
-                             return_exceptions=True)  # fmt: skip
-    return {"run": run, "coordinator": coordinator, "sums": sums}
 
 
 def first_cohort(job: Any) -> frozenset[str]:
@@ -127,6 +43,22 @@ def first_cohort(job: Any) -> frozenset[str]:
 
 #: 12 devices, K = 4, 30% dropout: cohorts of K' = 6, two in flight, min_survivors 5
 JOB = {"rounds.rounds": 4, "rounds.deadline_s": 10, "secure_aggregation.phase_timeout_s": 3.0}
+
+
+def kill_w1_holding_a_cohort(state: dict[str, Any], kill: Any) -> Any:
+    """A coordinator hook that calls ``kill()`` once, the first time worker w1 holds a masked
+    input an open cohort's sum needs (``state["killed"]``: that cohort)."""
+
+    def hook(coordinator: Coordinator, worker: str | None) -> None:
+        if state.get("killed") or worker != "w1":
+            return
+        for number, cr in coordinator.cohort_rounds.items():
+            if "w1" in cr.owner.values():
+                state["killed"] = number
+                kill()
+                return
+
+    return hook
 
 
 @pytest.mark.parametrize("case", ["fails", "stale"])
@@ -160,7 +92,7 @@ def test_two_workers_give_the_unsharded_cohort_jobs_model_and_ledger(case, mosqu
 
     async def both():
         return await asyncio.gather(*(
-            run_job(job, tmp_path / name, vanish=vanish, workers=job.cfg.ingest.workers)
+            run_job(job, tmp_path / name, vanish=vanish, workers=job.cfg.ingest.workers, timeout=150)
             for name, job in jobs.items()
         ))  # fmt: skip
 
@@ -243,17 +175,12 @@ def test_a_worker_killed_mid_cohort_fails_the_cohorts_it_held_never_a_wrong_sum(
     SecureMean.submitted.clear()
     state: dict[str, Any] = {}
 
-    def hook(coordinator: Coordinator, worker: str | None) -> None:
-        if state.get("killed") or worker != "w1":
-            return
-        for number, cr in coordinator.cohort_rounds.items():
-            if "w1" in cr.owner.values():  # it holds a masked input a cohort's sum needs
-                state["killed"] = number
-                kill(state["ingest"]["w1"], state["tasks"]["w1"])
-                return
+    hook = kill_w1_holding_a_cohort(
+        state, lambda: kill(state["ingest"]["w1"], state["tasks"]["w1"])
+    )
 
     result = asyncio.run(
-        run_job(job, tmp_path / "run", vanish={}, workers=2, hook=hook, state=state)
+        run_job(job, tmp_path / "run", vanish={}, workers=2, hook=hook, state=state, timeout=150)
     )
     assert state.get("killed"), "w1 never reported a masked input"
     check_worker_lost(job, result, state["killed"], lambda d, r: SecureMean.submitted[(d, r)])
@@ -271,7 +198,9 @@ def test_hash_partitioned_workers_check_signed_cohorts_and_sum_exactly(mosquitto
     job = build_job(fedbuff(mosquitto, **{**JOB, "ingest.workers": 2, "ingest.partition": "hash",
                                           "security.device_keys": str(keys)}))  # fmt: skip
     SecureMean.submitted.clear()
-    result = asyncio.run(run_job(job, tmp_path / "run", vanish={}, workers=2, hashed=True))
+    result = asyncio.run(
+        run_job(job, tmp_path / "run", vanish={}, workers=2, hashed=True, timeout=150)
+    )
     core = result["run"].core
     records = result["run"].recorder.records
     assert [r["status"] for r in records] == ["closed"] * 4, records
@@ -312,7 +241,9 @@ def test_a_stop_with_workers_records_every_open_cohort_skipped_and_keeps_its_cha
         if service.stopped is None:
             service.request_stop("SIGTERM")
 
-    result = asyncio.run(run_job(job, tmp_path / "run", vanish={}, workers=2, on_sum=stop))
+    result = asyncio.run(
+        run_job(job, tmp_path / "run", vanish={}, workers=2, on_sum=stop, timeout=150)
+    )
     core = result["run"].core
     records = result["run"].recorder.records
     assert sorted(r["round"] for r in records) == sorted(core.history)
@@ -415,20 +346,21 @@ def test_a_worker_process_killed_with_sigkill_mid_cohort(mosquitto, tmp_path):
 
     state: dict[str, Any] = {}
 
-    def hook(coordinator: Coordinator, worker: str | None) -> None:
-        if state.get("killed") or worker != "w1":
-            return
-        for number, cr in coordinator.cohort_rounds.items():
-            if "w1" in cr.owner.values():  # it holds a masked input a cohort's sum needs
-                state["killed"] = number
-                os.kill(procs["w1"].pid, signal.SIGKILL)
-                return
+    hook = kill_w1_holding_a_cohort(state, lambda: os.kill(procs["w1"].pid, signal.SIGKILL))
 
     try:
         with pytest.MonkeyPatch.context() as patch:
             patch.setattr(NoPrivacy, "secure_encode", recording)
             result = asyncio.run(
-                run_job(job, tmp_path / "run", vanish={}, workers=2, hook=hook, secret=secret)
+                run_job(
+                    job,
+                    tmp_path / "run",
+                    vanish={},
+                    workers=2,
+                    hook=hook,
+                    secret=secret,
+                    timeout=150,
+                )
             )
         assert procs["w0"].wait(30) == 0  # the job's end ended it
     finally:
@@ -616,20 +548,13 @@ class CohortPipeline:
             cohort.session = session
 
     def control(self, payload: bytes) -> None:
-        for worker in self.workers.values():
-            if worker.name in self.lost:
-                continue
-            for kind, data in worker.on_control(payload):
-                self.coordinator.on_message(kind, worker.name, data)
+        relay_control(self.workers, self.coordinator, payload, self.lost)
 
     def up(self, device: str, payload: bytes) -> None:
         worker = self.workers[self.names[int(device[1:]) % 2]]
         if worker.name in self.lost:
             return  # dealt to a dead worker: gone
-        worker.on_update(device, payload)
-        progress = worker.progress()
-        if progress is not None and worker.name not in self.mute:
-            self.coordinator.on_message("progress", worker.name, progress)
+        relay_update(worker, self.coordinator, device, payload, worker.name in self.mute)
         from edge_fl.protocol.secure import secure_head
 
         for d, data in self.coordinator.take_secure():

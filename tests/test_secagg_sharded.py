@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from helpers import mechanisms_registered
+from helpers import mechanisms_registered, relay_control, relay_update
 from test_secagg_wiring import SecureMean, config, contributions
 
 from edge_fl.secagg.primitives import ring_mask
@@ -32,8 +32,9 @@ def _registered():
 
 
 class Watched(Coordinator):
-    """The coordinator, recording which worker summed which masked input when a round's
-    masked phase ends, and calling ``on_progress_hook(self, worker)`` after each progress."""
+    """The coordinator, recording which worker summed which masked input when a round's (or a
+    FedBuff cohort's) masked phase ends, and calling ``on_progress_hook(self, worker)`` after
+    each progress."""
 
     def __init__(self, *args: Any, **kw: Any) -> None:
         super().__init__(*args, **kw)
@@ -45,6 +46,10 @@ class Watched(Coordinator):
         self.owners[self.round.number] = dict(self.round.owner)
         return super().merge_masked(secure_round, now)
 
+    def merge_cohort(self, number: int, secure_round: Any, now: float):
+        self.owners[number] = dict(self.cohort_rounds[number].owner)
+        return super().merge_cohort(number, secure_round, now)
+
     def on_progress(self, payload: bytes, topic_worker: str | None = None) -> None:
         super().on_progress(payload, topic_worker)
         if self.on_progress_hook is not None:
@@ -52,11 +57,16 @@ class Watched(Coordinator):
 
 
 async def run_job(
-    job, out, *, vanish, workers=0, hook=None, state=None, hashed=False, timeout=120.0
-) -> dict[str, Any]:
+    job, out, *, vanish, workers=0, hook=None, state=None, hashed=False, timeout=120.0,
+    secret=None, on_sum=None,
+) -> dict[str, Any]:  # fmt: skip
     """One aggregator (with ``workers`` in-process ingest workers on the same broker, each its
-    own MQTT session) and a fleet; returns the run, the coordinator and the sums the session
-    unmasked. ``state`` gets the worker services and their tasks (``ingest``, ``tasks``)."""
+    own MQTT session, and a :class:`Watched` coordinator) and a fleet; returns the run, the
+    coordinator and the sums the sessions unmasked, in the order they were unmasked. ``state``
+    gets the worker services and their tasks (``ingest``, ``tasks``). ``secret``: the workers
+    are other processes, started by the caller with keys from this secret (none started here).
+    ``hashed``: the device-id hash partition instead of a shared subscription. ``on_sum``:
+    called with the service when a sum is unmasked."""
     from edge_fl.protocol.signing import Signer
     from edge_fl.server.ingest import IngestService
     from edge_fl.server.sharding import IngestWorker
@@ -67,14 +77,19 @@ async def run_job(
     signer = SIGNER.setdefault("key", Signer.generate())
     run = open_run(job, out)
     names = [f"w{i}" for i in range(workers)]
-    coordinator = Watched(run.core, names, dealt=not hashed) if workers else None
+    coordinator = Watched(run.core, names, dealt=not hashed, secret=secret) if workers else None
     if coordinator is not None:
         coordinator.on_progress_hook = hook
     service = run.make_service(broker, signer=signer, sharding=coordinator)
     sums: list[tuple[int, np.ndarray]] = []
-    service.secure_observer = lambda label, v: (
-        sums.append((run.core.round_number, v)) if label == "sum" else None
-    )
+
+    def observe(label: str, v: Any) -> None:
+        if label == "sum":
+            sums.append((run.core.round_number, np.array(v)))
+            if on_sum is not None:
+                on_sum(service)
+
+    service.secure_observer = observe
     ingest = {
         name: IngestService(
             IngestWorker(name, job.aggregator_core()),
@@ -83,7 +98,7 @@ async def run_job(
             group=job.cfg.ingest.group,
             hash_partition=(i, workers) if hashed else None,
         )
-        for i, name in enumerate(names)
+        for i, name in enumerate(names if secret is None else ())
     }
     tasks = {name: asyncio.create_task(svc.run()) for name, svc in ingest.items()}
     if state is not None:
@@ -451,11 +466,7 @@ class Pipeline:
         self.masked_sent = False
 
     def control(self, payload: bytes) -> None:
-        for worker in self.workers.values():
-            if worker.name in self.absent:
-                continue
-            for kind, data in worker.on_control(payload):
-                self.coordinator.on_message(kind, worker.name, data)
+        relay_control(self.workers, self.coordinator, payload, self.absent)
 
     def up(self, device: str, payload: bytes) -> None:
         from edge_fl.protocol.secure import up_kind
@@ -463,10 +474,7 @@ class Pipeline:
         worker = self.workers[self.deal(device, up_kind(payload))]
         if worker.name in self.absent:
             return  # its share reaches no one
-        worker.on_update(device, payload)
-        progress = worker.progress()
-        if progress is not None:
-            self.coordinator.on_message("progress", worker.name, progress)
+        relay_update(worker, self.coordinator, device, payload)
         for d, data in self.coordinator.take_secure():
             self.inbox(self.sr.receive(d, data, 0.0))
 
