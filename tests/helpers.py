@@ -127,3 +127,18 @@ def relay_update(worker, coordinator, device: str, payload: bytes, mute: bool = 
     progress = worker.progress()
     if progress is not None and not mute:
         coordinator.on_message("progress", worker.name, progress)
+
+
+def answer_inbox(sessions, inputs, up, deliveries) -> None:
+    """In-memory SecAgg+ devices: each delivered inbox message to its device's session, its
+    input submitted once the session is ready, every message it sends handed to ``up``."""
+    from edge_fl.secagg import Send
+
+    for effect in deliveries:
+        session = sessions[effect.device]
+        out = session.receive(effect.payload)
+        if session.phase == "ready":
+            out += session.submit(inputs[effect.device])
+        for sent in out:
+            if isinstance(sent, Send):
+                up(effect.device, sent.payload)

@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from helpers import mechanisms_registered, relay_control, relay_update
+from helpers import answer_inbox, mechanisms_registered, relay_control, relay_update
 from test_secagg_fedbuff import fedbuff, members
 from test_secagg_sharded import kill, run_job
 from test_secagg_wiring import SecureMean
@@ -43,6 +43,26 @@ def first_cohort(job: Any) -> frozenset[str]:
 
 #: 12 devices, K = 4, 30% dropout: cohorts of K' = 6, two in flight, min_survivors 5
 JOB = {"rounds.rounds": 4, "rounds.deadline_s": 10, "secure_aggregation.phase_timeout_s": 3.0}
+
+
+def open_two_cohorts(core: Any, coordinator: Any, control: Any) -> list[Any]:
+    """Dispatch two cohorts at once, each announced to the workers (``control``) before its
+    devices could answer; the first's session is held back meanwhile (out of its keys phase,
+    so the second can open), then restored."""
+    from edge_fl.protocol import encode_global
+
+    cohorts, held = [], []
+    for _ in range(2):
+        made = core.open_cohort(0.0)
+        assert made is not None
+        cohort, msg = made
+        control(coordinator.open_cohort_message(cohort.number, encode_global(msg)))
+        cohorts.append(cohort)
+        held.append(cohort.session)
+        cohort.session = None
+    for cohort, session in zip(cohorts, held, strict=True):
+        cohort.session = session
+    return cohorts
 
 
 def kill_w1_holding_a_cohort(state: dict[str, Any], kill: Any) -> Any:
@@ -382,7 +402,7 @@ class Cohorts:
 
     def __init__(self) -> None:
         from edge_fl.job import build_job
-        from edge_fl.protocol import Status, encode_global, encode_status
+        from edge_fl.protocol import Status, encode_status
         from edge_fl.server.sharding import IngestWorker
 
         self.job = build_job(fedbuff(None, **{"ingest.workers": 1}))
@@ -392,17 +412,7 @@ class Cohorts:
         self.worker = IngestWorker("w0", self.job.aggregator_core())
         self.coordinator = Coordinator(self.core, ["w0"])
         self.coordinator.worker_online("w0")
-        self.cohorts, sessions = [], []
-        for _ in range(2):
-            made = self.core.open_cohort(0.0)
-            assert made is not None
-            cohort, msg = made
-            self.control(self.coordinator.open_cohort_message(cohort.number, encode_global(msg)))
-            self.cohorts.append(cohort)
-            sessions.append(cohort.session)
-            cohort.session = None  # (out of its keys phase: the next one can open now)
-        for cohort, session in zip(self.cohorts, sessions, strict=True):
-            cohort.session = session
+        self.cohorts = open_two_cohorts(self.core, self.coordinator, self.control)
 
     def control(self, payload: bytes) -> list[tuple[str, bytes]]:
         out = self.worker.on_control(payload)
@@ -511,7 +521,7 @@ class CohortPipeline:
 
     def __init__(self) -> None:
         from edge_fl.job import build_job
-        from edge_fl.protocol import Status, encode_global, encode_status
+        from edge_fl.protocol import Status, encode_status
         from edge_fl.secagg import DeviceSession
         from edge_fl.server.sharding import IngestWorker
 
@@ -529,23 +539,14 @@ class CohortPipeline:
         self.lost: set[str] = set()
         self.mute: set[str] = set()  # workers whose messages no longer reach the coordinator
         self.mute_at_masked: set[str] = set()  # ... from the first masked phase on
-        self.cohorts, self.sessions, self.x = [], {}, {}
+        self.cohorts = open_two_cohorts(self.core, self.coordinator, self.control)
+        self.sessions, self.x = {}, {}
         rng = np.random.default_rng(7)
-        held = []
-        for _ in range(2):
-            made = self.core.open_cohort(0.0)
-            assert made is not None
-            cohort, msg = made
-            self.control(self.coordinator.open_cohort_message(cohort.number, encode_global(msg)))
-            self.cohorts.append(cohort)
+        for cohort in self.cohorts:
             params = cohort.session.session.params
             for d in cohort.selected:
                 self.sessions[d] = DeviceSession(d, params)
                 self.x[d] = rng.integers(-50, 51, params.dim)
-            held.append(cohort.session)
-            cohort.session = None  # (out of its keys phase: the next one can open now)
-        for cohort, session in zip(self.cohorts, held, strict=True):
-            cohort.session = session
 
     def control(self, payload: bytes) -> None:
         relay_control(self.workers, self.coordinator, payload, self.lost)
@@ -564,21 +565,13 @@ class CohortPipeline:
                 self.inbox(cohort, cohort.session.receive(d, data, 0.0))
 
     def inbox(self, cohort: Any, deliveries: list[Any]) -> None:
-        from edge_fl.secagg import Send
 
         sr = cohort.session
         if sr.phase == "masked" and self.coordinator.cohort_wants_masked(cohort.number):
             self.control(self.coordinator.cohort_masked_message(cohort.number, sr.forwarded, {}))
             if all(c.session.phase == "masked" for c in self.cohorts):
                 self.mute |= self.mute_at_masked  # (keys and shares all went through)
-        for effect in deliveries:
-            session = self.sessions[effect.device]
-            out = session.receive(effect.payload)
-            if session.phase == "ready":
-                out += session.submit(self.x[effect.device])
-            for sent in out:
-                if isinstance(sent, Send):
-                    self.up(effect.device, sent.payload)
+        answer_inbox(self.sessions, self.x, self.up, deliveries)
 
     def run(self, before_merge: Any = None) -> dict[int, tuple[Any, str | None]]:
         """Every device of both cohorts advertises (the cohorts' messages interleave), both

@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from helpers import mechanisms_registered, relay_control, relay_update
+from helpers import answer_inbox, mechanisms_registered, relay_control, relay_update
 from test_secagg_wiring import SecureMean, config, contributions
 
 from edge_fl.secagg.primitives import ring_mask
@@ -479,19 +479,11 @@ class Pipeline:
             self.inbox(self.sr.receive(d, data, 0.0))
 
     def inbox(self, deliveries) -> None:
-        from edge_fl.secagg import Send
 
         if self.sr.phase == "masked" and not self.masked_sent:
             self.masked_sent = True
             self.control(self.coordinator.masked_message(self.sr.forwarded, {}))
-        for effect in deliveries:
-            session = self.sessions[effect.device]
-            out = session.receive(effect.payload)
-            if session.phase == "ready":
-                out += session.submit(self.x[effect.device])
-            for sent in out:
-                if isinstance(sent, Send):
-                    self.up(effect.device, sent.payload)
+        answer_inbox(self.sessions, self.x, self.up, deliveries)
 
     def run(self, tamper=None) -> tuple[Any, str | None]:
         """Until the masked phase is merged (or fails) and the round ends; the outcome and
