@@ -228,6 +228,18 @@ def test_mosquitto_lifecycle(make_broker: Callable[..., EmbeddedBroker]) -> None
     broker.stop()  # idempotent
 
 
+def test_stop_kills_only_a_broker_that_keeps_nothing(
+    make_broker: Callable[..., EmbeddedBroker], tmp_path: Path
+) -> None:
+    """Mosquitto holds SIGTERM while in epoll_wait (up to 100 ms a stop): the embedded broker,
+    which persists nothing, is killed at once; one given `persistence true` still gets SIGTERM
+    and writes its database."""
+    assert make_broker().stop() == -signal.SIGKILL
+    keeping = make_broker(extra_config=["persistence true", f"persistence_location {tmp_path}/"])
+    assert keeping.stop() == 0  # a clean SIGTERM shutdown
+    assert (tmp_path / "mosquitto.db").exists()
+
+
 @pytest.mark.broker
 def test_retained_qos1_pubsub_aiomqtt_and_paho(mosquitto: EmbeddedBroker) -> None:
     job = job_id()

@@ -540,15 +540,17 @@ class EmbeddedBroker:
             line.split()[:2] == ["persistence", "true"] for line in self._extra
         )
 
-    def stop(self, timeout: float = 5.0) -> None:
+    def stop(self, timeout: float = 5.0) -> int | None:
         """SIGTERM (SIGKILL at once when the broker keeps nothing), SIGKILL after `timeout` s,
-        then remove the temp dir. Idempotent."""
-        self._terminate(timeout)
+        then remove the temp dir; returns the broker's exit code (None if it was not running).
+        Idempotent."""
+        code = self._terminate(timeout)
         self._proc = None
         if self._dir is not None:
             shutil.rmtree(self._dir, ignore_errors=True)
             self._dir = None
         _LIVE.discard(self)
+        return code
 
     async def astop(self, timeout: float = 5.0) -> None:
         """Like stop() but polls the exit without blocking the event loop."""
