@@ -53,16 +53,10 @@ class TimerQueue:
             raise ValueError("a timer at NaN")
         heapq.heappush(self._heap, (t, key, next(self._seq), item))
 
-    def bounds(self, where: Any, alive: Any) -> list[float]:
-        """The bounds of the pending entries whose key satisfies ``where(key)`` and whose item
-        (a (value, bound) pair) ``alive(item)``, ascending."""
-        return sorted(item[1] for _t, key, _seq, item in self._heap if where(key) and alive(item))
-
-    def entries(self) -> Iterable[tuple[float, Any, Any]]:
-        """(time, item's bound, item) of every pending entry whose item is a (value, bound)
-        pair, in no particular order."""
-        for t, _key, _seq, item in self._heap:
-            yield t, item[1], item
+    def entries(self) -> Iterable[tuple[Any, Any]]:
+        """(key, item) of every pending entry, in no particular order."""
+        for _t, key, _seq, item in self._heap:
+            yield key, item
 
     def next_time(self, alive: Any = None) -> float:
         """The earliest pending time (inf: none); ``alive(item)`` False drops an entry."""

@@ -16,6 +16,7 @@ nothing.
 from __future__ import annotations
 
 import asyncio
+import heapq
 import math
 import time
 from collections.abc import Callable, Hashable
@@ -67,7 +68,7 @@ class VirtualClock:
     can tell when every device task is blocked on the clock (quiescent). ``lead``: how long
     after the timer, at the earliest, what it wakes can publish anything (a download's end
     leads to a publication no sooner than the compute and the upload's latency later), so
-    :meth:`next_output` can promise the aggregator more than the next timer."""
+    :meth:`lookahead` can promise the aggregator more than the next timer."""
 
     virtual = True
     time_scale = None
@@ -117,15 +118,22 @@ class VirtualClock:
         """The earliest pending timer (inf: none)."""
         return self.queue.next_time(_alive)
 
-    def next_output(self) -> float:
-        """The earliest simulated time anything waiting on this clock can publish (inf: none),
-        unless something from outside (a model, a dispatch) sets new work off first."""
-        return min((b for t, b, item in self.queue.entries() if _alive(item)), default=math.inf)
-
-    def output_bounds(self, where: Callable[[Any], bool]) -> list[float]:
-        """The earliest publication time of each pending timer whose key satisfies ``where``,
-        ascending (the lookahead a report carries)."""
-        return self.queue.bounds(where, _alive)
+    def lookahead(
+        self, kind_of: Callable[[Any], Hashable], limit: int
+    ) -> tuple[float, dict[Hashable, list[float]]]:
+        """In one pass over the pending timers (a report's cost, with a timer per device): the
+        earliest simulated time anything waiting on this clock can publish (inf: none), unless
+        something from outside (a model, a dispatch) sets new work off first; and, per
+        ``kind_of(key)``, the ``limit`` earliest publication times, ascending."""
+        earliest = math.inf
+        by_kind: dict[Hashable, list[float]] = {}
+        for key, item in self.queue.entries():
+            if not _alive(item):
+                continue
+            bound = item[1]
+            earliest = min(earliest, bound)
+            by_kind.setdefault(kind_of(key), []).append(bound)
+        return earliest, {k: heapq.nsmallest(limit, v) for k, v in by_kind.items()}
 
     def fire_due(self, until: float) -> bool:
         """Wake every timer at the earliest pending time if it is <= ``until`` (the clock moves

@@ -831,16 +831,16 @@ class Fleet:
         ``(device, WORK)``), and the next status (availability timers: ``(device, STATUS)``)."""
         clock = self.clock
         assert isinstance(clock, VirtualClock)
-        ups = clock.output_bounds(lambda key: key[1] == WORK)
-        statuses = clock.output_bounds(lambda key: key[1] == STATUS)
+        earliest, bounds = clock.lookahead(lambda key: key[1], UPS_MAX)
+        statuses = bounds.get(STATUS)
         return ClockMessage(
             kind,
             g=g,
             t=t,
             n=self.vt_published,
-            next=clock.next_output(),
+            next=earliest,
             seen=self.vt_seen,
-            ups=tuple(ups[:UPS_MAX]),
+            ups=tuple(bounds.get(WORK, ())),
             st=statuses[0] if statuses else math.inf,
         ).encode()
 
