@@ -165,3 +165,37 @@ def test_a_long_training_stays_in_the_pool():
 
     threads = asyncio.run(scenario())
     assert len(threads) == 3 and all(t.startswith("train") for t in threads)
+
+
+def test_devices_handed_the_first_model_together_wait_for_its_measured_cost():
+    """The trainings that start while the job's first one measures the cost in the pool take the
+    same choice later rounds take (here: the loop), not one pool hand-off each."""
+
+    async def scenario() -> tuple[Fleet, list[list[str]]]:
+        f = fleet(4)
+        threads = [trained_on(f, f"d{i}") for i in range(4)]
+        f.hand_out(gm(1, None), 100)
+        await f.settled()
+        return f, threads
+
+    f, threads = asyncio.run(scenario())
+    assert [t[0].startswith("train") for t in threads] == [True, False, False, False]
+    assert f.inline_trainings == 3
+    assert updates(f) == {f"d{i}": 1 for i in range(4)}
+
+
+def test_the_others_still_train_when_the_measuring_training_fails():
+    async def scenario() -> Fleet:
+        f = fleet(3)
+
+        def broken(msg):
+            raise RuntimeError("the device's training failed")
+
+        f.agents["d0"].on_global = broken  # type: ignore[method-assign]
+        f.hand_out(gm(1, None), 100)
+        await asyncio.wait_for(f.settled(), 10)
+        return f
+
+    f = asyncio.run(scenario())
+    assert f.device_errors == 1
+    assert updates(f) == {"d0": 0, "d1": 1, "d2": 1}

@@ -182,6 +182,9 @@ class Fleet:
         #: the last training's thread CPU per sample and epoch: a device whose training it
         #: predicts under ``INLINE_TRAIN_S`` trains on the event loop (the first in the pool)
         self._train_cpu_per_sample = math.inf
+        #: set once the job's first training (in the pool) has measured the cost per sample;
+        #: the trainings that start meanwhile wait for it instead of each going to the pool
+        self._first_training: asyncio.Event | None = None
         self.inline_trainings = 0
         self.dropouts = 0
         #: secure aggregation: devices subscribe to their own inbox; a device that drops out of
@@ -497,8 +500,13 @@ class Fleet:
         if device in self.unavailable or device in self.crashed:
             return Trained(msg, None)  # gone before it could train: the round stays unanswered
         loop = asyncio.get_running_loop()
-        t0 = loop.time()
         work = agent.n_samples * agent.training.epochs
+        first = self._first_training
+        if first is not None:  # the cost is being measured: then the same choice as later
+            await first.wait()  # rounds make, not a pool hand-off each
+        elif math.isinf(self._train_cpu_per_sample):
+            first = self._first_training = asyncio.Event()
+        t0 = loop.time()
         try:
             if self._train_cpu_per_sample * work < INLINE_TRAIN_S:
                 payload, cpu_s = _timed(agent.on_global, msg)
@@ -514,6 +522,10 @@ class Fleet:
             self.device_errors += 1
             log.exception("device %s failed in round %d", device, msg.round)
             return Trained(msg, None)
+        finally:
+            if first is not None and first is self._first_training:  # this one measured
+                self._first_training = None
+                first.set()
         if device in self.crashed:
             return Trained(msg, None)
         return Trained(msg, payload)
