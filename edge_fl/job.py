@@ -10,6 +10,7 @@ import dataclasses
 import hashlib
 import logging
 import math
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -61,6 +62,10 @@ OPTIONAL_KEYS = {"rounds.period_s"}
 DeviceFactory = Callable[["Job", int], DeviceAgent]
 
 
+#: guards the building of a job's evaluation session (the preload thread and the event loop)
+_SESSION_LOCK = threading.Lock()
+
+
 @dataclass
 class Job:
     cfg: JobConfig
@@ -70,6 +75,7 @@ class Job:
     device_factory: DeviceFactory | None = None
     #: the calibration keys this job's mechanism looked up: its job document's ``cal`` rows
     calibrations: set[Any] = field(default_factory=set)
+    _evaluation: dict[str, Any] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @cached_property
     def mechanism(self) -> Mechanism:
@@ -354,30 +360,34 @@ class Job:
         to_onnx = self.onnx
         if self.cfg.model.evaluate_with == "native" or to_onnx is None:
             return lambda w: evaluate(self.model, w, X_test, y_test)
-
         model = self.model
-        # one session for the whole run, fed each round's weights, when the graph is the packaged
-        # numpy export (a model's own onnx_bytes, or torch, is exported and loaded per round)
-        reuse = not callable(getattr(model, "onnx_bytes", None))
-        session: list[Any] = []
 
         def with_onnxruntime(w: np.ndarray) -> tuple[float, float]:
-            from edge_fl.models.onnx_export import onnx_weights, onnx_with_weight_inputs
+            from edge_fl.models.onnx_export import onnx_weights
             from edge_fl.models.onnx_runtime import OnnxClassifier
 
-            nonlocal reuse
-            if reuse and not session:
-                graph = onnx_with_weight_inputs(model)
-                if graph is None:
-                    reuse = False
-                else:
-                    session.append(OnnxClassifier(graph))
-            if not reuse:
+            session = self.evaluation_session()
+            if session is None:
                 return OnnxClassifier(to_onnx(w)).evaluate(X_test, y_test)
-            session[0].set_weights(onnx_weights(model, w))
-            return session[0].evaluate(X_test, y_test)
+            session.set_weights(onnx_weights(model, w))
+            return session.evaluate(X_test, y_test)
 
         return with_onnxruntime
+
+    def evaluation_session(self) -> Any:
+        """The one onnxruntime session that evaluates every round's weights, built once (None:
+        a model whose graph is exported per round, a model's own ``onnx_bytes`` or torch).
+        Thread-safe: ``simulate`` builds it on its preload thread while the broker starts and
+        devices connect (about 10 ms of the first round otherwise)."""
+        with _SESSION_LOCK:
+            if "session" not in self._evaluation:
+                from edge_fl.models.onnx_export import onnx_with_weight_inputs
+                from edge_fl.models.onnx_runtime import OnnxClassifier
+
+                reuse = not callable(getattr(self.model, "onnx_bytes", None))
+                graph = onnx_with_weight_inputs(self.model) if reuse else None
+                self._evaluation["session"] = None if graph is None else OnnxClassifier(graph)
+            return self._evaluation["session"]
 
     def export_model(self, params: np.ndarray, path: Any) -> bool:
         """Write the model with ``params`` to ``path`` as ONNX; False if it has no export."""

@@ -437,15 +437,16 @@ def _remove_earlier_run(d: Path) -> None:
         ledger.unlink(missing_ok=True)
 
 
-def _preload(*modules: str) -> None:
-    """Import ``modules`` on a thread: onnx and onnxruntime (about 0.3 s) load while the broker
-    starts and devices connect, which mostly wait on sockets, instead of on the event loop when
-    the first round closes. A failed import is left for the real one to report."""
+def _preload(job: Job) -> None:
+    """On a thread, import onnx and onnxruntime (about 0.3 s on a slow machine) and build the
+    job's evaluation session, while the broker starts and devices connect, which mostly wait
+    on sockets, instead of on the event loop when the first round closes. A failure is left
+    for the real call to report."""
 
     def load() -> None:
-        for name in modules:
-            with contextlib.suppress(Exception):
-                importlib.import_module(name)
+        with contextlib.suppress(Exception):
+            importlib.import_module("edge_fl.models.onnx_export")
+            job.evaluation_session()
 
     threading.Thread(target=load, name="preload", daemon=True).start()
 
@@ -672,7 +673,7 @@ async def run_simulation_async(
         refuse_resume(cfg, out_dir)  # before the broker starts and onnx loads on a thread
     job.check_device_keys()  # the simulated devices' own keys: before anything is written
     if cfg.model.evaluate_with == "onnxruntime" and job.onnx is not None:
-        _preload("edge_fl.models.onnx_export", "edge_fl.models.onnx_runtime")
+        _preload(job)
     timings = {"build_s": round(time.perf_counter() - t_start, 4)}
     meta = job.metadata()
     with contextlib.ExitStack() as stack:

@@ -48,3 +48,24 @@ def test_non_finite_weights_are_refused_as_the_export_refuses_them():
     model = make_model("logreg", 5, 3)
     with pytest.raises(ValueError, match="finite"):
         onnx_weights(model, np.full(model.n_params, np.nan, dtype=np.float32))
+
+
+def test_a_jobs_session_is_built_once_whichever_thread_asks_first():
+    """``simulate`` builds the evaluation session on its preload thread while the event loop
+    may already ask for it: both get the same session, built once."""
+    import threading
+
+    from edge_fl.config import load_config
+    from edge_fl.job import build_job
+
+    job = build_job(load_config(None, {"data.devices": 10, "model.name": "logreg"}))
+    got: list[object] = []
+    threads = [
+        threading.Thread(target=lambda: got.append(job.evaluation_session())) for _ in range(2)
+    ]
+    for t in threads:
+        t.start()
+    got.append(job.evaluation_session())
+    for t in threads:
+        t.join()
+    assert len(got) == 3 and got[0] is not None and all(s is got[0] for s in got)
