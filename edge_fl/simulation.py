@@ -732,11 +732,13 @@ def run_simulation(
     try:
         asyncio.get_running_loop()
     except RuntimeError:
-        return asyncio.run(run_simulation_async(job, out_dir, **options))
-    raise RuntimeError(
-        "run_simulation() was called inside a running event loop (a notebook?): use "
-        "`await edge_fl.run_simulation_async(...)` there"
-    )
+        pass  # none running: run it here, outside this handler (an error it raises is not
+    else:  # shown "during handling of" the missing loop)
+        raise RuntimeError(
+            "run_simulation() was called inside a running event loop (a notebook?): use "
+            "`await edge_fl.run_simulation_async(...)` there"
+        )
+    return asyncio.run(run_simulation_async(job, out_dir, **options))
 
 
 def simulate(

@@ -339,8 +339,10 @@ def test_a_crashed_simulation_resumes_from_its_checkpoint_and_journal(mosquitto,
     assert not (tmp_path / "summary.json").exists()
     from edge_fl.simulation import RunDirError
 
-    with pytest.raises(RunDirError, match="holds an unfinished job"):
+    with pytest.raises(RunDirError, match="holds an unfinished job") as refused:
         edge_fl.run_simulation(cfg, tmp_path)
+    # the traceback a script shows is the refusal alone, not "during handling of" a missing loop
+    assert refused.value.__context__ is None
     result = edge_fl.run_simulation(cfg, tmp_path, resume=True)
     assert result.summary["rounds_closed"] == 4
     rounds = [json.loads(line)["round"] for line in (tmp_path / "metrics.jsonl").open()]
