@@ -176,3 +176,21 @@ def test_one_epsilon_everywhere(tmp_path, privacy):
     plotted = read_run(tmp_path).records[-1]["epsilon"]
     assert plotted == eps
     assert "Infinity" not in (tmp_path / "summary.json").read_text()
+
+
+def test_a_job_ended_on_budgets_says_how_many_of_its_rounds_ran(tmp_path):
+    """The console's count is of the rounds that ran, and says so when they are fewer than
+    asked (a newcomer read "rounds 13/15 closed" of a 20-round job as a miscount)."""
+    from click.testing import CliRunner
+
+    from edge_fl.cli import main
+
+    args = ["simulate", "--devices", "10", "--clients-per-round", "5", "--rounds", "10"]
+    args += ["--model", "logreg", "--mechanism", "laplace", "--epsilon", "5", "--budget", "1"]
+    args += ["--no-progress", "--out", str(tmp_path), "--job", f"ran-{uuid.uuid4().hex[:6]}"]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0, result.output
+    ran = json.loads((tmp_path / "summary.json").read_text())["rounds"]
+    assert ran < 10
+    assert f"/{ran} closed ({ran} of the 10 asked ran)" in result.output
+    assert "ended early: only" in result.output

@@ -406,8 +406,10 @@ def simulate(
         click.echo(json.dumps(summary, indent=2, default=str))
         return
     acc = summary.get("final_accuracy")
+    ran, asked = summary["rounds"], cfg.rounds.rounds
+    of_asked = f" ({ran} of the {asked} asked ran)" if ran < asked else ""
     click.echo(
-        f"rounds {summary['rounds_closed']}/{summary['rounds']} closed, final accuracy "
+        f"rounds {summary['rounds_closed']}/{ran} closed{of_asked}, final accuracy "
         f"{acc if acc is None else round(acc, 4)}, bytes up {summary['total_bytes_up']:,}, "
         f"bytes down {summary['total_bytes_down']:,}, "
         f"total {summary['timings']['total_s']:.2f}s" + (f" -> {out}" if out else "")
