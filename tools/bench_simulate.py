@@ -9,7 +9,7 @@ training and averaging, no framework). The breakdown comes from the run's own su
     .venv/bin/python tools/bench_simulate.py --repeats 5            # the README's first job
     .venv/bin/python tools/bench_simulate.py --repeats 5 --args ""  # the default job
     .venv/bin/python tools/bench_simulate.py --args "" --guard tools/bench_simulate_baseline.json
-    .venv/bin/python tools/bench_simulate.py --args "--epochs 5"   # more training per round
+    .venv/bin/python tools/bench_simulate.py --args "--epochs 20"  # 4x the training per round
 
 The regression guard compares the per-round cost, as a ratio to the plain loop's per-round cost
 measured in the same run (so the machine's speed cancels), with the recorded baseline and exits 1
