@@ -185,6 +185,36 @@ def test_publish_nowait_from_a_paho_callback_reaches_subscribers(mosquitto):
     run(scenario)
 
 
+def test_write_through_sends_a_packet_as_it_is_queued(mosquitto):
+    """``write_through``: a packet queued on the loop's thread is written before the publish
+    returns (nothing left for aiomqtt's writer), where aiomqtt alone leaves it queued until the
+    loop's next pass; one queued from another thread takes aiomqtt's path; both arrive."""
+    topic = unique("adapter/through")
+
+    async def scenario() -> None:
+        inbox = Inbox()
+        async with client(mosquitto.spec) as plain, client(mosquitto.spec) as through:
+            client_adapter.quiet_on_loss(through)
+            client_adapter.write_through(through)
+            async with client(mosquitto.spec) as reader:
+                client_adapter.manual_acks(reader, inbox)
+                await reader.subscribe(topic, qos=1)
+                queued = client_adapter.paho_client(plain)
+                queued.publish(topic, b"plain", qos=1)
+                assert queued.want_write()  # waits for the loop's writer
+                at_once = client_adapter.paho_client(through)
+                at_once.publish(topic, b"through", qos=1)
+                assert not at_once.want_write()  # already on the socket
+                loop = asyncio.get_running_loop()
+                await loop.run_in_executor(None, at_once.publish, topic, b"thread", 1)
+                await inbox.until(lambda m: len(m) == 3)
+                assert sorted(inbox.payloads()) == [b"plain", b"thread", b"through"]
+                for message in inbox.messages:
+                    client_adapter.ack(reader, message.mid, 1)
+
+    run(scenario)
+
+
 def test_wrapped_sockets_carry_the_whole_session(mosquitto):
     """``wrap_sockets``: paho reads and writes through the wrapper from the CONNECT on, and
     aiomqtt's event-loop registration still works (messages flow both ways)."""

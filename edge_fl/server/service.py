@@ -681,6 +681,8 @@ class AggregatorService:
         self._paho = client
         client_adapter.manual_acks(client, self._on_paho_message)  # acked in _flush (see above)
         client_adapter.quiet_on_loss(client)  # a lost broker is the one line run() logs
+        if self.virtual:  # PUBACKs and grants written as they are queued (BENCHMARKS.md 23)
+            client_adapter.write_through(client)
         mqtt5 = client_adapter.is_mqtt5(client)
 
         def wrap(sock: Any) -> IngestTap:

@@ -13,6 +13,10 @@ paho client, or only as its private attributes:
 * per-packet byte counts: paho has no hook for them, so :func:`install_packet_hooks` wraps two
   methods of paho's ``Client`` class, ``_sock_send`` (each write of MQTT bytes) and
   ``_packet_handle`` (each whole packet read; ``_in_packet`` holds its length fields);
+* writing a packet as it is queued (:func:`write_through`): paho's ``on_socket_register_write``
+  (aiomqtt's handler, kept for what the socket does not take at once), its outgoing queue
+  ``_out_packet``, ``_registered_write`` and ``_in_callback_mutex``, and the loop aiomqtt
+  registers sockets with (``_loop``);
 * connecting without aiomqtt's thread hop (:func:`connect`): aiomqtt runs paho's blocking
   ``connect`` in the loop's default executor, one thread-pool job per session (its lock,
   ``_client_connect``, ``_connected``/``_disconnected`` futures, ``_wait_for`` and socket
@@ -59,6 +63,7 @@ __all__ = [
     "tls_configured",
     "uses_tls",
     "wrap_sockets",
+    "write_through",
 ]
 
 
@@ -342,6 +347,62 @@ class _LoopGuard:
 def _retrieve(future: Any) -> None:
     if not future.cancelled():
         future.exception()
+
+
+def write_through(client: aiomqtt.Client) -> None:
+    """Write each packet queued on the loop's own thread at once, as paho does without an
+    external loop, instead of asking the loop to watch the socket for writing first.
+
+    aiomqtt answers paho's "register write" with ``call_soon(add_writer)``: every packet (a
+    device's status, its PUBACK, a clock message) cost a loop pass, an ``epoll_ctl`` to watch
+    the socket, a wake-up when it is writable, the write, and an ``epoll_ctl`` to stop watching.
+    Here the write happens inside paho's ``_packet_queue`` (the same bytes, in the same order on
+    the session; only sooner); only what the socket does not take at once (a full send buffer,
+    ``EAGAIN``) is left to aiomqtt's writer as before. From another thread, or inside a paho
+    callback (paho's own rule for writing directly), aiomqtt's path is kept; so it is for a
+    DISCONNECT (a leaving fleet's last packets stay after the stop's record, whose wire counts
+    would otherwise take them in: the bytes are the same, the record would not be). Call after
+    :func:`quiet_on_loss` (it guards the loop aiomqtt registers sockets with)."""
+    pc = paho_client(client)
+    register = pc.on_socket_register_write  # aiomqtt's: call_soon(add_writer) for the socket
+    guard = client._loop
+    loop = guard._loop if isinstance(guard, _LoopGuard) else guard
+    in_callback = pc._in_callback_mutex
+    writing = False
+
+    def on_socket_register_write(inner: paho.Client, userdata: Any, sock: Any) -> None:
+        nonlocal writing
+        queued = inner._out_packet
+        if (
+            writing
+            or _running_loop() is not loop
+            or (queued and queued[-1]["command"] & 0xF0 == paho.DISCONNECT)
+            or not in_callback.acquire(False)
+        ):
+            if register is not None:
+                register(inner, userdata, sock)
+            return
+        in_callback.release()
+        writing = True
+        try:
+            inner.loop_write()  # writes what is queued; unregisters when nothing is left
+        except Exception as exc:  # what aiomqtt's writer callback does with a broken pipe
+            if not client._disconnected.done():
+                client._disconnected.set_exception(exc)
+            return
+        finally:
+            writing = False
+        if inner._registered_write and register is not None:  # the socket took part of it
+            register(inner, userdata, sock)
+
+    pc.on_socket_register_write = on_socket_register_write
+
+
+def _running_loop() -> asyncio.AbstractEventLoop | None:
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:  # another thread (paho's blocking connect in aiomqtt's executor)
+        return None
 
 
 def quiet_on_loss(client: aiomqtt.Client) -> None:
