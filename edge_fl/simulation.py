@@ -441,14 +441,17 @@ def _preload(job: Job) -> None:
     """On a thread, import onnx and onnxruntime (about 0.3 s on a slow machine) and build the
     job's evaluation session, while the broker starts and devices connect, which mostly wait
     on sockets, instead of on the event loop when the first round closes. A failure is left
-    for the real call to report."""
+    for the real call to report. Not a daemon: a command that fails before its first round
+    (a bad profile, say) waits for it at exit, where killing it in the middle of building an
+    onnxruntime session aborted the process ("terminate called without an active exception",
+    exit -6 instead of the one-line error)."""
 
     def load() -> None:
         with contextlib.suppress(Exception):
             importlib.import_module("edge_fl.models.onnx_export")
             job.evaluation_session()
 
-    threading.Thread(target=load, name="preload", daemon=True).start()
+    threading.Thread(target=load, name="preload").start()
 
 
 @dataclass
