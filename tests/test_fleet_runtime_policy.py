@@ -199,3 +199,41 @@ def test_the_others_still_train_when_the_measuring_training_fails():
     f = asyncio.run(scenario())
     assert f.device_errors == 1
     assert updates(f) == {"d0": 0, "d1": 1, "d2": 1}
+
+
+class Unacknowledged(Session):
+    """A session lost right after the update went out: its PUBACK never comes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sent = asyncio.Event()
+
+    async def publish(self, topic: str, payload: bytes, qos: int = 0, retain: bool = False):
+        if "/up/" in topic:
+            self.updates.append(payload)
+            self.sent.set()
+            await asyncio.Event().wait()  # aiomqtt would wait out its 10 s timeout here
+
+
+def test_an_update_stuck_on_a_lost_session_is_re_sent_on_the_new_one():
+    """The session watcher gives up on an update whose session died before its PUBACK (a socket
+    reset under a cluster node), so the device re-sends it on its new session at once, not
+    after aiomqtt's timeout, when its round had closed without it."""
+
+    async def scenario() -> tuple[Fleet, Unacknowledged, Session]:
+        lost = Unacknowledged()
+        f = fleet(1, d0=lost)
+        msg = gm(1, ("d0",))
+        f.hand_out(msg, 100)
+        await lost.sent.wait()
+        await asyncio.wait_for(f.abandon_upload("d0"), 5)  # what re-opening it does first
+        assert f.publish_failures == 1
+        new = Session()
+        f.clients["d0"] = new  # type: ignore[assignment]
+        f.hand_out(msg, 100)  # the retained model on the new session
+        await asyncio.wait_for(f.settled(), 5)
+        return f, lost, new
+
+    f, lost, new = asyncio.run(scenario())
+    assert new.updates == lost.updates  # the same release, not a second one
+    assert f.agents["d0"].state.exposures == 1

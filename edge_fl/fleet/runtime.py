@@ -218,6 +218,10 @@ class Fleet:
         self._downlink_up = False
         self._session_lost = asyncio.Event()
         self._reopening: set[str] = set()
+        #: devices whose update is out on their session, awaiting its PUBACK (their task), and
+        #: those of them whose session was found lost meanwhile (:meth:`abandon_upload`)
+        self._uploading: dict[str, asyncio.Task] = {}
+        self._abandoned: set[str] = set()
         self._retry_at: dict[str, tuple[float, int]] = {}  # device: (next try, failures)
         self._last_msg: GlobalModel | None = None  # the newest model handed out
         self._last_model_bytes = 0
@@ -565,10 +569,37 @@ class Fleet:
         if client is None:  # its session is being re-opened: re-sent then
             self._session_lost.set()
             return Uploaded(effect.round)
-        await client.publish(self.topics.update(device), effect.payload, qos=1)
+        task = asyncio.current_task()
+        assert task is not None
+        self._uploading[device] = task
+        try:
+            await client.publish(self.topics.update(device), effect.payload, qos=1)
+        except asyncio.CancelledError:
+            if device not in self._abandoned:
+                raise
+            self._abandoned.discard(device)
+            task.uncancel()  # not the job's cancellation: the lost session's (re-sent)
+            raise aiomqtt.MqttError("session lost before the broker acknowledged it") from None
+        finally:
+            self._uploading.pop(device, None)
         self.vt_published += 1
         self._delivered(device, effect.round)
         return Uploaded(effect.round)
+
+    async def abandon_upload(self, device: str) -> None:
+        """Stop waiting for the PUBACK of an update that went out on a session now lost: that
+        session will never bring it, and aiomqtt would wait out its timeout (10 s, a round's
+        deadline), holding the device so that it re-sent only after its round had closed
+        without it. The device then re-sends on its new session, as after any failed publish
+        (the aggregator counts a copy it already has as a duplicate)."""
+        stuck = self._uploading.get(device)
+        if stuck is None or stuck.done():
+            return
+        self._abandoned.add(device)
+        stuck.cancel()
+        with contextlib.suppress(BaseException):
+            await stuck
+        self._abandoned.discard(device)
 
     async def _publish_secure(self, agent: DeviceAgent, effect: Publish) -> None:
         """A SecAgg+ message, unless the device vanished from the round before its phase."""
@@ -944,6 +975,7 @@ class Fleet:
             and (d not in self.clients or not client_adapter.is_connected(self.clients[d]))
         ]
         lost = [d for d in lost if d not in self._reopening]  # the session watcher has these
+        await asyncio.gather(*(self.abandon_upload(d) for d in lost))
         for device in lost:
             self.clients.pop(device, None)
         self._reopening.update(lost)
@@ -972,6 +1004,7 @@ class Fleet:
         counts a copy it already has as a duplicate)."""
         self._reopening.add(device)
         try:
+            await self.abandon_upload(device)
             self.clients.pop(device, None)
             try:
                 await self._connect(self.agents[device], gate)
