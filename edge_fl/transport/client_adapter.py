@@ -386,13 +386,12 @@ def write_through(client: aiomqtt.Client) -> None:
         writing = True
         try:
             inner.loop_write()  # writes what is queued; unregisters when nothing is left
-        except Exception as exc:  # what aiomqtt's writer callback does with a broken pipe
-            if not client._disconnected.done():
-                client._disconnected.set_exception(exc)
-            return
+        except Exception as exc:  # what aiomqtt's writer callback does with a broken pipe (or
+            if not client._disconnected.done():  # a raising callback: then the rest of the
+                client._disconnected.set_exception(exc)  # queue is still written, below)
         finally:
             writing = False
-        if inner._registered_write and register is not None:  # the socket took part of it
+        if inner._registered_write and register is not None:  # not all of it was written
             register(inner, userdata, sock)
 
     pc.on_socket_register_write = on_socket_register_write
