@@ -571,6 +571,8 @@ async def _run_with_fleet(
             with contextlib.suppress(BaseException):
                 await fleet_task
             raise
+        if service.broker_lost:  # no done marker reached it: it would wait for one
+            fleet_task.cancel()
         with contextlib.suppress(TimeoutError, asyncio.CancelledError):
             await asyncio.wait_for(fleet_task, timeout=10)
         if not fleet_task.done():

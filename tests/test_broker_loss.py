@@ -291,3 +291,38 @@ def test_five_broker_restarts_mid_round_skip_no_round_and_lose_no_update():
     assert core.version == 8
     assert resent > 0  # the restarts did catch updates in flight
     assert all(c > 0 for c in caught), caught  # every restart did
+
+
+def test_losing_the_broker_under_virtual_time_stops_the_job_cleanly(tmp_path):
+    """The fleet keeps virtual time over its clock session, which a broker loss takes with it:
+    the job stops there, its open round decided and its files written, instead of a
+    traceback from a reconnect backoff slept in virtual time, or a wait for the fleet's clock
+    that never ended (a reviewer's broker kills, 2026-11-28)."""
+    import edge_fl
+
+    broker = EmbeddedBroker(kind="mosquitto", port=free_port()).start()
+    cfg = load_config(
+        None,
+        {
+            "job": f"vt-loss-{uuid.uuid4().hex[:6]}",
+            "broker.url": broker.url,
+            "data.devices": 100,
+            "rounds.rounds": 8,
+            "fleet.profile": "phone-fleet",
+            "reproducible": True,
+            "seed": 3,
+        },
+    )
+    assert cfg.fleet.virtual
+
+    def kill_the_broker_after_round_2(record: dict) -> None:
+        if record["round"] == 2:
+            broker.stop()  # SIGKILL: every connection drops at once
+
+    try:
+        result = edge_fl.run_simulation(cfg, tmp_path, on_record=kill_the_broker_after_round_2)
+    finally:
+        broker.stop()
+    assert result.summary["stopped"] == "losing the broker under virtual time"
+    assert 2 <= len(result.records) < 8
+    assert (tmp_path / "summary.json").exists()

@@ -416,9 +416,14 @@ def simulate(
     )
     if summary.get("stopped"):
         at, total = summary["rounds"], cfg.rounds.rounds
+        again = (
+            " (virtual time cannot be resumed: run it again; with --reproducible, the same records)"
+            if cfg.fleet.virtual
+            else " (--resume continues it)"
+        )
         click.echo(
             f"ended early: stopped by {summary['stopped']} at round {at} of {total}"
-            + (" (--resume continues it)" if out and at < total else "")
+            + (again if out and at < total else "")
         )
     elif summary.get("ended_early"):
         click.echo(f"ended early: {summary['ended_early']}")

@@ -151,6 +151,9 @@ class AggregatorService:
         self.vclock: AggregatorClock | None = AggregatorClock() if virtual_time else None
         self._vt_held: list[tuple[str, bytes, int, int, bool]] = []  # until their report
         self._vt_ready: ClockMessage | None = None
+        #: the job stopped because the broker went away under virtual time (the fleet, which
+        #: cannot be told, is then stopped by its caller)
+        self.broker_lost = False
         self._vt_gone = False
         self._vt_released: float | None = None  # loop time virtual time gave way to real time
         self._vt_event = asyncio.Event()
@@ -1490,6 +1493,18 @@ class AggregatorService:
                     self.connected.clear()
                     self._attempt += 1
                     attempt = self._attempt
+                    if self.vclock is not None and self._vt_released is None:
+                        # the fleet's clock session went with the broker and is not re-opened:
+                        # virtual time could not move again (a reconnect waited forever, or
+                        # its backoff, in virtual time, failed with a traceback)
+                        self.broker_lost = True
+                        log.warning(
+                            "lost the broker %s under virtual time (%s): the fleet's clock "
+                            "session went with it, so the job stops here",
+                            self.spec.redacted(),
+                            exc,
+                        )
+                        self.request_stop("losing the broker under virtual time")
                     if self.stopped is not None:
                         return self._stop_offline(exc)
                     if not self._ever_connected and attempt > min(3, self.reconnect_attempts):
