@@ -242,3 +242,46 @@ def test_the_last_records_simulated_time_is_when_its_window_closed(profile_path,
     assert max(gaps) < 10.0, sim  # a window of 3 from 12 devices, not the 30 s deadline
     # the drain still ran: the simulated run ends later than the last close
     assert summary["virtual_time"]["sim_end_s"] >= sim[-1]
+
+
+@pytest.mark.broker
+def test_aggregator_and_fleet_processes_both_stop_when_the_broker_goes_under_virtual_time(
+    make_broker, tmp_path
+):
+    """`edge-fl aggregator` + `edge-fl fleet` under virtual time, the broker SIGKILLed after the
+    first record: the aggregator stops its job (its clock partner's session is gone), and the
+    fleet, whose clock session went too, stops as well with one line instead of reconnecting
+    its devices to a job that no longer runs (it waited there for ever, 2026-11-28)."""
+    broker = make_broker()
+    edge_fl = str(Path(sys.executable).with_name("edge-fl"))
+    out = tmp_path / "agg"
+    args = [
+        "--broker", broker.url, "--job", f"vtkill-{uuid.uuid4().hex[:6]}", "--rounds", "1000",
+        "--devices", "20", "--model", "logreg", "--epochs", "1", "--profile", "phone-fleet",
+        "--clock", "virtual",
+    ]  # fmt: skip
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    agg = subprocess.Popen(
+        [edge_fl, "aggregator", *args, "--out", str(out)], env=env, text=True,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    )  # fmt: skip
+    fleet = subprocess.Popen([edge_fl, "fleet", *args], env=env, text=True, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 240
+        while not (out / "metrics.jsonl").exists() or not (out / "metrics.jsonl").read_text():
+            assert agg.poll() is None and time.monotonic() < deadline, "no round closed"
+            time.sleep(0.1)
+        broker.stop()  # SIGKILL: every session drops at once
+        _, agg_err = agg.communicate(timeout=120)
+        _, fleet_err = fleet.communicate(timeout=120)
+    finally:
+        for proc in (agg, fleet):
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(10)
+    assert agg.returncode == 0, agg_err[-2000:]
+    assert "losing the broker under virtual time" in agg_err
+    assert fleet.returncode == 0, fleet_err[-2000:]
+    last = fleet_err.strip().splitlines()[-1]
+    assert "stopped by losing the broker under virtual time" in last, fleet_err[-2000:]
+    assert "Traceback" not in fleet_err

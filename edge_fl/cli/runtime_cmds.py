@@ -377,5 +377,8 @@ def fleet(shard, indices, credentials, verbose, config, **kw) -> None:
         _fail_now(_broker_problem(spec.to_url(), exc))
     finally:
         signals.restore()
-    stopped = f"stopped by {signals.received}: " if signals.received else ""
+    if runtime.broker_lost:  # the aggregator's job stopped there too (its own last line)
+        stopped = "stopped by losing the broker under virtual time: "
+    else:
+        stopped = f"stopped by {signals.received}: " if signals.received else ""
     click.echo(f"fleet shard {shard}: {stopped}{runtime.published} updates published", err=True)

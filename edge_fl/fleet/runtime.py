@@ -198,6 +198,9 @@ class Fleet:
         self.digest = digest
         self.max_reconnects = 10
         self.reconnect_attempt = 0
+        #: virtual time ended because the broker went away: the clock session is not re-opened
+        #: (the aggregator stops its job there too), so the fleet stops rather than reconnect
+        self.broker_lost = False
         self._pool = ThreadPoolExecutor(max_workers=train_workers, thread_name_prefix="train")
         # every session's keepalive on one timer, not one aiomqtt task waking each second per
         # session (docs/bench/profile-10k.md); a PINGREQ goes out at most a quarter of the
@@ -751,6 +754,28 @@ class Fleet:
                 task.add_done_callback(self._clocked.discard)
                 task.add_done_callback(self._poke)
 
+    async def _downlink_or_clock(self, driver: asyncio.Task | None) -> bool:
+        """One downlink session (True when the job is done); under virtual time it ends too
+        when the clock driver does, whose session a broker loss takes (MqttError)."""
+        if driver is None:
+            return await self._downlink()
+        downlink = asyncio.create_task(self._downlink(), name="fleet-downlink")
+        try:
+            await asyncio.wait({downlink, driver}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            if not downlink.done():
+                downlink.cancel()
+                with contextlib.suppress(asyncio.CancelledError, aiomqtt.MqttError):
+                    await downlink
+        if downlink.done() and not downlink.cancelled():
+            return downlink.result()
+        exc = driver.exception()
+        raise (
+            exc
+            if isinstance(exc, aiomqtt.MqttError)
+            else aiomqtt.MqttError(f"the virtual-time clock session ended ({exc!r})")
+        )
+
     async def _downlink(self) -> bool:
         """One downlink session; True when the job is done."""
         if self.downlink_device is not None:
@@ -1075,11 +1100,21 @@ class Fleet:
             self.reconnect_attempt = 0
             while True:
                 try:
-                    if await self._downlink():
+                    if await self._downlink_or_clock(driver):
                         break
                 except aiomqtt.MqttError as exc:
                     if is_fatal(exc):
                         raise  # a refused login or certificate: retrying cannot fix it
+                    if self.virtual:
+                        self.broker_lost = True
+                        log.warning(
+                            "fleet: lost the broker %s under virtual time (%s): the clock "
+                            "session went with it and the aggregator stops its job there, so "
+                            "the fleet stops too",
+                            self.spec.redacted(),
+                            exc,
+                        )
+                        break
                     self.reconnect_attempt += 1
                     if self.reconnect_attempt > self.max_reconnects:
                         raise RuntimeError(
@@ -1135,10 +1170,13 @@ def _retrieved(task: asyncio.Task) -> None:
 
 
 def _report_driver_end(task: asyncio.Task) -> None:
-    """The fleet's clock driver only ends with the fleet (cancelled); anything else stalls
-    virtual time, so it is said at once."""
-    if not task.cancelled() and task.exception() is not None:
-        log.error("fleet: virtual-time driver failed: %r", task.exception())
+    """The fleet's clock driver only ends with the fleet (cancelled) or with its session (the
+    run loop says that and stops); anything else stalls virtual time, so it is said at once."""
+    if task.cancelled():
+        return
+    exc = task.exception()
+    if exc is not None and not isinstance(exc, aiomqtt.MqttError):
+        log.error("fleet: virtual-time driver failed: %r", exc)
 
 
 def _timed(fn: Callable[[T], R], arg: T) -> tuple[R, float]:
