@@ -15,7 +15,6 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-import yaml
 from pydantic import (
     BaseModel,
     ConfigDict,
@@ -27,7 +26,7 @@ from pydantic import (
 )
 
 from edge_fl.mechanisms import mechanism_class, registered
-from edge_fl.mechanisms.signds import MagRRSettings, SignDSSettings
+from edge_fl.mechanisms.signds_settings import MagRRSettings, SignDSSettings
 from edge_fl.protocol.codecs import build_codec
 
 
@@ -728,11 +727,18 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
         text = path.read_text()
     except OSError as exc:
         raise ConfigError(f"cannot read config file {path}: {exc.strerror}") from None
-    try:
-        data = tomllib.loads(text) if path.suffix == ".toml" else yaml.safe_load(text)
-    except (yaml.YAMLError, tomllib.TOMLDecodeError) as exc:
-        kind = "TOML" if path.suffix == ".toml" else "YAML"
-        raise ConfigError(f"config file {path} is not valid {kind}: {exc}") from None
+    if path.suffix == ".toml":
+        try:
+            data = tomllib.loads(text)
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None
+    else:
+        import yaml  # only here: a job configured without a YAML file does not pay for it
+
+        try:
+            data = yaml.safe_load(text)
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"config file {path} is not valid YAML: {exc}") from None
     if data is None:
         return {}
     if not isinstance(data, dict):

@@ -29,8 +29,8 @@ HEADER = """\
 # Configuration reference
 
 Generated from `edge_fl/config.py` (`privacy.signds` and `privacy.magrr` from the SignDS
-mechanism, `edge_fl/mechanisms/signds.py`) by `tests/test_config_reference.py --write` (the test
-fails when this file and the code differ). One validated config, from a YAML or TOML file, then the
+mechanism's settings, `edge_fl/mechanisms/signds_settings.py`) by
+`tests/test_config_reference.py --write` (the test fails when this file and the code differ). One validated config, from a YAML or TOML file, then the
 command line's flags (`edge-fl simulate --help` names the flag of each key it has) and
 `--set key=value` overrides. Unknown keys are errors; a bad value fails before anything starts,
 naming the key, the value and the domain. Names marked *registry* (models, datasets, mechanisms,

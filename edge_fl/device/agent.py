@@ -19,7 +19,7 @@ import logging
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -49,7 +49,10 @@ from edge_fl.protocol import (
 )
 from edge_fl.protocol.codecs import Codec, CodecState
 from edge_fl.protocol.secure import round_seed
-from edge_fl.secagg import Aborted, DeviceSession, Send, params_from_wire, roster_graph
+from edge_fl.secagg import Aborted, Send, params_from_wire, roster_graph
+
+if TYPE_CHECKING:  # the device's SecAgg+ session needs cryptography: imported for a secure round
+    from edge_fl.secagg import DeviceSession
 
 log = logging.getLogger("edge_fl.device")
 
@@ -230,6 +233,8 @@ class DeviceAgent:
             log.warning("round %d: refused before advertising keys: %s", msg.round, problem)
             return []
         try:
+            from edge_fl.secagg import DeviceSession  # with its cryptography: secure rounds only
+
             params = params_from_wire(msg.job, msg.round, msg.nonce, tuple(msg.selected), sa)
             self.session = DeviceSession(
                 self.device_id,

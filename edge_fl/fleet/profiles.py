@@ -30,6 +30,7 @@ distributions, written as a bare number (fixed) or a mapping with a ``dist`` tag
 from __future__ import annotations
 
 import bisect
+import functools
 import math
 import os
 from abc import ABC, abstractmethod
@@ -39,7 +40,6 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import numpy as np
-import yaml
 from pydantic import (
     BaseModel,
     BeforeValidator,
@@ -771,8 +771,10 @@ class FleetProfile(_Strict):
 
     @classmethod
     def from_yaml_text(cls, text: str, source: str = "<string>") -> FleetProfile:
+        import yaml  # only here: a fleet without a profile does not pay for it
+
         try:
-            data = yaml.load(text, Loader=_UniqueKeyLoader)  # a SafeLoader subclass
+            data = yaml.load(text, Loader=_unique_key_loader())  # a SafeLoader subclass
         except yaml.YAMLError as e:
             raise ProfileError(source, [f"not valid YAML: {e}"]) from None
         return cls.from_mapping(data, source)
@@ -852,19 +854,25 @@ def _describe(err: ValidationError) -> list[str]:
     return lines
 
 
-class _UniqueKeyLoader(yaml.SafeLoader):
-    """SafeLoader that rejects repeated keys, which plain YAML silently resolves to the last."""
+@functools.cache
+def _unique_key_loader() -> type[Any]:
+    """A SafeLoader that rejects repeated keys, which plain YAML silently resolves to the last
+    (built on first use, so that importing this module does not import yaml)."""
+    import yaml
 
-    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
-        seen: set[Any] = set()
-        for key_node, _ in node.value:
-            key = self.construct_object(key_node, deep=deep)
-            if key in seen:
-                raise yaml.constructor.ConstructorError(
-                    None, None, f"duplicate key {key!r}", key_node.start_mark
-                )
-            seen.add(key)
-        return super().construct_mapping(node, deep=deep)
+    class UniqueKeyLoader(yaml.SafeLoader):
+        def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+            seen: set[Any] = set()
+            for key_node, _ in node.value:
+                key = self.construct_object(key_node, deep=deep)
+                if key in seen:
+                    raise yaml.constructor.ConstructorError(
+                        None, None, f"duplicate key {key!r}", key_node.start_mark
+                    )
+                seen.add(key)
+            return super().construct_mapping(node, deep=deep)
+
+    return UniqueKeyLoader
 
 
 # --------------------------------------------------------------------------------------------

@@ -80,7 +80,6 @@ from edge_fl.protocol.clock import (
     decode_clock,
 )
 from edge_fl.protocol.messages import Dispatch
-from edge_fl.secagg.driver import VANISH as PHASES  # the phases a device can vanish before
 from edge_fl.transport import client_adapter
 from edge_fl.transport.limits import ensure_open_files
 from edge_fl.transport.url import BrokerSpec
@@ -606,6 +605,10 @@ class Fleet:
 
     async def _publish_secure(self, agent: DeviceAgent, effect: Publish) -> None:
         """A SecAgg+ message, unless the device vanished from the round before its phase."""
+        # the phases a device can vanish before (the driver imports both SecAgg+ state machines
+        # and their cryptography: only for jobs that run secure rounds)
+        from edge_fl.secagg.driver import VANISH as PHASES
+
         device = agent.device_id
         phase = PHASES.index(PHASE_OF.get(effect.kind, "unmask"))
         if effect.kind == "ak":  # a new session: does the device vanish in this round, when?

@@ -12,7 +12,6 @@ import os
 from dataclasses import dataclass
 
 import numpy as np
-from randomgen import ChaCha
 
 
 @dataclass(frozen=True)
@@ -29,6 +28,8 @@ class RngInfo:
 
 def secure_generator() -> np.random.Generator:
     """A numpy Generator over ChaCha20 with a 256-bit key from the OS entropy pool."""
+    from randomgen import ChaCha  # here: importing this module (a seeded run) needs no randomgen
+
     key = int.from_bytes(os.urandom(32), "little")
     return np.random.Generator(ChaCha(key=key, counter=0, rounds=20))
 

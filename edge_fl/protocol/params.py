@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,6 +43,7 @@ __all__ = [
     "number_param",
     "register_schema",
     "schemas",
+    "set_schema_resolver",
 ]
 
 MAX_PARAMS = 64  # entries in ``mp``
@@ -148,6 +149,20 @@ class MechanismSchema:
 
 _SCHEMAS: dict[str, MechanismSchema] = {}
 
+#: registers the schema of a mechanism that exists but was not imported yet (the mechanism
+#: registry imports its built-ins on first use), and the names it can resolve
+_resolve: Callable[[str], None] | None = None
+_resolvable: Callable[[], Iterable[str]] = tuple
+
+
+def set_schema_resolver(resolve: Callable[[str], None], names: Callable[[], Iterable[str]]) -> None:
+    """Hand the wire layer a way to have a schema registered on demand: ``resolve(name)`` is
+    called for a mechanism name with no schema yet (it registers one with
+    :func:`register_schema`, or does nothing for a name it does not know); ``names()`` lists
+    what it can resolve (for :func:`schemas`). The wire layer still imports no mechanism."""
+    global _resolve, _resolvable
+    _resolve, _resolvable = resolve, names
+
 
 def register_schema(schema: MechanismSchema) -> MechanismSchema:
     """Register (or replace) the wire schema of ``schema.name``; ValueError if it is malformed."""
@@ -164,11 +179,19 @@ def register_schema(schema: MechanismSchema) -> MechanismSchema:
 
 def mechanism_schema(name: str | None) -> MechanismSchema | None:
     """The registered schema of mechanism ``name`` (None: not registered)."""
-    return _SCHEMAS.get(name) if type(name) is str else None
+    if type(name) is not str:
+        return None
+    schema = _SCHEMAS.get(name)
+    if schema is None and _resolve is not None:
+        _resolve(name)
+        schema = _SCHEMAS.get(name)
+    return schema
 
 
 def schemas() -> dict[str, MechanismSchema]:
-    """Every registered schema, by mechanism name."""
+    """Every registered schema, by mechanism name (those the resolver knows included)."""
+    for name in _resolvable():
+        mechanism_schema(name)
     return dict(_SCHEMAS)
 
 

@@ -5,12 +5,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cached_property
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from edge_fl.protocol import NONCE_BYTES
 from edge_fl.protocol.fields import NAME
-from edge_fl.secagg.graph import Graph, graph_seed
+
+if TYPE_CHECKING:  # the graph needs cryptography: imported when a round first asks for it
+    from edge_fl.secagg.graph import Graph
 
 
 @dataclass(frozen=True)
@@ -53,6 +56,8 @@ class RoundParams:
 
     @cached_property
     def graph(self) -> Graph:
+        from edge_fl.secagg.graph import Graph, graph_seed
+
         return Graph(self.roster, self.neighbours, graph_seed(self.job, self.round, self.nonce))
 
     @property

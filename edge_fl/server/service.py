@@ -54,8 +54,6 @@ from edge_fl.protocol.clock import (
 from edge_fl.protocol.dispatch import encode_dispatch
 from edge_fl.protocol.messages import Dispatch
 from edge_fl.protocol.secure import masked_head, secure_head, up_kind
-from edge_fl.secagg import Deliver
-from edge_fl.server.secure import SecureRound
 from edge_fl.transport import client_adapter
 from edge_fl.transport.tap import IngestTap
 from edge_fl.transport.url import BrokerSpec
@@ -66,8 +64,11 @@ from .group_commit import ACK_BATCH, GroupCommit
 from .rounds import Decision
 from .signals import StopSignals
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # SecAgg+ (and its cryptography) only for jobs that run secure rounds
     import paho.mqtt.client as paho
+
+    from edge_fl.secagg import Deliver
+    from edge_fl.server.secure import SecureRound
 
 __all__ = ["ACK_BATCH", "AggregatorService", "BrokerUnavailable", "IngestTap", "StopSignals"]
 
