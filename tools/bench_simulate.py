@@ -3,7 +3,7 @@
 Each repetition runs the real command in a fresh interpreter; baselines measured in the same run,
 alternating with it: `python -c pass` (interpreter start), `python -c "import numpy"` and
 tools/plain_fedavg.py (a plain numpy FedAvg loop of the same job: same data split, model, local
-training and averaging, no framework). The breakdown comes from the run's own summary.json
+training and averaging, no framework), run as it is and with numpy's BLAS on one thread. The breakdown comes from the run's own summary.json
 (build, broker ready, fleet connected, first round, all rounds).
 
     .venv/bin/python tools/bench_simulate.py --repeats 5            # the README's first job
@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import resource
 import statistics
 import subprocess
@@ -32,6 +33,17 @@ PY = sys.executable
 EDGE_FL = str(Path(PY).with_name("edge-fl"))
 PLAIN = str(Path(__file__).with_name("plain_fedavg.py"))
 GUARD_TOLERANCE = 1.20
+#: the plain loop again with numpy's BLAS on one thread: on small matrices OpenBLAS's threads
+#: bring nothing, and when the other core is busy they can make the loop jumpy (2026-11-28, six
+#: alternating pairs on 2 cores: 0.67-1.18 s with its default threads, 0.66-0.73 s with one), so
+#: the ratio is also given against the faster of the two
+PLAIN_ONE_THREAD = "plain loop, one BLAS thread"
+ONE_THREAD = {
+    **os.environ,
+    "OPENBLAS_NUM_THREADS": "1",
+    "OMP_NUM_THREADS": "1",
+    "MKL_NUM_THREADS": "1",
+}
 
 
 def plain_args(simulate_args: str) -> list[str]:
@@ -93,6 +105,7 @@ def main() -> None:
     compile_package()
     rows: dict[str, list[float]] = {"python -c pass": [], "python -c 'import numpy'": []}
     rows["plain numpy FedAvg loop (whole process)"] = []
+    rows[PLAIN_ONE_THREAD] = []
     rows["edge-fl simulate (whole process)"] = []
     plain_rounds: list[float] = []
     cpu: dict[str, list[float]] = {"plain": [], "simulate": []}
@@ -108,6 +121,11 @@ def main() -> None:
         rows["plain numpy FedAvg loop (whole process)"].append(time.perf_counter() - t)
         cpu["plain"].append(children_cpu() - c)
         plain_rounds.append(float(plain.stdout.rsplit("rounds ", 1)[1].split()[0]))
+        t = time.perf_counter()
+        subprocess.run(
+            [PY, PLAIN, *plain_args(args.args)], check=True, capture_output=True, env=ONE_THREAD
+        )
+        rows[PLAIN_ONE_THREAD].append(time.perf_counter() - t)
         with tempfile.TemporaryDirectory() as out:
             cmd = [EDGE_FL, "simulate", *args.args.split(), "--out", out, "--no-progress"]
             rows["edge-fl simulate (whole process)"].append(timed(cmd, cpu["simulate"]))
@@ -133,7 +151,12 @@ def main() -> None:
     n_rounds = len(per_round) / args.repeats
     plain_round = statistics.median(plain_rounds) / n_rounds
     ratio_round = statistics.median(per_round) / plain_round
-    print(f"  whole process against the plain loop: x{whole / plain_whole:.2f}")
+    one_thread = statistics.median(rows[PLAIN_ONE_THREAD])
+    print(
+        f"  whole process against the plain loop: x{whole / plain_whole:.2f} "
+        f"(x{whole / one_thread:.2f} against its one-BLAS-thread run; the stricter: "
+        f"x{whole / min(plain_whole, one_thread):.2f})"
+    )
     cpu_sim, cpu_plain = statistics.median(cpu["simulate"]), statistics.median(cpu["plain"])
     print(
         f"  CPU (user+sys, all processes): simulate {cpu_sim:.2f} s, plain {cpu_plain:.2f} s, "
