@@ -339,6 +339,15 @@ def refuse_resume(cfg: JobConfig, out_dir: str | Path | None) -> None:
                 f"{w['reproducible']} it gives the same records), or use fleet.clock: wall"
             )
         )
+    closed = _rounds_closed(out_dir)
+    if closed is not None and closed > cfg.rounds.rounds:
+        raise RunDirError(
+            lambda w: (
+                f"{out_dir} holds a run that closed {closed} rounds (checkpoint.json), more "
+                f"than the {cfg.rounds.rounds} asked now: give {w['rounds']} above {closed} "
+                f"to continue it, a new {w['out']}, or {w['overwrite']}"
+            )
+        )
     path = None if out_dir is None else Path(out_dir) / "summary.json"
     if path is not None and path.exists():
         try:
@@ -354,6 +363,20 @@ def refuse_resume(cfg: JobConfig, out_dir: str | Path | None) -> None:
                     f"or {w['overwrite']}"
                 )
             )
+
+
+def _rounds_closed(out_dir: str | Path | None) -> int | None:
+    """The rounds the checkpoint in ``out_dir`` says closed; None without a readable one (the
+    journal's and the checkpoint's own checks then decide)."""
+    from edge_fl.server.checkpoint import STATE
+
+    if out_dir is None:
+        return None
+    try:
+        closed = json.loads((Path(out_dir) / STATE).read_text()).get("round_number")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return closed if type(closed) is int else None
 
 
 def refuse_earlier_run(out_dir: str | Path) -> None:

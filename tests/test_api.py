@@ -294,6 +294,14 @@ def test_a_torch_module_is_a_model_with_per_example_grads_and_onnx():
     assert not np.array_equal(he, params)
     with pytest.raises(ValueError, match="returns 3 logits per row; n_classes = 4"):
         edge_fl.TorchModule(net, 16, 4)
+    # what the flat parameter vector cannot carry is refused when the model is made: batch-norm
+    # statistics were accepted and then failed the first round's ONNX export, dropout was off
+    with pytest.raises(ValueError, match=r"has buffers \(1\.running_mean, .*not federated"):
+        edge_fl.TorchModule(nn.Sequential(nn.Linear(16, 8), nn.BatchNorm1d(8)), 16)
+    with pytest.raises(ValueError, match=r"has dropout \(1\): .*eval mode"):
+        edge_fl.TorchModule(nn.Sequential(nn.Linear(16, 8), nn.Dropout(0.1)), 16)
+    with pytest.raises(ValueError, match=r"cannot take a \(1, 16\) row .*1x16 and 8x4"):
+        edge_fl.TorchModule(nn.Linear(8, 4), 16)
 
 
 # --------------------------------------------------------------------------- running
@@ -343,6 +351,13 @@ def test_a_crashed_simulation_resumes_from_its_checkpoint_and_journal(mosquitto,
         edge_fl.run_simulation(cfg, tmp_path)
     # the traceback a script shows is the refusal alone, not "during handling of" a missing loop
     assert refused.value.__context__ is None
+    # fewer rounds than the run already closed: refused before anything is touched (it reopened
+    # round 3 and waited out its deadline for devices that ignored a round past the job's end)
+    before = {f.name: f.read_bytes() for f in tmp_path.iterdir() if f.is_file()}
+    with pytest.raises(RunDirError, match=r"closed 2 rounds .*more than the 1 asked"):
+        edge_fl.run_simulation(small(**{"broker.url": mosquitto.url, "rounds.rounds": 1}),
+                               tmp_path, resume=True)  # fmt: skip
+    assert {f.name: f.read_bytes() for f in tmp_path.iterdir() if f.is_file()} == before
     result = edge_fl.run_simulation(cfg, tmp_path, resume=True)
     assert result.summary["rounds_closed"] == 4
     rounds = [json.loads(line)["round"] for line in (tmp_path / "metrics.jsonl").open()]

@@ -54,7 +54,7 @@ def common_job_options(f):
         click.option("--dataset", help="digits | synthetic | synthetic-iid | femnist | mnist"),
         click.option("--data-dir", type=click.Path(file_okay=False), help="for femnist/mnist"),
         click.option("--model", "model_name", help="logreg | mlp | lenet | cnn"),
-        click.option("--partition", help="iid | dirichlet"),
+        click.option("--partition", help="iid | dirichlet | natural"),
         click.option("--alpha", type=float, help="Dirichlet concentration"),
         click.option("--epochs", type=int, help="local epochs per round"),
         click.option("--lr", type=float, help="local learning rate"),
@@ -122,6 +122,14 @@ def common_job_options(f):
         ),
         click.option("--seed", type=int),
         click.option(
+            "--set",
+            "sets",
+            multiple=True,
+            metavar="KEY=VALUE",
+            help="any configuration key, e.g. --set robust.aggregator=trimmed_mean (the value "
+            "read as YAML; wins over the flags above)",
+        ),
+        click.option(
             "--reproducible",
             is_flag=True,
             default=None,
@@ -147,7 +155,28 @@ def _checked_broker_url(_ctx: click.Context, _param: click.Parameter, url: str |
     return url
 
 
+def set_overrides(pairs: tuple[str, ...] | list[str]) -> dict[str, Any]:
+    """``--set KEY=VALUE`` pairs as config overrides, each value read as YAML (``0.5``, ``true``,
+    ``{z: 2}``); a malformed pair ends the command in one line."""
+    if not pairs:
+        return {}
+    import yaml
+
+    out: dict[str, Any] = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key.strip():
+            fail(f"--set {pair!r}: expected KEY=VALUE")
+        try:
+            out[key.strip()] = yaml.safe_load(value)
+        except yaml.YAMLError as exc:
+            reason = str(exc).splitlines()[0]
+            fail(f"--set {pair!r}: the value is not YAML ({reason})")
+    return out
+
+
 def job_overrides(kw: dict[str, Any]) -> dict[str, Any]:
+    """The flags given (None: not given), then ``--set`` pairs, which win over them."""
     return {
         "job": kw.get("job"),
         "seed": kw.get("seed"),
@@ -188,6 +217,7 @@ def job_overrides(kw: dict[str, Any]) -> dict[str, Any]:
         "rounds.min_updates": kw.get("min_updates"),
         "rounds.period_s": kw.get("round_period"),
         "secure_aggregation.enabled": kw.get("secure_aggregation"),
+        **set_overrides(kw.get("sets") or ()),
     }
 
 

@@ -470,20 +470,14 @@ def plan_cmd(config: str | None, pairs: tuple[str, ...], as_json: bool) -> None:
     sum's layout (length, ring bits, bytes against float32) and the noise it was calibrated for."""
     import yaml
 
-    from edge_fl.cli import fail, load_job_config
+    from edge_fl.cli import fail, load_job_config, set_overrides
     from edge_fl.config import ConfigError
     from edge_fl.job import budget_refusal, build_job
     from edge_fl.mechanisms.distributed_gaussian import DistributedGaussian
     from edge_fl.mechanisms.secure import secure_job_from, secure_plan
     from edge_fl.privacy.accountants import best_epsilon
 
-    overrides = {}
-    for pair in pairs:
-        key, sep, value = pair.partition("=")
-        if not sep:
-            fail(f"--set {pair!r}: expected KEY=VALUE")
-        overrides[key] = yaml.safe_load(value)
-    cfg = load_job_config(config, overrides)
+    cfg = load_job_config(config, set_overrides(pairs))
     try:
         job = build_job(cfg)
     except ConfigError as exc:

@@ -8,8 +8,8 @@ model.onnx, through the ONNX export (``torch.onnx``, TorchScript path).
 
 What the module must be: a classifier taking flat rows ``(n, n_features)`` (reshape inside
 ``forward``, e.g. ``nn.Unflatten``, for images) and returning logits ``(n, n_classes)``; trained by
-its parameters only (buffers such as batch-norm statistics are not federated: leave them out);
-no dropout (the wrapper runs it in eval mode). Importing this module imports torch.
+its parameters only (buffers such as batch-norm statistics are not federated, and a module
+holding any is refused); no dropout (the wrapper runs it in eval mode; refused too). Importing this module imports torch.
 """
 
 from __future__ import annotations
@@ -55,6 +55,7 @@ class TorchModule(TorchModel):
         net = copy.deepcopy(module)  # the caller's module is never changed
         if not any(True for _ in net.parameters()):
             raise ValueError(f"{type(module).__name__} has no parameters to train")
+        _refuse_unfederated(net)
         width = _output_width(net, int(n_features))
         n_classes = width if n_classes is None else int(n_classes)
         if n_classes != width or n_classes < 2:
@@ -75,9 +76,41 @@ class TorchModule(TorchModel):
         return super().init_params(rng)
 
 
+#: layers that behave differently in training (the wrapper evaluates the module in eval mode, so
+#: they would silently do nothing)
+DROPOUT = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout,
+           nn.FeatureAlphaDropout)  # fmt: skip
+
+
+def _refuse_unfederated(net: nn.Module) -> None:
+    """ValueError, at construction, for what the flat parameter vector cannot carry: buffers
+    (batch-norm running statistics were accepted, then the round's ONNX export failed on the
+    missing keys) and dropout (accepted, then silently off)."""
+    buffers = [name for name, _ in net.named_buffers()]
+    if buffers:
+        raise ValueError(
+            f"{type(net).__name__} has buffers ({', '.join(buffers[:3])}"
+            f"{', ...' if len(buffers) > 3 else ''}), which are not federated: only parameters "
+            "are; use a layer without running statistics (nn.LayerNorm, nn.GroupNorm)"
+        )
+    dropouts = [name for name, m in net.named_modules() if isinstance(m, DROPOUT)]
+    if dropouts:
+        raise ValueError(
+            f"{type(net).__name__} has dropout ({', '.join(dropouts[:3])}): the module is run "
+            "in eval mode, where it would do nothing; remove it"
+        )
+
+
 def _output_width(net: nn.Module, n_features: int) -> int:
-    with torch.inference_mode():
-        out = net.eval()(torch.zeros((1, n_features), dtype=torch.float32))
+    try:
+        with torch.inference_mode():
+            out = net.eval()(torch.zeros((1, n_features), dtype=torch.float32))
+    except RuntimeError as exc:  # a first layer of another width: torch's own words, one line
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ValueError(
+            f"{type(net).__name__} cannot take a (1, {n_features}) row of n_features = "
+            f"{n_features}: {reason}"
+        ) from None
     if out.ndim != 2 or out.shape[0] != 1:
         raise ValueError(
             f"{type(net).__name__} maps a (1, {n_features}) row to shape {tuple(out.shape)}; "
