@@ -300,6 +300,11 @@ def open_run(
             _remove_earlier_run(Path(out_dir))
         run = AggregatorRun(job, RunRecorder(out_dir, append=resume), resume=resume)
     except BaseException:
+        if out_dir is not None and not resume:
+            # a fresh run starts only where no earlier run is (or overwrite removed it): what
+            # it wrote before failing (a mechanism refused by its own checks, say) is removed,
+            # or the corrected command is refused as an unfinished job's directory
+            _remove_run_files(Path(out_dir))
         if lock is not None:
             lock.close()
         raise
@@ -452,7 +457,14 @@ def _remove_earlier_run(d: Path) -> None:
     report`` wrote there of it (metrics.csv, the figures)."""
     from edge_fl.report import REPORT_FILES
 
-    for name in (*_run_files(), *REPORT_FILES):
+    for name in REPORT_FILES:
+        (d / name).unlink(missing_ok=True)
+    _remove_run_files(d)
+
+
+def _remove_run_files(d: Path) -> None:
+    """A run's own files: records, summary, model, run.json, checkpoint, ledger and journal."""
+    for name in _run_files():
         (d / name).unlink(missing_ok=True)
     for params in d.glob("checkpoint*.npy"):
         params.unlink(missing_ok=True)

@@ -364,7 +364,7 @@ def test_a_crashed_simulation_resumes_from_its_checkpoint_and_journal(mosquitto,
     assert rounds == [1, 2, 3, 4]  # rounds 1-2 from the first run, 3-4 after the resume
 
 
-def test_a_mechanism_that_claims_privacy_but_charges_nothing_is_refused():
+def test_a_mechanism_that_claims_privacy_but_charges_nothing_is_refused(tmp_path):
     """An epsilon of 0 reported for a mechanism whose guarantee says it is private would be a
     false claim (a newcomer's own mechanism, without release_events, got 'epsilon 0.0')."""
     from edge_fl.mechanisms.base import Guarantee, Mechanism, dense_update, local_update
@@ -380,6 +380,15 @@ def test_a_mechanism_that_claims_privacy_but_charges_nothing_is_refused():
         job = edge_fl.build_job(small(**{"privacy.mechanism": "silent-claim"}))
         with pytest.raises(ValueError, match="claims pure DP per device but charges nothing"):
             job.aggregator_core()
+        # refused as a run starts: nothing is left that would refuse the corrected command
+        # (an empty metrics.jsonl made it "an unfinished job (records without a summary)")
+        from edge_fl.simulation import refuse_earlier_run
+
+        out = tmp_path / "run"
+        with pytest.raises(ValueError, match="claims pure DP per device but charges nothing"):
+            edge_fl.run_simulation(small(**{"privacy.mechanism": "silent-claim"}), out)
+        refuse_earlier_run(out)
+        assert not (out / "metrics.jsonl").exists() and not (out / "run.json").exists()
     # every built-in mechanism that accounts charges something
     for name in ("laplace", "gaussian", "gaussian-central", "signds", "nbafl", "dpsgd"):
         over = {"privacy.mechanism": name, "privacy.epsilon": 8.0}
