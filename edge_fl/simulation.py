@@ -22,6 +22,7 @@ import importlib
 import json
 import logging
 import os
+import signal
 import threading
 import time
 from collections.abc import Callable
@@ -768,7 +769,12 @@ def run_simulation(
     **options: Any,
 ) -> SimulationResult:
     """:func:`run_simulation_async` from a script (its own event loop; none may be running:
-    inside one, ``await run_simulation_async(...)``)."""
+    inside one, ``await run_simulation_async(...)``).
+
+    Unless ``handle_signals`` is given: in the main thread, Ctrl-C (SIGINT) or SIGTERM stops the
+    job cleanly (the open round decided, summary.json and model.onnx written, resumable), then
+    raises KeyboardInterrupt or SystemExit(143) so the script stops too. Without this, Ctrl-C
+    broke off the event loop with two chained tracebacks and no summary or model."""
     try:
         asyncio.get_running_loop()
     except RuntimeError:
@@ -778,7 +784,28 @@ def run_simulation(
             "run_simulation() was called inside a running event loop (a notebook?): use "
             "`await edge_fl.run_simulation_async(...)` there"
         )
-    return asyncio.run(run_simulation_async(job, out_dir, **options))
+    own = not ({"handle_signals", "signals"} & options.keys()) and (
+        threading.current_thread() is threading.main_thread()
+    )
+    if not own:
+        return asyncio.run(run_simulation_async(job, out_dir, **options))
+    signals = StopSignals().install()
+    try:
+        result = asyncio.run(run_simulation_async(job, out_dir, signals=signals, **options))
+    finally:
+        signals.restore()
+    if signals.received == "SIGINT":
+        raise KeyboardInterrupt(f"simulation stopped by SIGINT ({_where(result, out_dir)})")
+    if signals.received is not None:
+        log.warning("simulation stopped by %s (%s)", signals.received, _where(result, out_dir))
+        raise SystemExit(128 + int(getattr(signal, signals.received)))
+    return result
+
+
+def _where(result: SimulationResult, out_dir: str | Path | None) -> str:
+    """How far a stopped simulation got, and where its files are."""
+    closed = result.summary.get("rounds_closed")
+    return f"{closed} rounds closed" + (f"; resumable in {out_dir}" if out_dir else "")
 
 
 def simulate(

@@ -393,3 +393,39 @@ def test_a_mechanism_that_claims_privacy_but_charges_nothing_is_refused(tmp_path
     for name in ("laplace", "gaussian", "gaussian-central", "signds", "nbafl", "dpsgd"):
         over = {"privacy.mechanism": name, "privacy.epsilon": 8.0}
         assert edge_fl.build_job(small(**over)).aggregator_core().privacy is not None
+
+
+@pytest.mark.broker
+def test_ctrl_c_in_a_script_stops_the_simulation_cleanly_then_the_script(tmp_path):
+    """`run_simulation` from a plain script, Ctrl-C mid-job: the open round is decided and
+    summary.json and model.onnx are written (resumable), then KeyboardInterrupt stops the
+    script; it broke off the event loop with two chained tracebacks and no summary or model
+    (an outside user's finding)."""
+    from processes import wait_for
+
+    out = tmp_path / "run"
+    script = (
+        "import edge_fl\n"
+        "cfg = edge_fl.load_config(None, {'rounds.rounds': 2000, 'data.devices': 10})\n"
+        f"edge_fl.run_simulation(cfg, {str(out)!r})\n"
+        "print('not reached')\n"
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        metrics = out / "metrics.jsonl"
+        wait_for(lambda: metrics.exists() and metrics.read_text().count("\n") >= 2, 120,
+                 "two rounds closed", [proc])  # fmt: skip
+        proc.send_signal(signal.SIGINT)
+        stdout, stderr = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+    assert proc.returncode != 0 and "not reached" not in stdout
+    assert stderr.count("Traceback") == 1, stderr[-3000:]
+    assert "KeyboardInterrupt: simulation stopped by SIGINT" in stderr
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["stopped"] == "SIGINT" and (out / "model.onnx").exists()
+    assert f"resumable in {out}" in stderr
