@@ -762,6 +762,11 @@ def load_config(
     path: str | Path | None = None, overrides: dict[str, Any] | None = None
 ) -> JobConfig:
     """File (optional) first, then overrides (``{"rounds.rounds": 5}``) on top, then validation."""
+    if overrides is not None and not isinstance(overrides, Mapping):
+        raise TypeError(
+            f"overrides = {type(overrides).__name__}; a mapping of dotted keys to values, "
+            'e.g. {"rounds.rounds": 5}'
+        )
     data = read_config_file(path) if path else {}
     for key, value in (overrides or {}).items():
         if value is not None:

@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from edge_fl.config import JobConfig
+from edge_fl.config import JobConfig, load_config
 from edge_fl.job import Job, build_job
 from edge_fl.metrics import RunRecorder
 from edge_fl.server.service import AggregatorService
@@ -685,7 +685,7 @@ def _wire_summary(recorder: RunRecorder, fleet: Any) -> dict[str, Any]:
 
 
 async def run_simulation_async(
-    job: Job | JobConfig,
+    job: Job | JobConfig | str | os.PathLike,
     out_dir: str | Path | None = None,
     *,
     resume: bool = False,
@@ -699,7 +699,8 @@ async def run_simulation_async(
     """Run a whole simulation on the running event loop (a notebook's, say).
 
     ``job``: a :class:`~edge_fl.job.Job` (``build_job`` with your own dataset, model or device
-    factory) or a config. The embedded broker is started unless ``broker.url`` is set.
+    factory), a config, or a config file's path (YAML or TOML). The embedded broker is started
+    unless ``broker.url`` is set.
     ``out_dir``: metrics.jsonl, run.json, summary.json, model.onnx, and the checkpoint and journal
     that ``resume=True`` continues from; a directory holding an earlier run is refused
     (RunDirError) unless ``resume`` or ``overwrite``. ``on_record(record)``: after every round.
@@ -708,6 +709,13 @@ async def run_simulation_async(
     t_start = time.perf_counter()
     if out_dir is not None and not resume and not overwrite:
         refuse_earlier_run(out_dir)  # before the job is built and the broker started
+    if isinstance(job, str | os.PathLike):  # a config file's path, as `edge-fl --config`
+        job = load_config(Path(job))
+    if not isinstance(job, Job | JobConfig):
+        raise TypeError(
+            f"run_simulation takes a Job, a JobConfig or a config file's path, not "
+            f"{type(job).__name__}"
+        )
     job = job if isinstance(job, Job) else build_job(job)
     cfg = job.cfg
     if resume:
@@ -764,7 +772,7 @@ async def run_simulation_async(
 
 
 def run_simulation(
-    job: Job | JobConfig,
+    job: Job | JobConfig | str | os.PathLike,
     out_dir: str | Path | None = None,
     **options: Any,
 ) -> SimulationResult:

@@ -429,3 +429,19 @@ def test_ctrl_c_in_a_script_stops_the_simulation_cleanly_then_the_script(tmp_pat
     summary = json.loads((out / "summary.json").read_text())
     assert summary["stopped"] == "SIGINT" and (out / "model.onnx").exists()
     assert f"resumable in {out}" in stderr
+
+
+@pytest.mark.broker
+def test_run_simulation_takes_a_config_files_path_and_refuses_other_things(tmp_path):
+    """`run_simulation("job.yaml")` failed with "'str' object has no attribute 'privacy'", and a
+    list of overrides with "'list' object has no attribute 'items'" (an outside user)."""
+    job = tmp_path / "job.yaml"
+    job.write_text("rounds:\n  rounds: 2\ndata:\n  devices: 10\n")
+    result = edge_fl.run_simulation(str(job), tmp_path / "run")
+    assert result.summary["rounds_closed"] == 2
+    with pytest.raises(
+        TypeError, match="takes a Job, a JobConfig or a config file's path, not int"
+    ):
+        edge_fl.run_simulation(3)
+    with pytest.raises(TypeError, match=r"overrides = list; a mapping of dotted keys"):
+        edge_fl.load_config(None, [("rounds.rounds", 2)])
