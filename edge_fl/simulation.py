@@ -559,6 +559,7 @@ async def _run_with_fleet(
             now = service.closed_at if service.closed_at is not None else service.sim_now()
         record["sim_time_s"] = round(now - job.clock.start_s, 3)
         record["dropouts"] = fleet.dropouts
+        record["device_failures"] = fleet.failures_round()
         record.update(fleet.wire_round())
         if "first_round_s" not in timings:
             timings["first_round_s"] = record["elapsed_s"]
@@ -626,6 +627,9 @@ async def _run_with_fleet(
             "fleet_published": fleet.published,
             "fleet_publish_failures": fleet.publish_failures,
             "stopped_devices": sum(1 for a in fleet.agents.values() if a.state.stopped_reason),
+            # trainings that raised, in all and per error ("RuntimeError: boom": count)
+            "device_failures": fleet.device_failures,
+            "device_failure_errors": dict(fleet.failure_errors),
             **_virtual_time_summary(service, fleet, job.clock.start_s),
             **wire,
         }

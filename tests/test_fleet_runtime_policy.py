@@ -197,7 +197,7 @@ def test_the_others_still_train_when_the_measuring_training_fails():
         return f
 
     f = asyncio.run(scenario())
-    assert f.device_errors == 1
+    assert f.device_failures == 1
     assert updates(f) == {"d0": 0, "d1": 1, "d2": 1}
 
 

@@ -99,6 +99,9 @@ from edge_fl.transport.wire import (
 STATUS, WORK = 0, 1
 
 log = logging.getLogger("edge_fl.fleet")
+
+#: the ``i.stopped`` of a device whose training raised (:meth:`Fleet._training_failed`)
+TRAINING_FAILED = "training_failed"
 T = TypeVar("T")
 R = TypeVar("R")
 
@@ -163,7 +166,12 @@ class Fleet:
         self.publish_failures = 0
         self.resent = 0  # updates published again (the round came again, a session re-opened)
         self._delivered_round: dict[str, int] = {}  # device: round of its last delivered update
-        self.device_errors = 0
+        #: trainings that raised (``DeviceAgent.on_global``): in all, since the last
+        #: :meth:`failures_round`, and per distinct error (``"RuntimeError: boom"``: count)
+        self.device_failures = 0
+        self._failures_since = 0
+        self.failure_errors: dict[str, int] = {}
+        self._repeats_since: dict[str, int] = {}
         self.connected = asyncio.Event()
         self.profiles = profiles or {}
         self.clock: SimClock | VirtualClock = clock or SimClock(None)
@@ -529,9 +537,8 @@ class Fleet:
             self.vt_train_s += loop.time() - t0
             self._train_cpu_s[device] = cpu_s
             self._train_cpu_per_sample = cpu_s / max(work, 1)
-        except Exception:
-            self.device_errors += 1
-            log.exception("device %s failed in round %d", device, msg.round)
+        except Exception as exc:
+            self._training_failed(agent, msg.round, exc)
             return Trained(msg, None)
         finally:
             if first is not None and first is self._first_training:  # this one measured
@@ -540,6 +547,54 @@ class Fleet:
         if device in self.crashed:
             return Trained(msg, None)
         return Trained(msg, payload)
+
+    def _training_failed(self, agent: DeviceAgent, rnd: int, exc: Exception) -> None:
+        """A device's training raised (a model's ``grad`` that raises or returns the wrong
+        shape, say): counted, and the device stops, as a device that cannot run the job's
+        mechanism does (docs/protocol.md, implementation note 16): its status says
+        ``i.stopped = "training_failed"`` (:class:`~edge_fl.device.policy.Trained` publishes it),
+        so the aggregator stops selecting it and a round that waits only for such devices is
+        decided at once, not at its deadline; when no device can contribute any more, the job
+        ends early saying so. Why stop rather than try again next round: such an error is a
+        bug in the model or the device's data, which the next round repeats (every device,
+        every round, each waiting out a deadline for updates that cannot come).
+
+        Logged once per distinct error (type and message) with its traceback; repeats are
+        counted, summed up in one line per record (:meth:`failures_round`) and at the end."""
+        self.device_failures += 1
+        self._failures_since += 1
+        what = f"{type(exc).__name__}: {exc}"
+        if len(what) > 200:  # a message quoting arrays: the key, and the lines, stay short
+            what = what[:197] + "..."
+        seen = self.failure_errors.get(what, 0)
+        self.failure_errors[what] = seen + 1
+        if agent.state.stopped_reason is None:
+            agent.state.stopped_reason = TRAINING_FAILED
+        if seen == 0:
+            log.error(
+                "device %s: training failed in round %d (%s); the device stops (status "
+                "stopped: %s); the same error on other devices is counted, not logged again",
+                agent.device_id,
+                rnd,
+                what,
+                TRAINING_FAILED,
+                exc_info=exc,
+            )
+        else:
+            self._repeats_since[what] = self._repeats_since.get(what, 0) + 1
+            log.debug("device %s: training failed in round %d (%s)", agent.device_id, rnd, what)
+
+    def failures_round(self) -> int:
+        """Trainings that failed since the previous call (a round's record); the repeats of
+        errors already logged are summed up in one line."""
+        n, self._failures_since = self._failures_since, 0
+        if self._repeats_since:
+            more = sum(self._repeats_since.values())
+            log.warning(
+                "training failed on %d more devices (%s)", more, _tally(self._repeats_since)
+            )
+            self._repeats_since = {}
+        return n
 
     def _compute_time(self, agent: DeviceAgent, profile: DeviceProfile) -> float:
         """The device's modelled local training time: from its profile, or from the real
@@ -1144,7 +1199,20 @@ class Fleet:
                     await clock_client.__aexit__(None, None, None)
             await self.disconnect_all()
             await self.keepalive.close()
+            if self.device_failures:
+                log.error(
+                    "fleet: %d trainings failed (%s); the first of each error is logged above "
+                    "with its traceback",
+                    self.device_failures,
+                    _tally(self.failure_errors),
+                )
             self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _tally(errors: dict[str, int]) -> str:
+    """``"RuntimeError: boom x14; ValueError: shape x1"``: errors and how often, most first."""
+    ranked = sorted(errors.items(), key=lambda item: (-item[1], item[0]))
+    return "; ".join(f"{what} x{n}" for what, n in ranked)
 
 
 def _kind(key: tuple) -> object:

@@ -37,5 +37,11 @@ def local_sgd(
         order = rng.permutation(n)
         for start in range(0, n, training.batch_size):
             batch = order[start : start + training.batch_size]
-            w -= np.float32(training.lr) * model.grad(w, X[batch], y[batch]).astype(np.float32)
+            g = model.grad(w, X[batch], y[batch])
+            if np.shape(g) != w.shape:  # a scalar or a broadcastable shape would pass silently
+                raise ValueError(
+                    f"{type(model).__name__}.grad returned shape {np.shape(g)}, not the "
+                    f"parameters' {w.shape}"
+                )
+            w -= np.float32(training.lr) * np.asarray(g).astype(np.float32)
     return w

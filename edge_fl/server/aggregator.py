@@ -80,9 +80,9 @@ PARTICIPATION_FIELDS = (
     "device_updates",
 )
 #: record fields a runtime adds that depend on who uploaded too: the simulated fleet's wire bytes
-#: (every PUBLISH and PUBACK of a device's session) and its dropouts; and the devices' epsilon
-#: quantiles (``epsilon_device_p50/_p95/_max``), which count releases
-PARTICIPATION_PREFIXES = ("wire_", "dropouts", "epsilon_device_")
+#: (every PUBLISH and PUBACK of a device's session), its dropouts and failed trainings; and the
+#: devices' epsilon quantiles (``epsilon_device_p50/_p95/_max``), which count releases
+PARTICIPATION_PREFIXES = ("wire_", "dropouts", "device_failures", "epsilon_device_")
 #: record fields for the operator only, never on the metrics topic (they name devices)
 PRIVATE_FIELDS = ("rejection_samples",)
 
@@ -424,9 +424,14 @@ class AggregatorCore:
         stopped = len(self.devices) - live
         need = 1 if self.settings.sample_rate is not None else self.settings.min_updates
         if stopped and live < need:
+            reasons = Counter(r.stopped for r in self.devices.values() if r.stopped is not None)
+            why = (
+                "stopped on their privacy budget"
+                if set(reasons) == {"budget_exhausted"}
+                else "stopped: " + ", ".join(f"{n} {why}" for why, n in reasons.most_common())
+            )
             return (
-                f"only {live} devices can still contribute ({stopped} stopped on their privacy "
-                f"budget); a round needs {need}"
+                f"only {live} devices can still contribute ({stopped} {why}); a round needs {need}"
             )
         return None
 
