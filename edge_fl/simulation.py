@@ -616,6 +616,8 @@ async def _run_with_fleet(
             fleet_task.cancel()
     timings["run_s"] = round(time.perf_counter() - t0, 4)
     wire = _wire_summary(run.recorder, fleet)
+    from edge_fl.fleet.runtime import TRAINING_FAILED
+
     return run.finish(
         {
             "mechanism": cfg.privacy.mechanism,
@@ -626,7 +628,12 @@ async def _run_with_fleet(
             "timings": timings,
             "fleet_published": fleet.published,
             "fleet_publish_failures": fleet.publish_failures,
-            "stopped_devices": sum(1 for a in fleet.agents.values() if a.state.stopped_reason),
+            # on their own account (a budget spent); those whose training failed: below
+            "stopped_devices": sum(
+                1
+                for a in fleet.agents.values()
+                if a.state.stopped_reason and a.state.stopped_reason != TRAINING_FAILED
+            ),
             # trainings that raised, in all and per error ("RuntimeError: boom": count)
             "device_failures": fleet.device_failures,
             "device_failure_errors": dict(fleet.failure_errors),

@@ -120,3 +120,67 @@ def test_a_model_whose_grad_raises_ends_the_run_promptly_with_the_failures_count
     assert "5 training_failed" in summary["ended_early"]
     assert tracebacks(caplog, "RuntimeError: boom") == 1
     assert sum(1 for r in caplog.records if r.exc_info) == 1
+
+
+@pytest.mark.parametrize(
+    ("ended_early", "code"), [("only 0 devices can still contribute", 1), (None, 0)]
+)
+def test_simulate_names_the_errors_and_exits_1_when_failures_ended_the_job(
+    monkeypatch, ended_early, code
+):
+    """``edge-fl simulate``: one line naming each error; exit 1 when the job ended early with
+    trainings failed (its model is not a result), 0 when it ran its rounds despite them."""
+    from click.testing import CliRunner
+
+    import edge_fl.simulation
+    from edge_fl.cli import main
+
+    summary = {
+        "rounds": 1,
+        "rounds_closed": 0,
+        "final_accuracy": 0.1,
+        "total_bytes_up": 0,
+        "total_bytes_down": 0,
+        "timings": {"total_s": 1.0},
+        "ended_early": ended_early,
+        "device_failures": 5,
+        "device_failure_errors": {"RuntimeError: boom": 5},
+    }
+    monkeypatch.setattr(edge_fl.simulation, "simulate", lambda *a, **k: summary)
+    done = CliRunner().invoke(main, ["simulate", "--no-progress", "--rounds", "1"])
+    assert done.exit_code == code, done.output
+    assert "training failed on 5 devices: RuntimeError: boom x5" in done.output
+
+
+@pytest.mark.broker
+def test_the_other_devices_carry_on_when_one_devices_training_raises(mosquitto):
+    """One device of six fails: it stops, the round closes on the five others' updates without
+    waiting for it, and the later rounds do not select it."""
+
+    def factory(job, index):
+        agent = job.default_agent(index)
+        if index == 0:
+            agent.model = Boom(agent.model.n_features, agent.model.n_classes)
+        return agent
+
+    cfg = edge_fl.load_config(
+        None,
+        {
+            "job": f"fail-{uuid.uuid4().hex[:8]}",
+            "broker.url": mosquitto.url,
+            "model.name": "logreg",
+            "data.devices": 6,
+            "rounds.rounds": 3,
+            "rounds.clients_per_round": 6,
+            "rounds.deadline_s": 5,
+        },
+    )
+    started = time.perf_counter()
+    result = edge_fl.run_simulation(edge_fl.build_job(cfg, device_factory=factory))
+    assert time.perf_counter() - started < 5
+    records = result.records
+    assert [r["status"] for r in records] == ["closed"] * 3
+    assert [r["device_failures"] for r in records] == [1, 0, 0]
+    assert [r["received"] for r in records] == [5, 5, 5]
+    assert [r["selected"] for r in records] == [6, 5, 5]
+    assert result.summary["device_failures"] == 1 and result.summary["ended_early"] is None

@@ -434,6 +434,7 @@ def simulate(
         tracker.finish(summary, out)
     if as_json:
         click.echo(json.dumps(summary, indent=2, default=str))
+        _exit_if_training_failed(summary)
         return
     acc = summary.get("final_accuracy")
     ran, asked = summary["rounds"], cfg.rounds.rounds
@@ -465,6 +466,23 @@ def simulate(
             f"{privacy.get('neighbouring_relation')}, all rounds); "
             f"{summary.get('stopped_devices', 0)} devices stopped on their budget"
         )
+    errors = summary.get("device_failure_errors") or {}
+    if errors:
+        what = "; ".join(f"{e} x{n}" for e, n in sorted(errors.items(), key=lambda i: -i[1]))
+        click.echo(
+            f"training failed on {summary['device_failures']} devices: {what} (the first "
+            "traceback of each error is in the log)"
+        )
+    _exit_if_training_failed(summary)
+
+
+def _exit_if_training_failed(summary: dict[str, Any]) -> None:
+    """Exit 1 when the job ended early and devices' trainings failed: the devices stopped on
+    those errors (``i.stopped = "training_failed"``) and none was left to contribute, so the
+    run's model is not a result; a script or CI job must not take it for one (exit 0 before).
+    A job that ran all its rounds despite some failures exits 0: its records count them."""
+    if summary.get("device_failures") and summary.get("ended_early") and not summary.get("stopped"):
+        sys.exit(1)
 
 
 @main.command()
