@@ -33,11 +33,17 @@ from edge_fl.identity import (
     STREAM_SELECT,
     device_id,
 )
-from edge_fl.mechanisms import JobFacts, Mechanism, UnknownMechanismError, build_mechanism
+from edge_fl.mechanisms import (
+    GuaranteeMismatch,
+    JobFacts,
+    Mechanism,
+    UnknownMechanismError,
+    build_mechanism,
+)
 from edge_fl.models import evaluate, known_models, make_model, onnx_exporter
 from edge_fl.models.base import Model
 from edge_fl.models.training import LocalTraining
-from edge_fl.privacy import calibration
+from edge_fl.privacy import accounting_available, calibration
 from edge_fl.privacy.rng import RngInfo, make_generator
 from edge_fl.protocol import Topics, UpdateLimits
 from edge_fl.server.aggregator import AggregatorCore, AggregatorSettings, PrivacyAccounting
@@ -618,6 +624,15 @@ def build_job(
             refusal = str(exc).removeprefix("secure_aggregation: ")
     if refusal is not None:
         raise ConfigError(f"invalid configuration:\n  secure_aggregation: {refusal}")
+    # the events it would charge, against its guarantee: a mislabelled epsilon fails here. Not
+    # on a device of the base install (no dp-accounting): it composes no epsilon, and the
+    # aggregator's ledger checks every event it charges
+    if mechanism.accounts and accounting_available():
+        try:
+            plan = job.secure_plan if cfg.secure_aggregation.enabled else None
+            mechanism.check_guarantee(plan.job if plan is not None else None)
+        except GuaranteeMismatch as exc:
+            raise ConfigError(f"invalid configuration:\n  privacy: {exc}") from None
     try:
         job.robust  # noqa: B018 (resolved now: a setting the mechanism cannot take fails here)
     except ValueError as exc:

@@ -23,13 +23,21 @@ import importlib
 import re
 from typing import Any
 
-from edge_fl.mechanisms.base import Device, Guarantee, JobFacts, Mechanism, Strategy
+from edge_fl.mechanisms.base import (
+    Device,
+    Guarantee,
+    GuaranteeMismatch,
+    JobFacts,
+    Mechanism,
+    Strategy,
+)
 from edge_fl.protocol.codecs import codec_class, codec_tags
 from edge_fl.protocol.params import register_schema, set_schema_resolver
 
 __all__ = [
     "Device",
     "Guarantee",
+    "GuaranteeMismatch",
     "JobFacts",
     "Mechanism",
     "Strategy",

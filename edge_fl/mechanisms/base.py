@@ -77,6 +77,36 @@ class Guarantee:
             out += "; assumed public: " + ", ".join(self.public)
         return out
 
+    def refusal(self, event: PrivacyEvent, mechanism: str = "") -> str | None:
+        """Why ``event`` cannot be charged under this guarantee (one line), or None.
+
+        The ledger reports the composition of a mechanism's events next to this guarantee's
+        text, so every event must hold under a relation and unit that imply the declared ones
+        (``edge_fl.privacy.events.implies``): the same relation and unit, or device-level
+        replace-one (local DP) under an example-level guarantee, which claims less than the
+        event proves. Everything else is refused, even a mismatch that looks conservative: an
+        epsilon accounted under replace-one is no add/remove-one epsilon (a release of |D| is
+        replace-one 0-DP and not add/remove DP at all; the bound needs an argument about the
+        mechanism, which the ledger cannot check), an add/remove-one epsilon holds under
+        replace-one only doubled, a replace-special one only if the null element is a real
+        input, and an example-level epsilon says nothing of a device's whole data. Such a
+        mechanism must emit its events under the relation it declares (with the noise
+        multiplier relative to that relation's sensitivity) or declare what its events prove.
+        """
+        from edge_fl.privacy.events import as_relation, implies, relation_name
+
+        if implies(event.relation, event.unit, (as_relation(self.relation), self.unit)):
+            return None
+        who = f"privacy.mechanism = {mechanism!r} " if mechanism else ""
+        return (
+            f"{who}declares Guarantee(unit={self.unit!r}, relation={self.relation!r}) but its "
+            f"event {event.mechanism!r} holds under relation "
+            f"{relation_name(event.relation)!r}, unit {event.unit!r}, which does not imply it: "
+            "its epsilon would be reported under a guarantee it does not prove; emit events "
+            f"under relation {self.relation!r} and unit {self.unit!r}, or declare the guarantee "
+            "the events hold under"
+        )
+
     def as_dict(self) -> dict[str, Any]:
         return {
             "unit": self.unit,
@@ -85,6 +115,10 @@ class Guarantee:
             "public": list(self.public),
             "text": self.text(),
         }
+
+
+class GuaranteeMismatch(ValueError):
+    """A mechanism emitted an event its declared :class:`Guarantee` does not cover."""
 
 
 class Device(Protocol):
@@ -301,6 +335,35 @@ class Mechanism:
     def max_exposures(self) -> int | None:
         """Uploads a device may make before its schedule is spent, if the schedule is finite."""
         return None
+
+    def check_events(self, events: list[PrivacyEvent]) -> list[PrivacyEvent]:
+        """``events``, once every one is covered by :attr:`guarantee` (``Guarantee.refusal``);
+        :class:`GuaranteeMismatch` (one line: this mechanism, the declared relation and unit,
+        the event's) otherwise. The aggregator's ledger charges nothing unchecked."""
+        for event in events:
+            why = self.guarantee.refusal(event, self.name)
+            if why is not None:
+                raise GuaranteeMismatch(why)
+        return events
+
+    def check_guarantee(self, secure_job: Any = None) -> None:
+        """Check, before anything runs, that the events this mechanism charges for the job's
+        facts are covered by its guarantee (:meth:`check_events`): those of an upload by the
+        smallest device (its first and, with a finite schedule, its last), of a round, and of a
+        secure round's masked input (``secure_job``: the job's ``SecureJob``, if it has secure
+        rounds). Like the aggregator's ledger, it calls ``release_events``, ``round_events``
+        and ``secure_events``, which must have no side effects. Nothing without a guarantee."""
+        if not self.accounts:
+            return
+        n = int(self.facts.min_dataset_size) if self.facts is not None else 1
+        last = self.max_exposures()
+        exposures = (0,) if not last or last <= 1 else (0, last - 1)
+        for exposure in exposures:
+            self.check_events(self.release_events(n, exposure))
+        self.check_events(self.round_events())
+        secure = getattr(self, "secure_events", None)
+        if secure_job is not None and secure is not None:
+            self.check_events(secure(secure_job))
 
     # --- reporting -----------------------------------------------------------------------
     def describe(self) -> dict[str, Any]:

@@ -21,6 +21,16 @@ class AccountingUnavailable(ImportError):
     """dp-accounting is not installed, and something asked for privacy accounting."""
 
 
+def available() -> bool:
+    """Whether dp-accounting can be imported here (looked up, not imported)."""
+    from importlib.util import find_spec
+
+    try:
+        return find_spec("dp_accounting") is not None
+    except ImportError:  # a finder that refuses it outright
+        return False
+
+
 def events() -> ModuleType:
     """``dp_accounting.dp_event``."""
     try:

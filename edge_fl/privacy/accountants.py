@@ -30,6 +30,7 @@ from edge_fl.privacy.events import (
     PrivacyEvent,
     check_delta,
     check_positive_epsilon,
+    implies,
     relation_name,
 )
 
@@ -62,10 +63,8 @@ PLD_MIN_GAUSSIAN_SIGMA = 0.05
 
 
 def _covers(kind: tuple[NeighboringRelation, str], target: tuple[NeighboringRelation, str]) -> bool:
-    if kind == target:
-        return True
     # Local DP (any two inputs of one device) implies every example-level relation inside it.
-    return kind == (NeighboringRelation.REPLACE_ONE, "device") and target[1] == "example"
+    return implies(kind[0], kind[1], target)
 
 
 def _target(kinds: set[tuple[NeighboringRelation, str]]) -> tuple[NeighboringRelation, str]:

@@ -27,8 +27,11 @@ Conventions (they matter, see ``docs/specs/privacy.md`` pitfalls 4, 6 and 8):
   devices. This is parallel composition and assumes every example / device belongs to exactly one
   device's data.
 * Events of different relations or units compose only when each one's guarantee implies the common
-  target: device-level replace-one events (local DP: any two inputs of the device) imply any
-  example-level relation; otherwise mixing raises :class:`IncompatibleEventsError`.
+  target (:func:`implies`): device-level replace-one events (local DP: any two inputs of the
+  device) imply any example-level relation; otherwise mixing raises :class:`IncompatibleEventsError`.
+* ``relation`` is dp-accounting's ``NeighboringRelation`` or its lower-case name, as a mechanism's
+  ``Guarantee`` spells it (:data:`RELATION_NAMES`: ``"add_or_remove_one"``, ``"replace_one"``,
+  ``"replace_special"``); :func:`as_relation` maps one to the other.
 """
 
 from __future__ import annotations
@@ -41,12 +44,15 @@ from dp_accounting import dp_event
 from dp_accounting.privacy_accountant import NeighboringRelation
 
 __all__ = [
+    "RELATION_NAMES",
     "IncompatibleEventsError",
     "NeighboringRelation",
     "PrivacyEvent",
     "Unit",
+    "as_relation",
     "check_delta",
     "check_positive_epsilon",
+    "implies",
     "pure_dp_event",
     "pure_epsilon_of",
     "pure_privacy_event",
@@ -61,8 +67,47 @@ class IncompatibleEventsError(ValueError):
     """Events whose neighbouring relations / units do not imply one common guarantee."""
 
 
+#: the names a relation may be given by (dp-accounting's ``NeighboringRelation`` members, lower case)
+RELATION_NAMES = tuple(r.name.lower() for r in NeighboringRelation)
+
+
 def relation_name(relation: NeighboringRelation) -> str:
     return relation.name.lower()
+
+
+def as_relation(relation: NeighboringRelation | str) -> NeighboringRelation:
+    """``relation`` as dp-accounting's enum: the enum itself, or its name as a ``Guarantee``
+    spells it (``"replace_one"``); ValueError naming the accepted values otherwise."""
+    if isinstance(relation, NeighboringRelation):
+        return relation
+    if isinstance(relation, str) and relation in RELATION_NAMES:
+        return NeighboringRelation[relation.upper()]
+    raise ValueError(
+        f"relation must be a dp_accounting NeighboringRelation or one of "
+        f"{', '.join(repr(n) for n in RELATION_NAMES)}, got {relation!r}"
+    )
+
+
+def implies(
+    relation: NeighboringRelation, unit: str, target: tuple[NeighboringRelation, str]
+) -> bool:
+    """Whether an epsilon that holds under ``relation`` for ``unit`` holds, as it is, under the
+    ``target`` (relation, unit).
+
+    Only two cases do: the same relation and unit; and device-level replace-one (local DP: any
+    two inputs of the device are neighbours) for any example-level target, whose neighbouring
+    datasets are two inputs of one device. Nothing else is implied without a factor or an
+    assumption about the mechanism: add/remove-one eps gives replace-one only as 2 eps (group
+    privacy: a swap is a removal and an addition); replace-one eps gives no add/remove bound at
+    all (a release of |D| alone is replace-one 0-DP and add/remove not DP); replace-special
+    (replace by a null element) holds under replace-one only if the null element is a real
+    input, and example-level events say nothing of a whole device's data.
+    """
+    if (relation, unit) == target:
+        return True
+    return (
+        relation == NeighboringRelation.REPLACE_ONE and unit == "device" and target[1] == "example"
+    )
 
 
 def check_delta(delta: float) -> float:
@@ -128,9 +173,14 @@ def _has_poisson(event: dp_event.DpEvent) -> bool:
     return False
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, init=False)
 class PrivacyEvent:
-    """A DpEvent with the relation and unit its numbers refer to; what one release realises."""
+    """A DpEvent with the relation and unit its numbers refer to; what one release realises.
+
+    ``relation``: dp-accounting's ``NeighboringRelation``, or its name as ``Guarantee`` spells
+    it (``"replace_one"``, ``"add_or_remove_one"``, ``"replace_special"``); it is held as the
+    enum either way.
+    """
 
     event: dp_event.DpEvent
     relation: NeighboringRelation
@@ -139,16 +189,23 @@ class PrivacyEvent:
     #: derived from the event (never declared), so basic composition cannot be fed a wrong claim
     pure_epsilon: float | None = field(default=None, init=False, compare=False)
 
-    def __post_init__(self) -> None:
-        if not isinstance(self.event, dp_event.DpEvent):
-            raise TypeError(
-                f"event must be a dp_accounting DpEvent, got {type(self.event).__name__}"
-            )
-        if not isinstance(self.relation, NeighboringRelation):
-            raise ValueError(f"relation must be a NeighboringRelation, got {self.relation!r}")
-        if self.unit not in _UNITS:
-            raise ValueError(f"unit must be one of {_UNITS}, got {self.unit!r}")
-        object.__setattr__(self, "pure_epsilon", pure_epsilon_of(self.event, self.relation))
+    def __init__(
+        self,
+        event: dp_event.DpEvent,
+        relation: NeighboringRelation | str,
+        unit: Unit,
+        mechanism: str = "unspecified",
+    ) -> None:
+        if not isinstance(event, dp_event.DpEvent):
+            raise TypeError(f"event must be a dp_accounting DpEvent, got {type(event).__name__}")
+        rel = as_relation(relation)
+        if unit not in _UNITS:
+            raise ValueError(f"unit must be one of {_UNITS}, got {unit!r}")
+        object.__setattr__(self, "event", event)
+        object.__setattr__(self, "relation", rel)
+        object.__setattr__(self, "unit", unit)
+        object.__setattr__(self, "mechanism", mechanism)
+        object.__setattr__(self, "pure_epsilon", pure_epsilon_of(event, rel))
 
     @property
     def poisson_sampled(self) -> bool:

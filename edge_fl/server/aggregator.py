@@ -121,7 +121,9 @@ class PrivacyAccounting:
     """The aggregator's ledger: records every release it sees and reports the running total.
 
     Local mechanisms: one event set per (device, round) received (a late update was still
-    released); central DP-FedAvg: the job-level event of every round that applied noise. The
+    released); central DP-FedAvg: the job-level event of every round that applied noise. Every
+    event is checked against the mechanism's guarantee before it is charged
+    (``Mechanism.check_events``: the report prints that guarantee next to the epsilon). The
     epsilon is always the tightest valid bound (``best_epsilon``), the same one devices check
     their budgets with, so console, metrics, summary and plots cannot disagree.
     """
@@ -147,18 +149,20 @@ class PrivacyAccounting:
 
     def record_upload(self, device: str, n_samples: int, round_number: int) -> None:
         events = self.mechanism.release_events(n_samples, self.exposures[device])
+        self.mechanism.check_events(events)  # first: a refused event changes nothing
         self.exposures[device] += 1
         for event in events:
             self.ledger.add(event, device=device, round=round_number)
 
     def record_secure(self, device: str, round_number: int, events: list) -> None:
         """A masked input the aggregator accepted in a secure round: its secure events."""
+        self.mechanism.check_events(events)
         self.exposures[device] += 1
         for event in events:
             self.ledger.add(event, device=device, round=round_number)
 
     def record_round(self, round_number: int) -> None:
-        for event in self.mechanism.round_events():
+        for event in self.mechanism.check_events(self.mechanism.round_events()):
             self.ledger.add(event, device=None, round=round_number)
 
     def metrics(self) -> dict[str, Any]:
