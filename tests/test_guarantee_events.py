@@ -188,3 +188,11 @@ def test_every_builtin_mechanism_charges_events_its_guarantee_covers(name):
     mech = edge_fl.build_job(cfg).mechanism
     events = mech.release_events(mech.facts.min_dataset_size, 0) + mech.round_events()
     assert events and mech.check_events(events) == events
+
+
+def test_a_run_whose_mechanism_charges_a_mismatched_event_stops_without_a_summary(tmp_path):
+    """Not counted as one bad payload (the device released it): the ledger cannot charge the
+    release under the reported guarantee, so the job stops rather than leave it out."""
+    with mechanisms_registered(LateMismatch), pytest.raises(GuaranteeMismatch, match="user-late"):
+        edge_fl.run_simulation(config(LateMismatch.name), tmp_path / "run")
+    assert not (tmp_path / "run" / "summary.json").exists()

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from edge_fl.identity import in_population
-from edge_fl.mechanisms import Mechanism, Strategy
+from edge_fl.mechanisms import GuaranteeMismatch, Mechanism, Strategy
 from edge_fl.mechanisms.none import NoPrivacy
 from edge_fl.mechanisms.secure import secure_sum
 from edge_fl.protocol import (
@@ -590,6 +590,11 @@ class AggregatorCore:
                 return reason
             if reason is not None and str(reason) not in self.tally.samples:
                 self._sample(device, reason)
+        except GuaranteeMismatch:
+            # the mechanism's fault, not the payload's: the device released it, and the ledger
+            # cannot charge it under the guarantee the job reports; the job stops rather than
+            # leave the release out of its epsilon
+            raise
         except Exception:
             log.exception("update from %r: unexpected error; counted as internal_error", device)
             self.tally.rejected[INTERNAL_ERROR] += 1
