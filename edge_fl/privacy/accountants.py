@@ -40,10 +40,13 @@ __all__ = [
     "PLD_MAX_PURE_EPSILON",
     "RDP_ORDERS",
     "Bound",
+    "Composer",
     "EpsilonResult",
     "best_epsilon",
+    "best_with",
     "calibrate_noise_multiplier",
     "compose_epsilon",
+    "compose_with",
 ]
 
 #: Opacus / TF-Privacy orders (docs/specs/privacy.md 1.3); identical results to dp-accounting's default
@@ -91,7 +94,7 @@ class EpsilonResult:
     order_at_grid_edge: bool = False
 
 
-class _Composer:
+class Composer:
     """Composes multisets of PrivacyEvents, caching per-event RDP curves and PLDs."""
 
     def __init__(self, orders: Sequence[float], pld_discretization: float) -> None:
@@ -327,8 +330,8 @@ def _advanced(pure: list[tuple[float, int]], delta: float) -> float:
     return min(basic, mean + math.sqrt(2 * sq * math.log(1 / delta)))
 
 
-def _compose(
-    composer: _Composer,
+def compose_with(
+    composer: Composer,
     events: Iterable[PrivacyEvent],
     delta: float,
     accountant: str,
@@ -367,7 +370,7 @@ def compose_epsilon(
     pld_discretization: float = 1e-4,
 ) -> EpsilonResult:
     """Epsilon of the adaptive composition of ``events`` (one unit's view, no parallel split)."""
-    return _compose(_Composer(orders, pld_discretization), events, delta, accountant)
+    return compose_with(Composer(orders, pld_discretization), events, delta, accountant)
 
 
 def calibrate_noise_multiplier(
@@ -453,7 +456,8 @@ def _group(events: Iterable[PrivacyEvent]) -> tuple[Counter, dict[tuple, Privacy
     return counted, by_key
 
 
-def _best(composer: _Composer, events: Iterable[PrivacyEvent], delta: float) -> Bound:
+def best_with(composer: Composer, events: Iterable[PrivacyEvent], delta: float) -> Bound:
+    """:func:`best_epsilon` on the caller's ``composer`` (a ledger keeps one, with its caches)."""
     delta = check_delta(delta)
     counted, by_key = _group(events)
     if not counted:
@@ -507,9 +511,9 @@ def best_epsilon(
 
     Uses one composer per (orders, discretisation) for the process, so the cached RDP curves and
     PLDs of an event are built once however many devices check their budgets with it."""
-    return _best(_shared_composer(tuple(orders), float(pld_discretization)), events, delta)
+    return best_with(_shared_composer(tuple(orders), float(pld_discretization)), events, delta)
 
 
 @cache
-def _shared_composer(orders: tuple[float, ...], pld_discretization: float) -> _Composer:
-    return _Composer(orders, pld_discretization)
+def _shared_composer(orders: tuple[float, ...], pld_discretization: float) -> Composer:
+    return Composer(orders, pld_discretization)

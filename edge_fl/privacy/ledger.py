@@ -24,10 +24,10 @@ from edge_fl.privacy.accountants import (
     RDP_ORDERS,
     Accountant,
     Bound,
+    Composer,
     EpsilonResult,
-    _best,
-    _compose,
-    _Composer,
+    best_with,
+    compose_with,
 )
 from edge_fl.privacy.events import IncompatibleEventsError, PrivacyEvent, Unit
 
@@ -52,7 +52,7 @@ class PrivacyLedger:
     ) -> None:
         if not pld_discretization > 0:
             raise ValueError(f"pld_discretization must be > 0, got {pld_discretization!r}")
-        self._composer = _Composer(orders, pld_discretization)
+        self._composer = Composer(orders, pld_discretization)
         self._entries: list[LedgerEntry] = []
         self._devices: dict[Hashable, None] = {}
         self._event_of: dict[tuple, PrivacyEvent] = {}  # event key -> its first event
@@ -136,7 +136,7 @@ class PrivacyLedger:
         key = (float(delta), accountant, sig)
         res = self._eps_cache.get(key)
         if res is None:
-            res = _compose(self._composer, self._expand(sig), delta, accountant)
+            res = compose_with(self._composer, self._expand(sig), delta, accountant)
             self._eps_cache[key] = res
         return res
 
@@ -215,7 +215,7 @@ class PrivacyLedger:
         key = (float(delta), sig)
         bound = self._best_cache.get(key)
         if bound is None:
-            bound = self._best_cache[key] = _best(self._composer, self._expand(sig), delta)
+            bound = self._best_cache[key] = best_with(self._composer, self._expand(sig), delta)
         return bound
 
     def device_distribution(
