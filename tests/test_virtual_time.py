@@ -4,6 +4,7 @@ refused with a reason."""
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import os
@@ -163,36 +164,45 @@ def test_resume_refuses_a_finished_run_and_continues_a_stopped_one(profile_path,
     refuse_resume(job.cfg, tmp_path)  # and a finished one given more rounds
 
 
+@contextlib.contextmanager
+def aggregator_and_fleet(args: list[str], out: Path):
+    """`edge-fl aggregator --out OUT` and `edge-fl fleet` with ``args``, both with stderr piped;
+    yields them once the aggregator's first record is written; both are killed at the end if
+    still running."""
+    edge_fl = str(Path(sys.executable).with_name("edge-fl"))
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    agg = subprocess.Popen(
+        [edge_fl, "aggregator", *args, "--out", str(out)], env=env, text=True,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    )  # fmt: skip
+    fleet = subprocess.Popen([edge_fl, "fleet", *args], env=env, text=True, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 240
+        while not (out / "metrics.jsonl").exists() or not (out / "metrics.jsonl").read_text():
+            assert agg.poll() is None and time.monotonic() < deadline, "no round closed"
+            time.sleep(0.1)
+        yield agg, fleet
+    finally:
+        for proc in (agg, fleet):
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(10)
+
+
 def test_the_aggregator_ends_the_job_when_the_simulated_fleet_leaves(mosquitto, tmp_path):
     """`edge-fl aggregator` + `edge-fl fleet` under virtual time; the fleet is stopped mid-job:
     the aggregator ends the job itself (summary written, exit 0) instead of waiting forever
     (it once spun in a loop that never yielded, deaf to SIGTERM)."""
-    edge_fl = str(Path(sys.executable).with_name("edge-fl"))
     out = tmp_path / "agg"
     args = [
         "--broker", mosquitto.url, "--job", f"vtgone-{uuid.uuid4().hex[:6]}", "--mode",
         "fedasync", "--concurrency", "4", "--rounds", "100000", "--devices", "8", "--model",
         "logreg", "--epochs", "1", "--profile", "phone-fleet", "--clock", "virtual",
     ]  # fmt: skip
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    agg = subprocess.Popen(
-        [edge_fl, "aggregator", *args, "--out", str(out)], env=env, text=True,
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-    )  # fmt: skip
-    fleet = subprocess.Popen([edge_fl, "fleet", *args], env=env, stderr=subprocess.DEVNULL)
-    try:
-        deadline = time.monotonic() + 240
-        while not (out / "metrics.jsonl").exists() or not (out / "metrics.jsonl").read_text():
-            assert agg.poll() is None and time.monotonic() < deadline, "no round closed"
-            time.sleep(0.1)
+    with aggregator_and_fleet(args, out) as (agg, fleet):
         fleet.send_signal(signal.SIGTERM)
-        fleet.wait(60)
+        fleet.communicate(timeout=60)
         _, stderr = agg.communicate(timeout=120)
-    finally:
-        for proc in (agg, fleet):
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait(10)
     assert agg.returncode == 0, stderr[-2000:]
     assert "the simulated fleet left" in stderr
     summary = json.loads((out / "summary.json").read_text())
@@ -253,32 +263,16 @@ def test_aggregator_and_fleet_processes_both_stop_when_the_broker_goes_under_vir
     fleet, whose clock session went too, stops as well with one line instead of reconnecting
     its devices to a job that no longer runs (it waited there for ever, 2026-11-28)."""
     broker = make_broker()
-    edge_fl = str(Path(sys.executable).with_name("edge-fl"))
     out = tmp_path / "agg"
     args = [
         "--broker", broker.url, "--job", f"vtkill-{uuid.uuid4().hex[:6]}", "--rounds", "1000",
         "--devices", "20", "--model", "logreg", "--epochs", "1", "--profile", "phone-fleet",
         "--clock", "virtual",
     ]  # fmt: skip
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    agg = subprocess.Popen(
-        [edge_fl, "aggregator", *args, "--out", str(out)], env=env, text=True,
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-    )  # fmt: skip
-    fleet = subprocess.Popen([edge_fl, "fleet", *args], env=env, text=True, stderr=subprocess.PIPE)
-    try:
-        deadline = time.monotonic() + 240
-        while not (out / "metrics.jsonl").exists() or not (out / "metrics.jsonl").read_text():
-            assert agg.poll() is None and time.monotonic() < deadline, "no round closed"
-            time.sleep(0.1)
+    with aggregator_and_fleet(args, out) as (agg, fleet):
         broker.stop()  # SIGKILL: every session drops at once
         _, agg_err = agg.communicate(timeout=120)
         _, fleet_err = fleet.communicate(timeout=120)
-    finally:
-        for proc in (agg, fleet):
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait(10)
     assert agg.returncode == 0, agg_err[-2000:]
     assert "losing the broker under virtual time" in agg_err
     assert fleet.returncode == 0, fleet_err[-2000:]
