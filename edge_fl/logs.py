@@ -71,6 +71,18 @@ def collapse_repeats() -> RepeatCollapser:
     return collapser
 
 
+def uncollapse() -> None:
+    """Remove what :func:`collapse_repeats` installed: a process that runs a command in-process
+    and then goes on (a test run) must not have its later warnings folded by it."""
+    global _installed
+    if _installed is None:
+        return
+    for handler in logging.getLogger().handlers:
+        handler.removeFilter(_installed)
+    logging.getLogger("absl").removeFilter(_installed)
+    _installed = None
+
+
 class BenignAccountingNotices(logging.Filter):
     """A filter for the ``absl`` logger: dp-accounting's "_compute_log_a_frac failed to converge
     ... Excluding this order from the epsilon computation" warnings (dozens per calibration of a

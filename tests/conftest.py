@@ -50,3 +50,14 @@ def make_broker() -> Iterator[Callable[..., EmbeddedBroker]]:
     yield factory
     for broker in started:
         broker.stop()
+
+
+@pytest.fixture(autouse=True)
+def _no_repeat_collapser_outlives_a_test() -> Iterator[None]:
+    """A command run in this process (click's CliRunner) installs the CLI's repeat collapser on
+    the root handlers; removed after each test, or it folds a later test's warnings into one
+    (test_magrr after an in-process `edge-fl simulate`, in CI)."""
+    yield
+    from edge_fl.logs import uncollapse
+
+    uncollapse()

@@ -132,7 +132,6 @@ def test_simulate_names_the_errors_and_exits_1_when_failures_ended_the_job(
     trainings failed (its model is not a result), 0 when it ran its rounds despite them."""
     from click.testing import CliRunner
 
-    import edge_fl.cli
     import edge_fl.simulation
     from edge_fl.cli import main
 
@@ -148,9 +147,6 @@ def test_simulate_names_the_errors_and_exits_1_when_failures_ended_the_job(
         "device_failure_errors": {"RuntimeError: boom": 5},
     }
     monkeypatch.setattr(edge_fl.simulation, "simulate", lambda *a, **k: summary)
-    # in this process, the command's logging set-up (a repeat collapser on the root handlers)
-    # would outlive the test and fold later tests' warnings (test_magrr's, in CI)
-    monkeypatch.setattr(edge_fl.cli, "configure_logging", lambda verbose: None)
     done = CliRunner().invoke(main, ["simulate", "--no-progress", "--rounds", "1"])
     assert done.exit_code == code, done.output
     assert "training failed on 5 devices: RuntimeError: boom x5" in done.output
