@@ -71,6 +71,13 @@ def collapse_repeats() -> RepeatCollapser:
     return collapser
 
 
+def tally(counts: dict[str, int]) -> str:
+    """``"RuntimeError: boom x14; ValueError: shape x1"``: what happened and how often, most
+    first (the fleet's log and the CLI's line about failed trainings)."""
+    ranked = sorted(counts.items(), key=lambda item: (-item[1], item[0]))
+    return "; ".join(f"{what} x{n}" for what, n in ranked)
+
+
 def uncollapse() -> None:
     """Remove what :func:`collapse_repeats` installed: a process that runs a command in-process
     and then goes on (a test run) must not have its later warnings folded by it."""

@@ -468,9 +468,10 @@ def simulate(
         )
     errors = summary.get("device_failure_errors") or {}
     if errors:
-        what = "; ".join(f"{e} x{n}" for e, n in sorted(errors.items(), key=lambda i: -i[1]))
+        from edge_fl.logs import tally
+
         click.echo(
-            f"training failed on {summary['device_failures']} devices: {what} (the first "
+            f"training failed on {summary['device_failures']} devices: {tally(errors)} (the first "
             "traceback of each error is in the log)"
         )
     _exit_if_training_failed(summary)

@@ -71,6 +71,7 @@ from edge_fl.device.trust import Trust
 from edge_fl.fleet.clock import SimClock, VirtualClock
 from edge_fl.fleet.keepalive import SharedKeepalive
 from edge_fl.fleet.profiles import AlwaysAvailable, DeviceProfile
+from edge_fl.logs import tally
 from edge_fl.protocol import GlobalModel, Topics
 from edge_fl.protocol.clock import (
     UPS_MAX,
@@ -590,9 +591,7 @@ class Fleet:
         n, self._failures_since = self._failures_since, 0
         if self._repeats_since:
             more = sum(self._repeats_since.values())
-            log.warning(
-                "training failed on %d more devices (%s)", more, _tally(self._repeats_since)
-            )
+            log.warning("training failed on %d more devices (%s)", more, tally(self._repeats_since))
             self._repeats_since = {}
         return n
 
@@ -1204,15 +1203,9 @@ class Fleet:
                     "fleet: %d trainings failed (%s); the first of each error is logged above "
                     "with its traceback",
                     self.device_failures,
-                    _tally(self.failure_errors),
+                    tally(self.failure_errors),
                 )
             self._pool.shutdown(wait=False, cancel_futures=True)
-
-
-def _tally(errors: dict[str, int]) -> str:
-    """``"RuntimeError: boom x14; ValueError: shape x1"``: errors and how often, most first."""
-    ranked = sorted(errors.items(), key=lambda item: (-item[1], item[0]))
-    return "; ".join(f"{what} x{n}" for what, n in ranked)
 
 
 def _kind(key: tuple) -> object:
