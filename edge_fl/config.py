@@ -396,6 +396,14 @@ class FleetConfig(_Section):
         None, ge=0, lt=1, description="per-round dropout probability (overrides the profile)"
     )
     train_workers: int = Field(1, ge=1, le=64, description="threads training devices")
+    processes: Annotated[int, Field(ge=1, le=64)] | Literal["auto"] = Field(
+        "auto",
+        description="processes a simulation's fleet runs in: its devices split as `edge-fl "
+        "fleet --shard` splits them, the first share in the aggregator's process, the others "
+        "forked from it, so training uses more than one core (every device keeps its own "
+        "session and bytes); auto = one per usable core, at most 4, for a wall-clock job "
+        "without secure aggregation on Linux, else 1; virtual time needs 1",
+    )
     machine_samples_per_s: float | None = Field(
         None,
         gt=0,
@@ -432,6 +440,11 @@ class FleetConfig(_Section):
                 "machine_samples_per_s models devices' compute time from their real training: "
                 "it needs modelled time (a profile other than homogeneous, clock = 'virtual', "
                 "or a time_scale)"
+            )
+        if self.virtual and isinstance(self.processes, int) and self.processes > 1:
+            raise ValueError(
+                f"processes = {self.processes}: virtual time keeps one fleet process in "
+                "lock-step with the aggregator; use processes = 1 (or auto), or clock = 'wall'"
             )
         if self.clock == "virtual" and self.time_scale is not None:
             raise ValueError(

@@ -23,16 +23,18 @@ import json
 import logging
 import os
 import signal
+import sys
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from edge_fl.config import JobConfig, load_config
+from edge_fl.fleet.counts import FleetTotals, merge_totals, round_fields
 from edge_fl.job import Job, build_job
 from edge_fl.metrics import RunRecorder
 from edge_fl.server.service import AggregatorService
@@ -40,6 +42,9 @@ from edge_fl.server.signals import StopSignals
 from edge_fl.storage import OutputError, lock_run_dir, write_json
 from edge_fl.transport.url import BrokerSpec, parse_broker_url
 from edge_fl.transport.wire import DEFAULT_LINK, LinkModel
+
+if TYPE_CHECKING:
+    from edge_fl.fleet.processes import FleetProcesses
 
 log = logging.getLogger("edge_fl.simulate")
 
@@ -538,15 +543,22 @@ async def _run_with_fleet(
     signals: StopSignals | None = None,
     link: LinkModel | None = None,
     device_downlink: bool = False,
+    signer: Any = None,
+    shares: FleetProcesses | None = None,
 ) -> dict[str, Any]:
     """Aggregator and fleet on one event loop; returns the run summary.
 
     With ``signals``, SIGTERM/SIGINT stop the job cleanly: the open round is decided, the fleet is
     told the job ended (and leaves), and the summary says ``stopped``. ``link``: the model of the
     wire IP estimate (default: Ethernet MSS 1448); ``device_downlink``: every device receives
-    the global model on its own session (measured rather than charged; N copies on the wire)."""
+    the global model on its own session (measured rather than charged; N copies on the wire).
+    ``signer``: the global messages' key (default: the job's, else a new one); ``shares``: the
+    fleet's other processes, forked already (:class:`FleetProcesses`; default: none)."""
+    from edge_fl.fleet.processes import FleetProcessError, FleetProcesses
+
     job = run.job
     cfg = job.cfg
+    shares = shares or FleetProcesses([], 1)
     t0 = time.perf_counter()
     timings: dict[str, float] = {}
     bar = _ProgressBar(cfg.rounds.rounds, progress)
@@ -558,9 +570,7 @@ async def _run_with_fleet(
         else:  # when the round closed, not after the last round's drain (up to a deadline)
             now = service.closed_at if service.closed_at is not None else service.sim_now()
         record["sim_time_s"] = round(now - job.clock.start_s, 3)
-        record["dropouts"] = fleet.dropouts
-        record["device_failures"] = fleet.failures_round()
-        record.update(fleet.wire_round())
+        record.update(round_fields([fleet.take_round(), *shares.take_round()]))
         if "first_round_s" not in timings:
             timings["first_round_s"] = record["elapsed_s"]
 
@@ -570,9 +580,10 @@ async def _run_with_fleet(
             fleet_hook(record, fleet)
 
     # one simulation = one key: every global message is signed and every device verifies it
-    from edge_fl.protocol.signing import Signer
+    if signer is None:
+        from edge_fl.protocol.signing import Signer
 
-    signer = job.signer or Signer.generate()
+        signer = job.signer or Signer.generate()
     # the job document, retained while the job runs and cleared at its end (as `edge-fl
     # aggregator` does): a live dashboard takes the rounds and the budget from it
     from dataclasses import replace
@@ -588,9 +599,14 @@ async def _run_with_fleet(
         signer=signer,
         job_document=document,
     )
-    fleet = job.fleet_runtime(spec, trust=job.trust(signer.verifier))
+    n = shares.n  # share 0 of n: the others run in their own processes
+    fleet = job.fleet_runtime(
+        spec, range(0, cfg.data.devices, n) if n > 1 else None, trust=job.trust(signer.verifier)
+    )
     fleet.link = link or DEFAULT_LINK
     fleet.device_downlink = device_downlink
+    if n > 1:
+        fleet.downlink_id += f"-0of{n}"
     with bar:
         aggregator = asyncio.create_task(service.run(), name="aggregator")
         await asyncio.wait(
@@ -598,6 +614,7 @@ async def _run_with_fleet(
             return_when=asyncio.FIRST_COMPLETED,
         )
         job.clock.reset()
+        shares.start(spec, service.request_stop)
         fleet_task = asyncio.create_task(fleet.run(), name="fleet")
         await fleet.connected.wait() if not aggregator.done() else None
         timings["fleet_connected_s"] = round(time.perf_counter() - t0, 4)
@@ -605,6 +622,7 @@ async def _run_with_fleet(
             await aggregator
         except BaseException:
             fleet_task.cancel()  # no done marker was published: the fleet would wait for one
+            shares.close()  # and the other processes' devices leave
             with contextlib.suppress(BaseException):
                 await fleet_task
             raise
@@ -614,11 +632,11 @@ async def _run_with_fleet(
             await asyncio.wait_for(fleet_task, timeout=10)
         if not fleet_task.done():
             fleet_task.cancel()
+        share_totals, share_after = await shares.finish(wait=not service.broker_lost)
     timings["run_s"] = round(time.perf_counter() - t0, 4)
-    wire = _wire_summary(run.recorder, fleet)
-    from edge_fl.fleet.runtime import TRAINING_FAILED
-
-    return run.finish(
+    totals = merge_totals([fleet.totals(), *share_totals])
+    after = round_fields([fleet.take_round(), *share_after])
+    summary = run.finish(
         {
             "mechanism": cfg.privacy.mechanism,
             "devices": cfg.data.devices,
@@ -626,21 +644,56 @@ async def _run_with_fleet(
             "n_params": job.model.n_params,
             "dataset": job.dataset.name,
             "timings": timings,
-            "fleet_published": fleet.published,
-            "fleet_publish_failures": fleet.publish_failures,
+            "fleet_processes": n,
+            "fleet_published": totals.published,
+            "fleet_publish_failures": totals.publish_failures,
             # on their own account (a budget spent); those whose training failed: below
-            "stopped_devices": sum(
-                1
-                for a in fleet.agents.values()
-                if a.state.stopped_reason and a.state.stopped_reason != TRAINING_FAILED
-            ),
+            "stopped_devices": totals.stopped_devices,
             # trainings that raised, in all and per error ("RuntimeError: boom": count)
-            "device_failures": fleet.device_failures,
-            "device_failure_errors": dict(fleet.failure_errors),
+            "device_failures": totals.device_failures,
+            "device_failure_errors": totals.failure_errors,
             **_virtual_time_summary(service, fleet, job.clock.start_s),
-            **wire,
+            **_wire_summary(run.recorder, after, totals, fleet),
         }
     )
+    failed = shares.failures()
+    if failed:  # the job stopped cleanly when the first one failed; its files are written
+        raise FleetProcessError(
+            "; ".join(failed) + f" (the job stopped after round {summary.get('rounds')}; "
+            "its records, model and checkpoint are written)"
+        )
+    return summary
+
+
+def fleet_processes(cfg: JobConfig, *, fleet_hook: Any = None, given_job: bool = False) -> int:
+    """How many processes a simulation's fleet runs in (``fleet.processes``; ``auto``: one per
+    usable core, at most 4 and at most one per device, when forking is safe and changes
+    nothing a caller sees: Linux, the main thread and no other, the wall clock, no secure
+    aggregation, no ``fleet_hook`` (it is handed the fleet object) and a job built here from
+    a config (``given_job``: the caller built it, with its own dataset, model or device factory,
+    whose Python state a forked copy would not share back); else 1)."""
+    from edge_fl.fleet.processes import usable_cores
+
+    asked = cfg.fleet.processes
+    if asked != "auto":
+        if asked > 1 and not hasattr(os, "fork"):
+            raise ValueError(f"fleet.processes = {asked} needs os.fork (Linux or macOS)")
+        if asked > 1 and fleet_hook is not None:
+            raise ValueError(
+                f"fleet.processes = {asked}: a fleet_hook is handed the fleet, whose devices "
+                "would be split over processes; use fleet.processes = 1 with a hook"
+            )
+        return max(1, min(asked, cfg.data.devices))
+    forking_is_safe = (
+        sys.platform == "linux"
+        and threading.current_thread() is threading.main_thread()
+        and threading.active_count() == 1
+    )
+    if not forking_is_safe or fleet_hook is not None or given_job or cfg.fleet.virtual:
+        return 1
+    if cfg.secure_aggregation.enabled:
+        return 1
+    return max(1, min(usable_cores(), 4, cfg.data.devices))
 
 
 def _virtual_time_summary(service: AggregatorService, fleet: Any, start_s: float) -> dict:
@@ -665,23 +718,24 @@ def _virtual_time_summary(service: AggregatorService, fleet: Any, start_s: float
     }
 
 
-def _wire_summary(recorder: RunRecorder, fleet: Any) -> dict[str, Any]:
-    """Run totals of the fleet's wire bytes: every record's plus what came after the last one
-    (the end-of-job model, statuses, DISCONNECT), and the link model the estimate used."""
-    after = fleet.wire_round()
+def _wire_summary(
+    recorder: RunRecorder, after: dict[str, int], totals: FleetTotals, fleet: Any
+) -> dict[str, Any]:
+    """Run totals of the fleet's wire bytes: every record's plus ``after``, what came after the
+    last one (the end-of-job model, statuses, DISCONNECT), and the link model the estimate
+    used (``fleet``'s: every process's share uses the same)."""
     link = fleet.link
-    totals = {
+    sums = {
         key: sum(r.get(key, 0) for r in recorder.records) + after[key]
         for key in ("wire_up", "wire_down", "wire_up_ip", "wire_down_ip")
     }
     return {
-        **{f"total_{key}": value for key, value in totals.items()},
+        **{f"total_{key}": value for key, value in sums.items()},
         "wire": {
-            "after_last_round": {k: after[k] for k in totals},
+            "after_last_round": {k: after[k] for k in sums},
             "device_downlink": fleet.device_downlink,
-            "shared_downlink": {
-                k: v for k, v in fleet.downlink_wire.totals().items() if k in ("up", "down")
-            },
+            # one session per fleet process
+            "shared_downlink": {"up": totals.downlink_up, "down": totals.downlink_down},
             "link_model": {
                 "tls": fleet.spec.tls,
                 "mss": link.mss,
@@ -727,16 +781,25 @@ async def run_simulation_async(
             f"run_simulation takes a Job, a JobConfig or a config file's path, not "
             f"{type(job).__name__}"
         )
+    given_job = isinstance(job, Job)
     job = job if isinstance(job, Job) else build_job(job)
     cfg = job.cfg
     if resume:
         refuse_resume(cfg, out_dir)  # before the broker starts and onnx loads on a thread
     job.check_device_keys()  # the simulated devices' own keys: before anything is written
-    if cfg.model.evaluate_with == "onnxruntime" and job.onnx is not None:
-        _preload(job)
-    timings = {"build_s": round(time.perf_counter() - t_start, 4)}
-    meta = job.metadata()
+    from edge_fl.fleet.processes import FleetProcesses
+    from edge_fl.protocol.signing import Signer
+
+    signer = job.signer or Signer.generate()  # the shares verify what it signs
+    # forked before any thread of ours starts (a forked process holds only the forking thread)
+    n = fleet_processes(cfg, fleet_hook=fleet_hook, given_job=given_job)
+    shares = FleetProcesses.fork(job, n, signer.verifier)
     with contextlib.ExitStack() as stack:
+        stack.callback(shares.close)
+        if cfg.model.evaluate_with == "onnxruntime" and job.onnx is not None:
+            _preload(job)
+        timings = {"build_s": round(time.perf_counter() - t_start, 4)}
+        meta = job.metadata()
         if cfg.broker.url:
             spec = parse_broker_url(cfg.broker.url)
             meta["broker"] = {"kind": "external", "url": spec.redacted()}
@@ -751,6 +814,7 @@ async def run_simulation_async(
                     "mosquitto) or pass --broker mqtt://HOST:PORT"
                 )
             stack.enter_context(broker)
+            stack.callback(shares.close)  # before the broker stops: their devices leave first
             spec = parse_broker_url(broker.url)
             meta["broker"] = {"kind": f"embedded-{broker.kind}", "url": broker.url}
             timings["broker_ready_s"] = round(time.perf_counter() - t_start, 4)
@@ -770,7 +834,13 @@ async def run_simulation_async(
 
         try:
             summary = await _run_with_fleet(
-                run, spec, progress=progress, fleet_hook=hook, signals=signals
+                run,
+                spec,
+                progress=progress,
+                fleet_hook=hook,
+                signals=signals,
+                signer=signer,
+                shares=shares,
             )
         except Exception:
             run.abandon()  # a run that never opened a round does not block a retry

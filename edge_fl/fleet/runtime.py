@@ -69,6 +69,7 @@ from edge_fl.device.policy import (
 )
 from edge_fl.device.trust import Trust
 from edge_fl.fleet.clock import SimClock, VirtualClock
+from edge_fl.fleet.counts import FleetTotals, RoundCounts
 from edge_fl.fleet.keepalive import SharedKeepalive
 from edge_fl.fleet.profiles import AlwaysAvailable, DeviceProfile
 from edge_fl.logs import tally
@@ -92,7 +93,6 @@ from edge_fl.transport.wire import (
     ip_bytes,
     mqtt_packet_bytes,
     packet_counts,
-    percentiles,
 )
 
 #: the second half of a device's timer key: its availability changes (statuses) come before its
@@ -161,6 +161,8 @@ class Fleet:
         self.connect_concurrency = connect_concurrency
         self.keepalive_s = keepalive_s
         self.client_prefix = client_prefix or f"edgefl-{topics.job}"
+        #: the shared downlink session's client id (a fleet split over processes: one each)
+        self.downlink_id = f"{self.client_prefix}-downlink"
         self.clients: dict[str, aiomqtt.Client] = {}
         self.crashed: set[str] = set()
         self.published = 0  # distinct updates that reached the broker (first send or re-send)
@@ -360,9 +362,11 @@ class Fleet:
         if device not in self.crashed and device not in self.unavailable:
             self._hand(agent, InboxArrived(payload), 0)
 
-    def wire_round(self) -> dict[str, int]:
-        """Wire bytes of every device since the previous call: sums, the link model's IP
-        estimate (TLS and TCP/IP included) and the per-device distribution."""
+    def take_round(self) -> RoundCounts:
+        """This fleet's counts since the previous take (a round's record; merged with other
+        processes' shares by :func:`~edge_fl.fleet.counts.round_fields`): every device's wire
+        bytes that moved, with the link model's TCP/IP estimate (TLS and TCP/IP included), the
+        trainings that failed (:meth:`failures_round`) and the dropouts so far."""
         ups: list[int] = []
         downs: list[int] = []
         up_ip = down_ip = 0
@@ -375,16 +379,28 @@ class Fleet:
             u, d = ip_bytes(counts, self.link)
             up_ip += u
             down_ip += d
-        up_dist, down_dist = percentiles(ups), percentiles(downs)
-        return {
-            "wire_up": sum(ups),
-            "wire_down": sum(downs),
-            "wire_up_ip": up_ip,
-            "wire_down_ip": down_ip,
-            "wire_devices": len(ups),
-            **{f"wire_up_{k}": v for k, v in up_dist.items()},
-            **{f"wire_down_{k}": v for k, v in down_dist.items()},
-        }
+        return RoundCounts(
+            tuple(ups), tuple(downs), up_ip, down_ip, self.failures_round(), self.dropouts
+        )
+
+    def totals(self) -> FleetTotals:
+        """This fleet's run totals (the summary's; merged across processes by
+        :func:`~edge_fl.fleet.counts.merge_totals`)."""
+        downlink = self.downlink_wire.totals()
+        return FleetTotals(
+            published=self.published,
+            publish_failures=self.publish_failures,
+            # on their own account (a budget spent); those whose training failed: apart
+            stopped_devices=sum(
+                1
+                for a in self.agents.values()
+                if a.state.stopped_reason and a.state.stopped_reason != TRAINING_FAILED
+            ),
+            device_failures=self.device_failures,
+            failure_errors=dict(self.failure_errors),
+            downlink_up=downlink["up"],
+            downlink_down=downlink["down"],
+        )
 
     async def _connect(self, agent: DeviceAgent, gate: asyncio.Semaphore) -> None:
         async with gate:  # Mosquitto's listen backlog is 100: pace the connects
@@ -843,9 +859,7 @@ class Fleet:
                 await self._connect(self.agents[device], asyncio.Semaphore(1))
                 client = self.clients[device]
             return await self._serve_downlink(client)
-        downlink = aiomqtt.Client(
-            **self.spec.aiomqtt_kwargs(), identifier=f"{self.client_prefix}-downlink"
-        )
+        downlink = aiomqtt.Client(**self.spec.aiomqtt_kwargs(), identifier=self.downlink_id)
         attach(downlink, self.downlink_wire)
         async with downlink:
             return await self._serve_downlink(downlink)
