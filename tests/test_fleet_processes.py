@@ -212,3 +212,29 @@ def test_a_killed_aggregator_process_leaves_no_fleet_process(tmp_path):
         for b in broker or []:
             if b.is_running():
                 b.kill()
+
+
+@pytest.mark.broker
+def test_a_share_that_raises_stops_the_job_naming_its_error(tmp_path):
+    """A share whose fleet cannot be built (here: its first call raises) is reported with its
+    error; the job stops at once rather than waiting for devices that never come, and a
+    directory that never saw a round is left free for the corrected command."""
+    from edge_fl import build_job, run_simulation
+    from edge_fl.fleet.processes import FleetProcessError
+
+    job = build_job(load_config(None, {"data.devices": 6, "rounds.rounds": 3,
+                                       "rounds.clients_per_round": 6, "fleet.processes": 2}))  # fmt: skip
+    build = job.fleet_runtime
+
+    def fleet_runtime(spec, indices=None, **kw):
+        if indices is not None and indices.start == 1:  # share 1, in its own process
+            raise RuntimeError("boom in share 1")
+        return build(spec, indices, **kw)
+
+    job.fleet_runtime = fleet_runtime  # inherited by the forked process
+    out = tmp_path / "run"
+    with pytest.raises(
+        FleetProcessError, match=r"fleet process 1/2: RuntimeError: boom in share 1"
+    ):
+        run_simulation(job, out, handle_signals=False)
+    assert not (out / "metrics.jsonl").exists()

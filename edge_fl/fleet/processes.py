@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib
 import logging
 import os
 import signal
@@ -98,6 +99,9 @@ class FleetProcesses:
         """Fork shares 1..n-1 of ``job``'s fleet (``n`` = 1: none). ``verifier``: the global
         messages' signature key, which every device checks."""
         shares: list[Share] = []
+        if n > 1:  # what every share imports to build its fleet: once, before the fork
+            for module in ("edge_fl.fleet.runtime", "edge_fl.device.runtime", "yaml"):
+                importlib.import_module(module)
         try:
             for index in range(1, n):
                 ours, theirs = Pipe()
