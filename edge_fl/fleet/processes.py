@@ -35,7 +35,6 @@ from edge_fl.fleet.counts import FleetTotals, RoundCounts
 
 if TYPE_CHECKING:
     from edge_fl.transport.url import BrokerSpec
-    from edge_fl.transport.wire import LinkModel
 
 log = logging.getLogger(__name__)
 
@@ -87,15 +86,7 @@ class FleetProcesses:
         self._changed = asyncio.Event()  # a share's message was handled
 
     @classmethod
-    def fork(
-        cls,
-        job: Any,
-        n: int,
-        verifier: Any,
-        *,
-        link: LinkModel | None = None,
-        device_downlink: bool = False,
-    ) -> FleetProcesses:
+    def fork(cls, job: Any, n: int, verifier: Any) -> FleetProcesses:
         """Fork shares 1..n-1 of ``job``'s fleet (``n`` = 1: none). ``verifier``: the global
         messages' signature key, which every device checks."""
         shares: list[Share] = []
@@ -112,7 +103,7 @@ class FleetProcesses:
                     ours.close()
                     for earlier in shares:
                         earlier.conn.close()
-                    _share_main(theirs, job, index, n, verifier, link, device_downlink)
+                    _share_main(theirs, job, index, n, verifier)
                 theirs.close()
                 shares.append(Share(index, pid, ours))
         except BaseException:
@@ -137,13 +128,14 @@ class FleetProcesses:
         for share in asked:
             while not share.counts and not share.closed and share.totals is None:
                 if not self._receive(share, max(0.0, deadline - time.monotonic())):
-                    log.warning(
-                        "fleet process %d/%d did not give its counts within %.0f s: its "
-                        "devices' wire bytes are left out of this record",
-                        share.index,
-                        self.n,
-                        TAKE_TIMEOUT_S,
-                    )
+                    if not share.closed:  # (a closed one said why, or exited: reported)
+                        log.warning(
+                            "fleet process %d/%d did not give its counts within %.0f s: its "
+                            "devices' wire bytes are left out of this record",
+                            share.index,
+                            self.n,
+                            TAKE_TIMEOUT_S,
+                        )
                     break
         taken = [c for s in self.shares for c in s.counts]
         for share in self.shares:
@@ -265,15 +257,7 @@ def _reap(pid: int, index: int, n: int, timeout_s: float = 5.0) -> None:
 # ---------------------------------------------------------------------- the share's process
 
 
-def _share_main(
-    conn: Connection,
-    job: Any,
-    index: int,
-    n: int,
-    verifier: Any,
-    link: LinkModel | None,
-    device_downlink: bool,
-) -> NoReturn:
+def _share_main(conn: Connection, job: Any, index: int, n: int, verifier: Any) -> NoReturn:
     """A forked share's whole life: wait for the broker, run its devices until the done marker
     (or until the aggregator's process is gone), report, exit. Never returns: ``os._exit``, so
     nothing of the aggregator's process (its exit handlers, its output directory's lock, the
@@ -294,7 +278,7 @@ def _share_main(
 
         def serve() -> None:
             try:
-                asyncio.run(_serve(conn, job, index, n, spec, verifier, link, device_downlink))
+                asyncio.run(_serve(conn, job, index, n, spec, verifier))
             except BaseException as exc:  # reported below
                 outcome.append(exc)
 
@@ -318,22 +302,11 @@ def _share_main(
 
 
 async def _serve(
-    conn: Connection,
-    job: Any,
-    index: int,
-    n: int,
-    spec: BrokerSpec,
-    verifier: Any,
-    link: LinkModel | None,
-    device_downlink: bool,
+    conn: Connection, job: Any, index: int, n: int, spec: BrokerSpec, verifier: Any
 ) -> None:
-    from edge_fl.transport.wire import DEFAULT_LINK
-
     fleet = job.fleet_runtime(
         spec, range(index, job.cfg.data.devices, n), trust=job.trust(verifier)
     )
-    fleet.link = link or DEFAULT_LINK
-    fleet.device_downlink = device_downlink
     fleet.downlink_id += f"-{index}of{n}"
     loop = asyncio.get_running_loop()
     task = asyncio.create_task(fleet.run(), name=f"fleet-{index}of{n}")
