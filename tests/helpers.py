@@ -70,10 +70,13 @@ tiers:
 
 
 def records(out: Path) -> list[dict]:
-    """A run's metrics records (``metrics.jsonl``)."""
+    """A run's metrics records (``metrics.jsonl``; none yet: an empty list, for polling)."""
     import json
 
-    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    path = out / "metrics.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
 
 
 def run_quiet_then_loaded(cfg, tmp_path: Path):

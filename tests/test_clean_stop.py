@@ -21,6 +21,7 @@ import uuid
 from pathlib import Path
 
 import pytest
+from helpers import records
 from processes import stop_all, wait_for
 
 pytestmark = pytest.mark.broker
@@ -36,13 +37,6 @@ def common(url: str, job: str, rounds: int = 30, devices: int = 4) -> list[str]:
         "--clients-per-round", str(devices), "--deadline", "60", "--model", "logreg",
         "--epochs", "1", "--time-scale", "0.3",
     ]  # fmt: skip
-
-
-def records(out: Path) -> list[dict]:
-    path = out / "metrics.jsonl"
-    if not path.exists():
-        return []
-    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
 
 
 def error_lines(stderr: str) -> list[str]:

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+from helpers import records
 from processes import stop_all, wait_for
 
 from edge_fl import load_config
@@ -30,13 +31,6 @@ SLOW = [
     "--devices", "6", "--clients-per-round", "6", "--rounds", "40", "--model", "logreg",
     "--epochs", "1", "--time-scale", "0.3", "--no-progress",
 ]  # fmt: skip
-
-
-def records(out: Path) -> list[dict]:
-    path = out / "metrics.jsonl"
-    if not path.exists():
-        return []
-    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
 
 
 def simulate(out: Path, *args: str) -> subprocess.CompletedProcess:
