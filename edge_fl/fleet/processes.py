@@ -38,9 +38,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-#: the longest a round's record waits for a share's counts (a share answers between two
-#: trainings, so well under a second unless the machine stalls)
-TAKE_TIMEOUT_S = 30.0
+#: the longest a round's record waits for a share's counts, blocking the aggregator's event
+#: loop (a share answers between two trainings: milliseconds, unless the machine stalls or the
+#: share is stopped); counts that come later go into the next record
+TAKE_TIMEOUT_S = 2.0
 #: the longest the end of a job waits for a share's devices to leave
 END_TIMEOUT_S = 10.0
 
@@ -64,6 +65,7 @@ class Share:
     pid: int
     conn: Connection
     counts: list[RoundCounts] = field(default_factory=list)  # taken, not yet merged
+    asked: int = 0  # takes asked for and not answered yet
     totals: FleetTotals | None = None  # its devices left (the job is over)
     last: RoundCounts | None = None  # what moved after the last record
     error: str | None = None
@@ -123,15 +125,17 @@ class FleetProcesses:
 
     def take_round(self) -> list[RoundCounts]:
         """Every live share's counts since its previous take (a round's record)."""
-        asked = [s for s in self.shares if self._send(s, ("take",))]
+        for share in self.shares:
+            if self._send(share, ("take",)):
+                share.asked += 1
         deadline = time.monotonic() + TAKE_TIMEOUT_S
-        for share in asked:
-            while not share.counts and not share.closed and share.totals is None:
+        for share in self.shares:
+            while share.asked and not share.closed and share.totals is None:
                 if not self._receive(share, max(0.0, deadline - time.monotonic())):
                     if not share.closed:  # (a closed one said why, or exited: reported)
                         log.warning(
                             "fleet process %d/%d did not give its counts within %.0f s: its "
-                            "devices' wire bytes are left out of this record",
+                            "devices' wire bytes go into a later record",
                             share.index,
                             self.n,
                             TAKE_TIMEOUT_S,
@@ -212,6 +216,7 @@ class FleetProcesses:
         kind = message[0]
         if kind == "take":
             share.counts.append(message[1])
+            share.asked = max(0, share.asked - 1)
         elif kind == "end":
             share.totals, share.last = message[1], message[2]
         elif kind == "error":
