@@ -402,7 +402,8 @@ class FleetConfig(_Section):
         "fleet --shard` splits them, the first share in the aggregator's process, the others "
         "forked from it, so training uses more than one core (every device keeps its own "
         "session and bytes); auto = one per usable core, at most 4, for a wall-clock job "
-        "without secure aggregation on Linux, else 1; virtual time needs 1",
+        "without secure aggregation or reproducible on Linux, else 1; never more than the "
+        "devices; virtual time needs 1",
     )
     machine_samples_per_s: float | None = Field(
         None,
@@ -428,6 +429,14 @@ class FleetConfig(_Section):
         "file written) once this many simulated hours have passed; None = when its rounds are "
         "done",
     )
+
+    @field_validator("processes", mode="before")
+    @classmethod
+    def _processes(cls, value: Any) -> Any:
+        """One message for the one rule (the union's two branches each had their own)."""
+        if value == "auto" or (type(value) is int and 1 <= value <= 64):
+            return value
+        raise ValueError("a number of processes from 1 to 64, or auto")
 
     @model_validator(mode="after")
     def _clock_and_scale(self) -> FleetConfig:

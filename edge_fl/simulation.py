@@ -554,7 +554,7 @@ async def _run_with_fleet(
     the global model on its own session (measured rather than charged; N copies on the wire).
     ``signer``: the global messages' key (default: the job's, else a new one); ``shares``: the
     fleet's other processes, forked already (:class:`FleetProcesses`; default: none)."""
-    from edge_fl.fleet.processes import FleetProcessError, FleetProcesses
+    from edge_fl.fleet.processes import LEAVE_GRACE_S, FleetProcessError, FleetProcesses
 
     job = run.job
     cfg = job.cfg
@@ -628,11 +628,22 @@ async def _run_with_fleet(
             raise
         if service.broker_lost:  # no done marker reached it: it would wait for one
             fleet_task.cancel()
-        with contextlib.suppress(TimeoutError, asyncio.CancelledError):
-            await asyncio.wait_for(fleet_task, timeout=10)
-        if not fleet_task.done():
-            fleet_task.cancel()
-        share_totals, share_after = await shares.finish(wait=not service.broker_lost)
+
+        async def fleet_left() -> None:
+            # the done marker ends the fleet; one that missed it (still connecting when a stop
+            # came) is told to leave after a grace, as the other processes' shares are
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(asyncio.shield(fleet_task), timeout=LEAVE_GRACE_S)
+            if not fleet_task.done() and not fleet.leaving:
+                fleet_task.cancel()
+            with contextlib.suppress(TimeoutError, asyncio.CancelledError):
+                await asyncio.wait_for(fleet_task, timeout=10)
+            if not fleet_task.done():
+                fleet_task.cancel()
+
+        _, (share_totals, share_after) = await asyncio.gather(
+            fleet_left(), shares.finish(wait=not service.broker_lost)
+        )
     timings["run_s"] = round(time.perf_counter() - t0, 4)
     totals = merge_totals([fleet.totals(), *share_totals])
     after = round_fields([fleet.take_round(), *share_after])
@@ -657,11 +668,17 @@ async def _run_with_fleet(
         }
     )
     failed = shares.failures()
-    if failed:  # the job stopped cleanly when the first one failed; its files are written
-        raise FleetProcessError(
-            "; ".join(failed) + f" (the job stopped after round {summary.get('rounds')}; "
-            "its records, model and checkpoint are written)"
-        )
+    if failed:  # the job stopped cleanly when the first one failed
+        if not run.recorder.records:
+            where = "the job stopped before its first round"
+        elif run.out_dir is None:
+            where = f"the job stopped after round {summary.get('rounds')}"
+        else:
+            where = (
+                f"the job stopped after round {summary.get('rounds')}; its records, model and "
+                "checkpoint are written, and resuming continues it"
+            )
+        raise FleetProcessError("; ".join(failed) + f" ({where})")
     return summary
 
 
@@ -669,9 +686,11 @@ def fleet_processes(cfg: JobConfig, *, fleet_hook: Any = None, given_job: bool =
     """How many processes a simulation's fleet runs in (``fleet.processes``; ``auto``: one per
     usable core, at most 4 and at most one per device, when forking is safe and changes
     nothing a caller sees: Linux, the main thread and no other, the wall clock, no secure
-    aggregation, no ``fleet_hook`` (it is handed the fleet object) and a job built here from
-    a config (``given_job``: the caller built it, with its own dataset, model or device factory,
-    whose Python state a forked copy would not share back); else 1)."""
+    aggregation, no ``reproducible`` (the order in which updates arrive from two processes is
+    the machine's: FedBuff, FedAsync and over-selected rounds depend on it), no ``fleet_hook``
+    (it is handed the fleet object) and a job built here from a config (``given_job``: the
+    caller built it, with its own dataset, model or device factory, whose Python state a forked
+    copy would not share back); else 1)."""
     from edge_fl.fleet.processes import usable_cores
 
     asked = cfg.fleet.processes
@@ -691,7 +710,7 @@ def fleet_processes(cfg: JobConfig, *, fleet_hook: Any = None, given_job: bool =
     )
     if not forking_is_safe or fleet_hook is not None or given_job or cfg.fleet.virtual:
         return 1
-    if cfg.secure_aggregation.enabled:
+    if cfg.secure_aggregation.enabled or cfg.reproducible:
         return 1
     return max(1, min(usable_cores(), 4, cfg.data.devices))
 

@@ -81,11 +81,23 @@ def test_processes_resolve():
     assert fleet_processes(virtual) == 1
     assert fleet_processes(cfg, fleet_hook=lambda r, f: None) == 1
     assert fleet_processes(cfg, given_job=True) == 1  # the caller's objects may keep state
+    # FedBuff, FedAsync and over-selected rounds depend on the order updates arrive in
+    assert fleet_processes(load_config(None, {"data.devices": 50, "reproducible": True})) == 1
     two = load_config(None, {"fleet.processes": 2, "data.devices": 50})
     assert fleet_processes(two) == 2
     with pytest.raises(ValueError, match="fleet_hook"):
         fleet_processes(two, fleet_hook=lambda r, f: None)
     assert fleet_processes(load_config(None, {"fleet.processes": 8, "data.devices": 3})) == 3
+
+
+@pytest.mark.parametrize("value", ["0", "abc", "true", "2.5", "65"])
+def test_a_bad_process_count_is_one_line(tmp_path, value):
+    done = simulate(tmp_path / "b", "--set", f"fleet.processes={value}", *SMALL)
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines() == [
+        "edge-fl: error: invalid configuration: fleet.processes: a number of processes from 1 "
+        "to 64, or auto"
+    ]
 
 
 def test_virtual_time_with_processes_is_refused_in_one_line(tmp_path):
@@ -232,3 +244,39 @@ def test_a_share_that_raises_stops_the_job_naming_its_error(tmp_path):
     ):
         run_simulation(job, out, handle_signals=False)
     assert not (out / "metrics.jsonl").exists()
+
+
+@pytest.mark.broker
+@pytest.mark.parametrize("n", [1, 2])
+def test_ctrl_c_before_the_first_round_does_not_wait_out_the_fleets(tmp_path, n):
+    """Ctrl-C while devices are still connecting: a fleet that missed the done marker is told
+    to leave after a grace (1 s), not waited for 10 s (20 s with a forked share)."""
+    out = tmp_path / "run"
+    argv = [EDGE_FL, "simulate", *SLOW, "--set", f"fleet.processes={n}", "--out", str(out)]
+    sim = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                           env=ENV, start_new_session=True)  # fmt: skip
+    try:
+        wait_for(lambda: (out / "run.json").exists(), 60, "the run to open", (sim,))
+        os.killpg(sim.pid, signal.SIGINT)
+        _stdout, stderr = sim.communicate(timeout=8)  # 10-20 s before
+    finally:
+        stop_all(sim)
+    assert sim.returncode == 0, stderr
+    assert "Traceback" not in stderr
+
+
+@pytest.mark.broker
+def test_a_run_leaves_no_thread_behind(tmp_path):
+    """A run with an output directory used to leave its journal's fsync thread, so every later
+    run_simulation in the same script fell back to one process (auto forks only from a process
+    running no other thread)."""
+    import threading
+
+    from edge_fl import run_simulation
+
+    before = {t.ident for t in threading.enumerate()}
+    cfg = load_config(None, {"data.devices": 4, "rounds.rounds": 2,
+                             "rounds.clients_per_round": 4, "fleet.processes": 1})  # fmt: skip
+    run_simulation(cfg, tmp_path / "run", handle_signals=False)
+    left = [t.name for t in threading.enumerate() if t.ident not in before and t.is_alive()]
+    assert left == []

@@ -42,6 +42,10 @@ log = logging.getLogger(__name__)
 #: loop (a share answers between two trainings: milliseconds, unless the machine stalls or the
 #: share is stopped); counts that come later go into the next record
 TAKE_TIMEOUT_S = 2.0
+#: after the job, how long a share's devices have to leave on the done marker, as the
+#: aggregator's own share did, before the share is asked to make them leave (it missed the
+#: marker: it was still connecting when a stop came, say)
+LEAVE_GRACE_S = 1.0
 #: the longest the end of a job waits for a share's devices to leave
 END_TIMEOUT_S = 10.0
 
@@ -150,8 +154,15 @@ class FleetProcesses:
         """After the job: with ``wait``, each share's totals once its devices left (the done
         marker reached them); without (the broker is gone: no marker can), the shares are told
         to leave at once. Returns the totals and what moved after the last record."""
-        deadline = time.monotonic() + END_TIMEOUT_S
+        start = time.monotonic()
+        deadline = start + END_TIMEOUT_S
+        asked_to_leave = False
         while wait and any(s.totals is None and not s.closed for s in self.shares):
+            if not asked_to_leave and time.monotonic() - start >= LEAVE_GRACE_S:
+                asked_to_leave = True
+                for share in self.shares:
+                    if share.totals is None:
+                        self._send(share, ("leave",))
             left = deadline - time.monotonic()
             if left <= 0:
                 log.warning(
@@ -161,8 +172,9 @@ class FleetProcesses:
                 )
                 break
             self._changed.clear()
+            wake = left if asked_to_leave else min(left, LEAVE_GRACE_S)
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._changed.wait(), left)
+                await asyncio.wait_for(self._changed.wait(), wake)
         self.close()
         totals = [s.totals for s in self.shares if s.totals is not None]
         after = [c for s in self.shares for c in (*s.counts, *([s.last] if s.last else []))]
@@ -325,10 +337,17 @@ async def _serve(
             return
         if message[0] == "take":
             conn.send(("take", fleet.take_round()))
+        elif message[0] == "leave" and not fleet.leaving:
+            told_to_leave.append(True)
+            task.cancel()  # the job is over and its done marker missed this share: leave now
 
+    told_to_leave: list[bool] = []
     loop.add_reader(conn.fileno(), readable)
     try:
         await task
+    except asyncio.CancelledError:
+        if not told_to_leave:
+            raise  # the aggregator's process is gone: nobody to report to
     finally:
         with contextlib.suppress(Exception):
             loop.remove_reader(conn.fileno())

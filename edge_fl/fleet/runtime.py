@@ -259,6 +259,11 @@ class Fleet:
         self._downlink_subscribed = asyncio.Event()
         self._clocked: set[asyncio.Task] = set()  # availability loops (blocked on the clock)
 
+    @property
+    def leaving(self) -> bool:
+        """The fleet has stopped serving and its devices are leaving (or have left)."""
+        return self._closing
+
     def use_credentials(self, device_specs: dict[str, BrokerSpec]) -> None:
         """Connect each device with its own spec (its MQTT user); before `run`."""
         missing = [d for d in self.agents if d not in device_specs]

@@ -124,6 +124,13 @@ class GroupCommit:
         done.add_done_callback(lambda f: self._synced(f, group, generation))
         return True
 
+    def close(self) -> None:
+        """Stop the syncer thread (after the fsync in flight, if any): a process that ran a job
+        keeps no thread of it (one would keep the next simulation's fleet in one process)."""
+        if self._syncer is not None:
+            self._syncer.shutdown(wait=True)
+            self._syncer = None
+
     def _synced(self, done: asyncio.Future[None], group: list[tuple[int, int]], gen: int) -> None:
         """The group's fsync is done (event loop thread): acknowledge it, start the next."""
         self._inflight = False

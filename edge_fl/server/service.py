@@ -1536,6 +1536,7 @@ class AggregatorService:
         finally:
             if self.signals is not None:
                 self.signals.detach()
+            self.commit.close()
 
     def _stop_offline(self, exc: Exception) -> list[dict[str, Any]]:
         """Asked to stop while the broker is away: commit and finish; devices cannot be told."""
