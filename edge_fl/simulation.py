@@ -632,7 +632,7 @@ async def _run_with_fleet(
         async def fleet_left() -> None:
             # the done marker ends the fleet; one that missed it (still connecting when a stop
             # came) is told to leave after a grace, as the other processes' shares are
-            with contextlib.suppress(TimeoutError):
+            with contextlib.suppress(TimeoutError, asyncio.CancelledError):  # (broker lost)
                 await asyncio.wait_for(asyncio.shield(fleet_task), timeout=LEAVE_GRACE_S)
             if not fleet_task.done() and not fleet.leaving:
                 fleet_task.cancel()
