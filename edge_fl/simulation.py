@@ -554,7 +554,12 @@ async def _run_with_fleet(
     the global model on its own session (measured rather than charged; N copies on the wire).
     ``signer``: the global messages' key (default: the job's, else a new one); ``shares``: the
     fleet's other processes, forked already (:class:`FleetProcesses`; default: none)."""
-    from edge_fl.fleet.processes import LEAVE_GRACE_S, FleetProcessError, FleetProcesses
+    from edge_fl.fleet.processes import (
+        LEAVE_GRACE_S,
+        FleetProcessError,
+        FleetProcesses,
+        share_fleet,
+    )
 
     job = run.job
     cfg = job.cfg
@@ -600,13 +605,9 @@ async def _run_with_fleet(
         job_document=document,
     )
     n = shares.n  # share 0 of n: the others run in their own processes
-    fleet = job.fleet_runtime(
-        spec, range(0, cfg.data.devices, n) if n > 1 else None, trust=job.trust(signer.verifier)
-    )
+    fleet = share_fleet(job, spec, 0, n, signer.verifier)
     fleet.link = link or DEFAULT_LINK
     fleet.device_downlink = device_downlink
-    if n > 1:
-        fleet.downlink_id += f"-0of{n}"
     with bar:
         aggregator = asyncio.create_task(service.run(), name="aggregator")
         await asyncio.wait(

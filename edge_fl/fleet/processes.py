@@ -61,6 +61,16 @@ def usable_cores() -> int:
     return os.cpu_count() or 1
 
 
+def share_fleet(job: Any, spec: BrokerSpec, index: int, n: int, verifier: Any) -> Any:
+    """Share ``index`` of ``n`` of ``job``'s fleet (``edge-fl fleet --shard`` devices; ``n`` =
+    1: the whole fleet), each share with its own downlink session."""
+    devices = range(index, job.cfg.data.devices, n) if n > 1 else None
+    fleet = job.fleet_runtime(spec, devices, trust=job.trust(verifier))
+    if n > 1:
+        fleet.downlink_id += f"-{index}of{n}"
+    return fleet
+
+
 @dataclass
 class Share:
     """The aggregator process's handle on one forked share."""
@@ -321,10 +331,7 @@ def _share_main(conn: Connection, job: Any, index: int, n: int, verifier: Any) -
 async def _serve(
     conn: Connection, job: Any, index: int, n: int, spec: BrokerSpec, verifier: Any
 ) -> None:
-    fleet = job.fleet_runtime(
-        spec, range(index, job.cfg.data.devices, n), trust=job.trust(verifier)
-    )
-    fleet.downlink_id += f"-{index}of{n}"
+    fleet = share_fleet(job, spec, index, n, verifier)
     loop = asyncio.get_running_loop()
     task = asyncio.create_task(fleet.run(), name=f"fleet-{index}of{n}")
 
