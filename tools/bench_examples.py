@@ -27,9 +27,9 @@ def readme_examples(readme: Path) -> list[list[str]]:
     blocks = re.findall(r"```bash\n(.*?)```", readme.read_text(), flags=re.S)
     out = []
     for block in blocks:
-        for line in block.splitlines():
+        for line in block.replace("\\\n", " ").splitlines():  # a command's continued lines
             line = line.split("#", 1)[0].strip()
-            if line.startswith("edge-fl simulate --mechanism"):
+            if line.startswith("edge-fl simulate --mechanism") and "--track" not in line:
                 out.append(shlex.split(line))
     return out
 
