@@ -33,21 +33,24 @@ def _registered():
 
 class Watched(Coordinator):
     """The coordinator, recording which worker summed which masked input when a round's (or a
-    FedBuff cohort's) masked phase ends, and calling ``on_progress_hook(self, worker)`` after
-    each progress."""
+    FedBuff cohort's) masked phase ends and its U2 (the devices asked to mask), and calling
+    ``on_progress_hook(self, worker)`` after each progress."""
 
     def __init__(self, *args: Any, **kw: Any) -> None:
         super().__init__(*args, **kw)
         self.owners: dict[int, dict[str, str]] = {}
+        self.u2: dict[int, frozenset[str]] = {}
         self.on_progress_hook: Any = None
 
     def merge_masked(self, secure_round: Any, now: float) -> tuple[list[Any], str | None]:
         assert self.round is not None
         self.owners[self.round.number] = dict(self.round.owner)
+        self.u2[self.round.number] = secure_round.forwarded
         return super().merge_masked(secure_round, now)
 
     def merge_cohort(self, number: int, secure_round: Any, now: float):
         self.owners[number] = dict(self.cohort_rounds[number].owner)
+        self.u2[number] = secure_round.forwarded
         return super().merge_cohort(number, secure_round, now)
 
     def on_progress(self, payload: bytes, topic_worker: str | None = None) -> None:
