@@ -689,15 +689,45 @@ class JobConfig(_Section):
         ``data.data_dir`` counts by what it holds, never by its path: two machines with the same
         files agree wherever they keep them, and the same path with other files disagrees. A
         config no job was built from (no identity yet) still hashes the path as written."""
-        shared = self.model_dump(include={"job", "model", "data", "training", "privacy"})
+        shared = self._digested()
         if self._data_bound:
             shared["data"]["data_dir"] = self._data_identity
+        raw = json.dumps(shared, sort_keys=True, default=str).encode()
+        return hashlib.sha256(raw).hexdigest()[:12]
+
+    def _digested(self) -> dict[str, Any]:
+        """The sections :meth:`digest` covers, as written."""
+        shared = self.model_dump(include={"job", "model", "data", "training", "privacy"})
         if self.population.online is not None:  # the same data settings, drawn lazily: other data
             shared["population"] = self.population.model_dump()
         if self.secure_aggregation.enabled:  # only then: existing configs keep their digest
             shared["secure_aggregation"] = self.secure_aggregation.model_dump()
-        raw = json.dumps(shared, sort_keys=True, default=str).encode()
-        return hashlib.sha256(raw).hexdigest()[:12]
+        return shared
+
+    def digest_changes(self, earlier: dict[str, Any]) -> list[str]:
+        """What differs, among the settings the digest covers, from ``earlier`` (a whole config
+        as run.json keeps it), as ``key: old -> new``: what a refused resume names. Empty when
+        only what cannot be seen here differs (the files in the same ``data.data_dir``)."""
+        mine = _dotted(json.loads(json.dumps(self._digested(), default=str)))
+        theirs = _dotted({k: earlier.get(k) for k in self._digested()})
+        keys = sorted(set(mine) | set(theirs))
+        return [f"{k}: {_short(theirs.get(k))} -> {_short(mine.get(k))}"
+                for k in keys if mine.get(k) != theirs.get(k)]  # fmt: skip
+
+
+def _dotted(tree: Any, prefix: str = "") -> dict[str, Any]:
+    """``{"a": {"b": 1}}`` as ``{"a.b": 1}`` (lists are values)."""
+    if not isinstance(tree, dict) or (prefix and not tree):
+        return {prefix: tree}
+    out: dict[str, Any] = {}
+    for key, value in tree.items():
+        out.update(_dotted(value, f"{prefix}.{key}" if prefix else str(key)))
+    return out
+
+
+def _short(value: Any) -> str:
+    text = json.dumps(value, default=str)
+    return text if len(text) <= 40 else text[:37] + "..."
 
 
 def fleet_problem(rounds: RoundsConfig, devices: int) -> str | None:

@@ -340,8 +340,9 @@ def _run_files() -> tuple[str, ...]:
 
 def refuse_resume(cfg: JobConfig, out_dir: str | Path | None) -> None:
     """RunDirError, before anything is written, when ``out_dir`` cannot be resumed: under virtual
-    time, or a job that ran all the rounds asked now (a summary without a stop: resuming would
-    only rewrite it). A run stopped by a signal, or given more rounds, is continued."""
+    time, a run written with other settings, or a job that ran all the rounds asked now (a
+    summary without a stop: resuming would only rewrite it). A run stopped by a signal, or
+    given more rounds, is continued."""
     if cfg.fleet.virtual:
         raise RunDirError(
             lambda w: (
@@ -350,6 +351,8 @@ def refuse_resume(cfg: JobConfig, out_dir: str | Path | None) -> None:
                 f"{w['reproducible']} it gives the same records), or use fleet.clock: wall"
             )
         )
+    if out_dir is not None:
+        refuse_other_settings(cfg, out_dir)
     closed = _rounds_closed(out_dir)
     if closed is not None and closed > cfg.rounds.rounds:
         raise RunDirError(
@@ -374,6 +377,27 @@ def refuse_resume(cfg: JobConfig, out_dir: str | Path | None) -> None:
                     f"or {w['overwrite']}"
                 )
             )
+
+
+def refuse_other_settings(cfg: JobConfig, out_dir: str | Path) -> None:
+    """RunDirError naming what changed when ``out_dir`` holds a run written with other settings
+    (its run.json's config digest); the checkpoint's and the journal's own digests stay the
+    last word (a directory without run.json, say)."""
+    try:
+        earlier = json.loads((Path(out_dir) / "run.json").read_text())
+        digest, config = earlier["config_digest"], earlier["config"]
+    except (OSError, ValueError, TypeError, KeyError):
+        return
+    if digest == cfg.digest() or not isinstance(config, dict):
+        return
+    changed = cfg.digest_changes(config) or [f"the files in data.data_dir ({cfg.data.data_dir})"]
+    what = "; ".join(changed[:6]) + (f"; and {len(changed) - 6} more" if len(changed) > 6 else "")
+    raise RunDirError(
+        lambda w: (
+            f"{out_dir} holds a run with other settings ({what}): {w['resume']} it with the "
+            f"settings it was started with, or start a new {w['out']}, or {w['overwrite']}"
+        )
+    )
 
 
 def _rounds_closed(out_dir: str | Path | None) -> int | None:

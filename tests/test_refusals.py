@@ -79,6 +79,39 @@ def test_simulate_into_a_finished_run_leaves_it_byte_identical(tmp_path):
     assert (out / "notes.txt").read_text() == "mine"
 
 
+def test_resuming_with_other_settings_names_what_changed_and_touches_nothing(tmp_path):
+    """`--resume` with settings the run was not started with (here the learning rate and the
+    fleet's size) is one line naming each changed key with its old and new value, not two
+    digests; the directory stays byte-identical, and the same settings then continue it."""
+    out = tmp_path / "run"
+    common = ["--model", "logreg", "--clients-per-round", "4", "--no-progress", "--out", str(out)]
+    first = run("simulate", *common, "--devices", "4", "--rounds", "2")
+    assert first.returncode == 0, first.stderr
+    before = hashes(out)
+    changed = run("simulate", *common, "--devices", "5", "--lr", "0.05", "--rounds", "3",
+                  "--resume")  # fmt: skip
+    line = one_line_error(changed, f"{out} holds a run with other settings",
+                          "data.devices: 4 -> 5", "training.lr: 0.3 -> 0.05", "--resume", "--out")  # fmt: skip
+    assert "rounds" not in line.split("(")[1].split(")")[0]  # more rounds are no other settings
+    assert hashes(out) == before
+    same = run("simulate", *common, "--devices", "4", "--rounds", "3", "--resume")
+    assert same.returncode == 0, same.stderr
+    assert len((out / "metrics.jsonl").read_text().splitlines()) == 3
+
+
+def test_digest_changes_names_every_changed_key_the_digest_covers():
+    """The digest's own sections, key by key; keys outside them (rounds, broker) never named."""
+    earlier = small().model_dump(mode="json")
+    now = small(**{"job": earlier["job"], "training.lr": 0.01, "privacy.mechanism": "gaussian",
+                   "privacy.epsilon": 4.0, "rounds.rounds": 9})  # fmt: skip
+    assert now.digest_changes(earlier) == [
+        "privacy.epsilon: null -> 4.0",
+        'privacy.mechanism: "none" -> "gaussian"',
+        "training.lr: 0.3 -> 0.01",
+    ]
+    assert small(**{"job": earlier["job"], "rounds.rounds": 9}).digest_changes(earlier) == []
+
+
 @pytest.mark.broker
 def test_the_api_refuses_a_finished_runs_directory_unless_asked_to_overwrite(mosquitto, tmp_path):
     cfg = small(**{"broker.url": mosquitto.url})
