@@ -706,11 +706,12 @@ class JobConfig(_Section):
 
     def digest_changes(self, earlier: dict[str, Any]) -> list[str]:
         """What differs, among the settings the digest covers, from ``earlier`` (a whole config
-        as run.json keeps it), as ``key: old -> new``: what a refused resume names. Empty when
-        only what cannot be seen here differs (the files in the same ``data.data_dir``)."""
+        as run.json keeps it), as ``key: old -> new``: what a refused resume names.
+        ``data.data_dir`` is never named (the digest covers what it holds, not its path); empty
+        when only what cannot be seen here differs (those files)."""
         mine = _dotted(json.loads(json.dumps(self._digested(), default=str)))
         theirs = _dotted({k: earlier.get(k) for k in self._digested()})
-        keys = sorted(set(mine) | set(theirs))
+        keys = sorted((set(mine) | set(theirs)) - {"data.data_dir"})
         return [f"{k}: {_short(theirs.get(k))} -> {_short(mine.get(k))}"
                 for k in keys if mine.get(k) != theirs.get(k)]  # fmt: skip
 

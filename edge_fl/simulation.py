@@ -390,7 +390,7 @@ def refuse_other_settings(cfg: JobConfig, out_dir: str | Path) -> None:
         return
     if digest == cfg.digest() or not isinstance(config, dict):
         return
-    changed = cfg.digest_changes(config) or [f"the files in data.data_dir ({cfg.data.data_dir})"]
+    changed = cfg.digest_changes(config) or [f"the files data.data_dir holds ({cfg.data.data_dir})"]
     what = "; ".join(changed[:6]) + (f"; and {len(changed) - 6} more" if len(changed) > 6 else "")
     raise RunDirError(
         lambda w: (
