@@ -355,8 +355,8 @@ def test_a_crashed_simulation_resumes_from_its_checkpoint_and_journal(mosquitto,
     # round 3 and waited out its deadline for devices that ignored a round past the job's end)
     before = {f.name: f.read_bytes() for f in tmp_path.iterdir() if f.is_file()}
     with pytest.raises(RunDirError, match=r"closed 2 rounds .*more than the 1 asked"):
-        edge_fl.run_simulation(small(**{"broker.url": mosquitto.url, "rounds.rounds": 1}),
-                               tmp_path, resume=True)  # fmt: skip
+        edge_fl.run_simulation(small(**{"broker.url": mosquitto.url, "rounds.rounds": 1,
+                                        "job": cfg.job}), tmp_path, resume=True)  # fmt: skip
     assert {f.name: f.read_bytes() for f in tmp_path.iterdir() if f.is_file()} == before
     result = edge_fl.run_simulation(cfg, tmp_path, resume=True)
     assert result.summary["rounds_closed"] == 4
