@@ -826,39 +826,34 @@ async def run_simulation_async(
             f"{type(job).__name__}"
         )
     given_job = isinstance(job, Job)
-    job = job if isinstance(job, Job) else build_job(job)
-    cfg = job.cfg
-    if resume:
-        refuse_resume(cfg, out_dir)  # before the broker starts and onnx loads on a thread
-    job.check_device_keys()  # the simulated devices' own keys: before anything is written
-    from edge_fl.fleet.processes import FleetProcesses
-    from edge_fl.protocol.signing import Signer
-
-    signer = job.signer or Signer.generate()  # the shares verify what it signs
-    # forked before any thread of ours starts (a forked process holds only the forking thread)
-    n = fleet_processes(cfg, fleet_hook=fleet_hook, given_job=given_job)
-    shares = FleetProcesses.fork(job, n, signer.verifier)
     with contextlib.ExitStack() as stack:
+        broker = _spawn_broker(job.cfg if isinstance(job, Job) else job)  # starts as job builds
+        if broker is not None:
+            stack.callback(broker.stop)
+        job = job if isinstance(job, Job) else build_job(job)
+        cfg = job.cfg
+        if resume:
+            refuse_resume(cfg, out_dir)  # before anything is written or onnx loads on a thread
+        job.check_device_keys()  # the simulated devices' own keys: before anything is written
+        from edge_fl.fleet.processes import FleetProcesses
+        from edge_fl.protocol.signing import Signer
+
+        signer = job.signer or Signer.generate()  # the shares verify what it signs
+        # forked before any thread of ours starts (a forked process holds only the forking
+        # thread); the shares close before the broker stops: their devices leave first
+        n = fleet_processes(cfg, fleet_hook=fleet_hook, given_job=given_job)
+        meta = job.metadata()  # (it imports the job's generator, which the shares' devices use)
+        shares = FleetProcesses.fork(job, n, signer.verifier)
         stack.callback(shares.close)
         if cfg.model.evaluate_with == "onnxruntime" and job.onnx is not None:
             _preload(job)
         timings = {"build_s": round(time.perf_counter() - t_start, 4)}
-        meta = job.metadata()
-        if cfg.broker.url:
+        if broker is None:
+            assert cfg.broker.url  # (_spawn_broker: None only with a URL)
             spec = parse_broker_url(cfg.broker.url)
             meta["broker"] = {"kind": "external", "url": spec.redacted()}
         else:
-            from edge_fl.transport.broker import EmbeddedBroker
-
-            broker = EmbeddedBroker(kind=cfg.broker.embedded)
-            if broker.max_devices is not None and cfg.data.devices > broker.max_devices:
-                raise ValueError(
-                    f"data.devices = {cfg.data.devices} exceeds the {broker.kind} fallback "
-                    f"broker's cap of {broker.max_devices}; install mosquitto (apt-get install "
-                    "mosquitto) or pass --broker mqtt://HOST:PORT"
-                )
-            stack.enter_context(broker)
-            stack.callback(shares.close)  # before the broker stops: their devices leave first
+            broker.wait_ready()
             spec = parse_broker_url(broker.url)
             meta["broker"] = {"kind": f"embedded-{broker.kind}", "url": broker.url}
             timings["broker_ready_s"] = round(time.perf_counter() - t_start, 4)
@@ -894,6 +889,22 @@ async def run_simulation_async(
     if out_dir:
         write_json(Path(out_dir) / "summary.json", summary)
     return SimulationResult(summary, run.recorder.records, run.core.params.copy(), job)
+
+
+def _spawn_broker(cfg: JobConfig) -> Any:
+    """The embedded broker, its process started (None: ``broker.url`` names one to use)."""
+    if cfg.broker.url:
+        return None
+    from edge_fl.transport.broker import EmbeddedBroker
+
+    broker = EmbeddedBroker(kind=cfg.broker.embedded)
+    if broker.max_devices is not None and cfg.data.devices > broker.max_devices:
+        raise ValueError(
+            f"data.devices = {cfg.data.devices} exceeds the {broker.kind} fallback broker's "
+            f"cap of {broker.max_devices}; install mosquitto (apt-get install mosquitto) or "
+            "pass --broker mqtt://HOST:PORT"
+        )
+    return broker.spawn()
 
 
 def run_simulation(

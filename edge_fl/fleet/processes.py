@@ -48,6 +48,9 @@ TAKE_TIMEOUT_S = 2.0
 LEAVE_GRACE_S = 1.0
 #: the longest the end of a job waits for a share's devices to leave
 END_TIMEOUT_S = 10.0
+#: what every share imports to build and run its fleet (the devices' connects encode the host
+#: name with the idna codec)
+SHARE_IMPORTS = ("edge_fl.fleet.runtime", "edge_fl.device.runtime", "yaml", "encodings.idna")
 
 
 class FleetProcessError(RuntimeError):
@@ -106,8 +109,8 @@ class FleetProcesses:
         """Fork shares 1..n-1 of ``job``'s fleet (``n`` = 1: none). ``verifier``: the global
         messages' signature key, which every device checks."""
         shares: list[Share] = []
-        if n > 1:  # what every share imports to build its fleet: once, before the fork
-            for module in ("edge_fl.fleet.runtime", "edge_fl.device.runtime", "yaml"):
+        if n > 1:  # once, before the fork, rather than in every share
+            for module in SHARE_IMPORTS:
                 importlib.import_module(module)
         try:
             for index in range(1, n):

@@ -491,7 +491,16 @@ class EmbeddedBroker:
 
     def start(self) -> EmbeddedBroker:
         """Start and wait until the broker accepts connections; returns self."""
+        return self.spawn().wait_ready()
+
+    def spawn(self) -> EmbeddedBroker:
+        """Start the broker's process without waiting for it (:meth:`wait_ready` waits): a
+        simulation builds its job while the broker starts."""
         self._begin()
+        return self
+
+    def wait_ready(self) -> EmbeddedBroker:
+        """Wait until the spawned broker accepts connections (stopped if it never does)."""
         try:
             while not self._poll():
                 if time.monotonic() > self._deadline:
