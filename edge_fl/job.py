@@ -369,8 +369,8 @@ class Job:
         model = self.model
 
         def with_onnxruntime(w: np.ndarray) -> tuple[float, float]:
-            from edge_fl.models.onnx_export import onnx_weights
             from edge_fl.models.onnx_runtime import OnnxClassifier
+            from edge_fl.models.onnx_template import onnx_weights
 
             session = self.evaluation_session()
             if session is None:
@@ -387,11 +387,18 @@ class Job:
         devices connect (about 10 ms of the first round otherwise)."""
         with _SESSION_LOCK:
             if "session" not in self._evaluation:
-                from edge_fl.models.onnx_export import onnx_with_weight_inputs
                 from edge_fl.models.onnx_runtime import OnnxClassifier
+                from edge_fl.models.onnx_template import template
 
-                reuse = not callable(getattr(self.model, "onnx_bytes", None))
-                graph = onnx_with_weight_inputs(self.model) if reuse else None
+                graph = None
+                if not callable(getattr(self.model, "onnx_bytes", None)):
+                    made = template(self.model)  # the numpy models, without importing onnx
+                    if made is not None:
+                        graph = made.with_weight_inputs
+                    else:
+                        from edge_fl.models.onnx_export import onnx_with_weight_inputs
+
+                        graph = onnx_with_weight_inputs(self.model)
                 self._evaluation["session"] = None if graph is None else OnnxClassifier(graph)
             return self._evaluation["session"]
 

@@ -503,7 +503,8 @@ def _remove_run_files(d: Path) -> None:
 
 
 def _preload(job: Job) -> None:
-    """On a thread, import onnx and onnxruntime (about 0.3 s on a slow machine) and build the
+    """On a thread, import onnxruntime (and onnx, the first time a model's shape is seen on this
+    machine: edge_fl.models.onnx_template; about 0.3 s on a slow machine) and build the
     job's evaluation session, while the broker starts and devices connect, which mostly wait
     on sockets, instead of on the event loop when the first round closes. A failure is left
     for the real call to report. Not a daemon: a command that fails before its first round
@@ -513,7 +514,7 @@ def _preload(job: Job) -> None:
 
     def load() -> None:
         with contextlib.suppress(Exception):
-            importlib.import_module("edge_fl.models.onnx_export")
+            importlib.import_module("edge_fl.models.onnx_runtime")
             job.evaluation_session()
 
     threading.Thread(target=load, name="preload").start()

@@ -96,7 +96,8 @@ def onnx_exporter(model: Model) -> Callable[[np.ndarray], bytes] | None:
 
     A model of one's own exports itself with an ``onnx_bytes(params)`` method (the torch wrapper,
     ``edge_fl.models.torch_module``, has one); the packaged models go through
-    ``edge_fl.models.onnx_export``. onnx is imported only when the export runs."""
+    ``edge_fl.models.onnx_export``. onnx is imported only when the export runs, and for the numpy
+    models only the first time a shape is exported on this machine (``onnx_template``)."""
     own = getattr(model, "onnx_bytes", None)
     if callable(own):
         return own
@@ -108,6 +109,11 @@ def onnx_exporter(model: Model) -> Callable[[np.ndarray], bytes] | None:
         return None
 
     def export(params: np.ndarray) -> bytes:
+        from edge_fl.models.onnx_template import onnx_weights, template
+
+        made = template(model)  # the numpy models: without importing onnx (onnx_template)
+        if made is not None:
+            return made.model_bytes(onnx_weights(model, params))
         from edge_fl.models.onnx_export import onnx_bytes
 
         return onnx_bytes(model, params)
