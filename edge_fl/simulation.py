@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from edge_fl.config import JobConfig, load_config
+from edge_fl.config import JobConfig, load_config, set_path, validate_config
 from edge_fl.fleet.counts import FleetTotals, merge_totals, round_fields
 from edge_fl.job import Job, build_job
 from edge_fl.metrics import RunRecorder
@@ -353,6 +353,14 @@ def refuse_resume(cfg: JobConfig, out_dir: str | Path | None) -> None:
         )
     if out_dir is not None:
         refuse_other_settings(cfg, out_dir)
+        started = _started_rounds(out_dir)
+        if "rounds" not in cfg.rounds.model_fields_set and started not in (None, cfg.rounds.rounds):
+            raise RunDirError(
+                lambda w: (
+                    f"{out_dir} holds a run started with {started} rounds, and this job has the "
+                    f"default {cfg.rounds.rounds}: give {w['rounds']} (= {started} continues it)"
+                )
+            )
     closed = _rounds_closed(out_dir)
     if closed is not None and closed > cfg.rounds.rounds:
         raise RunDirError(
@@ -377,6 +385,29 @@ def refuse_resume(cfg: JobConfig, out_dir: str | Path | None) -> None:
                     f"or {w['overwrite']}"
                 )
             )
+
+
+def resumed_config(cfg: JobConfig, out_dir: str | Path | None) -> JobConfig:
+    """``cfg`` for resuming the run in ``out_dir``: the rounds it was started with unless
+    ``rounds.rounds`` is given (the default 20 would end a stopped 80-round job at round 20 as
+    if it had finished). Any other setting must match (:func:`refuse_resume`)."""
+    if out_dir is None or "rounds" in cfg.rounds.model_fields_set:
+        return cfg
+    rounds = _started_rounds(out_dir)
+    if rounds is None or rounds == cfg.rounds.rounds:
+        return cfg
+    data = cfg.model_dump(exclude_unset=True)
+    set_path(data, "rounds.rounds", rounds)
+    return validate_config(data, source=f"the run in {out_dir}")
+
+
+def _started_rounds(out_dir: str | Path) -> int | None:
+    """The rounds the run in ``out_dir`` was started with (its run.json), if readable."""
+    try:
+        rounds = json.loads((Path(out_dir) / "run.json").read_text())["config"]["rounds"]["rounds"]
+    except (OSError, ValueError, TypeError, KeyError):
+        return None
+    return rounds if isinstance(rounds, int) and not isinstance(rounds, bool) else None
 
 
 def refuse_other_settings(cfg: JobConfig, out_dir: str | Path) -> None:
@@ -827,6 +858,8 @@ async def run_simulation_async(
             f"{type(job).__name__}"
         )
     given_job = isinstance(job, Job)
+    if resume and isinstance(job, JobConfig):
+        job = resumed_config(job, out_dir)
     with contextlib.ExitStack() as stack:
         broker = _spawn_broker(job.cfg if isinstance(job, Job) else job)  # starts as job builds
         if broker is not None:

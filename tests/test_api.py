@@ -17,6 +17,7 @@ from helpers import mechanisms_registered
 import edge_fl
 from edge_fl.config import ConfigError
 from edge_fl.models.logreg import LogisticRegression
+from edge_fl.simulation import RunDirError
 
 
 def small(**overrides):
@@ -362,6 +363,57 @@ def test_a_crashed_simulation_resumes_from_its_checkpoint_and_journal(mosquitto,
     assert result.summary["rounds_closed"] == 4
     rounds = [json.loads(line)["round"] for line in (tmp_path / "metrics.jsonl").open()]
     assert rounds == [1, 2, 3, 4]  # rounds 1-2 from the first run, 3-4 after the resume
+
+
+@pytest.mark.broker
+def test_a_resume_without_rounds_continues_to_the_rounds_the_run_was_started_with(
+    mosquitto, tmp_path
+):
+    """A run of 5 rounds crashes after round 2. Resumed with a config that does not set
+    rounds.rounds (its default is 20), from the command line and from Python, it goes on to
+    round 5, not 20; a built Job with the default is refused naming the rounds to give; a
+    config that sets rounds.rounds takes it (an outside review: the default silently ended a
+    stopped 80-round run at round 20)."""
+    keys = {
+        "job": f"api-{uuid.uuid4().hex[:8]}",
+        "model.name": "logreg",
+        "data.devices": 6,
+        "rounds.clients_per_round": 6,
+        "broker.url": mosquitto.url,
+    }
+
+    class Crash(Exception):
+        pass
+
+    def crash_after(n):
+        def hook(record):
+            if record["round"] == n:
+                raise Crash
+
+        return hook
+
+    started = edge_fl.load_config(None, {**keys, "rounds.rounds": 5})
+    for out in (tmp_path / "cli", tmp_path / "api"):
+        with pytest.raises(Crash):
+            edge_fl.run_simulation(started, out, on_record=crash_after(2))
+    unset = edge_fl.load_config(None, keys)
+    assert unset.rounds.rounds == 20
+    with pytest.raises(RunDirError, match=r"started with 5 rounds.*default 20.*rounds\.rounds"):
+        edge_fl.run_simulation(edge_fl.build_job(unset), tmp_path / "api", resume=True)
+    result = edge_fl.run_simulation(unset, tmp_path / "api", resume=True)
+    assert result.summary["rounds_closed"] == 5 and result.summary["rounds"] == 5
+    flags = ["--job", keys["job"], "--model", "logreg", "--devices", "6"]
+    flags += ["--clients-per-round", "6", "--broker", mosquitto.url, "--no-progress"]
+    entry = "import sys; from edge_fl.cli import main; sys.argv[0] = 'edge-fl'; main()"
+    done = subprocess.run(
+        [sys.executable, "-c", entry, "simulate", *flags, "--out", str(tmp_path / "cli"),
+         "--resume"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert "rounds 5/5 closed" in done.stdout, done.stdout
+    more = edge_fl.load_config(None, {**keys, "rounds.rounds": 7})
+    assert edge_fl.run_simulation(more, tmp_path / "api", resume=True).summary["rounds"] == 7
 
 
 def test_a_mechanism_that_claims_privacy_but_charges_nothing_is_refused(tmp_path):

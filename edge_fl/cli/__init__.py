@@ -418,6 +418,10 @@ def simulate(
 
     if resume and (not out or overwrite):
         fail("--resume continues the run in --out DIR (and cannot be combined with --overwrite)")
+    if resume:
+        from edge_fl.simulation import resumed_config
+
+        cfg = resumed_config(cfg, out)  # the run's rounds unless --rounds is given
     if out and not overwrite and not resume and (track is not None or tensorboard_dir is not None):
         try:  # the run would refuse the directory: refuse before a tracked run is opened
             refuse_earlier_run(out)

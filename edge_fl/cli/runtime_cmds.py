@@ -112,6 +112,10 @@ def aggregator(
         fail("--resume needs --out DIR (where the checkpoint is)")
     if resume and overwrite:
         fail("--resume and --overwrite contradict each other: continue the run, or replace it")
+    if resume:
+        from edge_fl.simulation import resumed_config
+
+        cfg = resumed_config(cfg, out)  # the run's rounds unless --rounds is given
     from edge_fl.storage import OutputError
     from edge_fl.tracking import tracked
 
