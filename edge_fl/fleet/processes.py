@@ -12,7 +12,9 @@ share's totals when its devices have left.
 A share stops when the job's done marker reaches its devices, as any fleet does. It ignores
 SIGINT and SIGTERM (Ctrl-C reaches the whole process group): the aggregator's process decides
 the open round and publishes that marker. If the aggregator's process dies, the pipe closes
-and the share's devices leave. A share that fails is reported to the aggregator's process,
+and the share exits at once: its sessions' sockets close and the broker publishes each
+device's last will, as for any fleet process that dies (leaving one by one would wait out a
+publish timeout on a broker that usually died with the aggregator). A share that fails is reported to the aggregator's process,
 which stops the job cleanly (the open round decided, everything written, resumable)."""
 
 from __future__ import annotations
@@ -324,11 +326,17 @@ def _share_main(conn: Connection, job: Any, index: int, n: int, verifier: Any) -
             conn.send(("error", what))
         log.debug("fleet process %d/%d failed", index, n, exc_info=exc)
     finally:
-        with contextlib.suppress(Exception):
-            logging.shutdown()
-            sys.stdout.flush()
-            sys.stderr.flush()
-        os._exit(code)
+        _exit_now(code)
+
+
+def _exit_now(code: int) -> NoReturn:
+    """End the share's process, from any of its threads: what it logged is flushed, nothing of
+    the aggregator's process (exit handlers, the run's lock, the broker's clean-up) runs."""
+    with contextlib.suppress(Exception):
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+    os._exit(code)
 
 
 async def _serve(
@@ -341,10 +349,14 @@ async def _serve(
     def readable() -> None:
         try:
             message = conn.recv()
-        except (EOFError, OSError):  # the aggregator's process is gone: the devices leave
-            loop.remove_reader(conn.fileno())
-            task.cancel()
-            return
+        except (EOFError, OSError):  # the aggregator's process is gone: nobody to report to
+            log.warning(
+                "fleet process %d/%d: the aggregator's process is gone; exiting (the broker "
+                "publishes its devices' last wills)",
+                index,
+                n,
+            )
+            _exit_now(0)
         if message[0] == "take":
             conn.send(("take", fleet.take_round()))
         elif message[0] == "leave" and not fleet.leaving:
@@ -357,7 +369,7 @@ async def _serve(
         await task
     except asyncio.CancelledError:
         if not told_to_leave:
-            raise  # the aggregator's process is gone: nobody to report to
+            raise
     finally:
         with contextlib.suppress(Exception):
             loop.remove_reader(conn.fileno())
