@@ -7,11 +7,12 @@ back to a default).
 
 from __future__ import annotations
 
+import difflib
 import hashlib
 import json
 import math
 import tomllib
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -757,13 +758,27 @@ def _describe(err: Mapping[str, Any]) -> str:
     key = ".".join(str(p) for p in err["loc"]) or "(top level)"
     value = err.get("input")
     if err["type"] == "extra_forbidden":
-        return f"{key}: unknown key (value {value!r})"
+        near = difflib.get_close_matches(str(err["loc"][-1]), _keys_at(err["loc"][:-1]), n=1)
+        hint = f"; did you mean {'.'.join([*map(str, err['loc'][:-1]), near[0]])}?" if near else ""
+        return f"{key}: unknown key (value {value!r}){hint}"
     if err["type"] == "missing":
         return f"{key}: required key is missing"
     msg = err["msg"].removeprefix("Value error, ")
     if err["type"].startswith(("less", "greater", "literal", "string_pattern", "int", "float")):
         return f"{key} = {value!r}: {msg}"
     return f"{key}: {msg}"
+
+
+def _keys_at(loc: Sequence[Any]) -> list[str]:
+    """The keys the config section at ``loc`` (a path of section names) knows; none when the
+    path does not lead to a section (what a typo is compared with)."""
+    section: Any = JobConfig
+    for part in loc:
+        field = section.model_fields.get(part) if isinstance(part, str) else None
+        section = field.annotation if field is not None else None
+        if not (isinstance(section, type) and issubclass(section, BaseModel)):
+            return []
+    return list(section.model_fields)
 
 
 def validate_config(data: dict[str, Any], source: str = "config") -> JobConfig:

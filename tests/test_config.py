@@ -39,6 +39,12 @@ def test_yaml_and_toml_files_and_flag_overrides(tmp_path):
     [
         ({"rounds.rounds": 0}, "rounds.rounds = 0: Input should be greater than or equal to 1"),
         ({"data.bogus": 1}, "data.bogus: unknown key"),
+        (
+            {"robust.agregator": "median"},
+            "robust.agregator: unknown key (value 'median'); did you mean robust.aggregator?",
+        ),
+        ({"privacy.signds.sign_kk": 0.1}, "did you mean privacy.signds.sign_k?"),
+        ({"robus.aggregator": "median"}, "did you mean robust?"),
         ({"model.name": "res net"}, "model.name = 'res net'"),
         ({"training.lr": -1}, "training.lr = -1"),
         ({"rounds.clients_per_round": 2.5}, "use an integer count >= 1 or a fraction"),
