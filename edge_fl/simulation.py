@@ -401,12 +401,22 @@ def resumed_config(cfg: JobConfig, out_dir: str | Path | None) -> JobConfig:
     return validate_config(data, source=f"the run in {out_dir}")
 
 
-def _started_rounds(out_dir: str | Path) -> int | None:
-    """The rounds the run in ``out_dir`` was started with (its run.json), if readable."""
+def _started_with(out_dir: str | Path) -> tuple[str, dict[str, Any]] | None:
+    """The config digest and config the run in ``out_dir`` was started with (its run.json);
+    None when there is none this code wrote (the checkpoint's own checks then decide)."""
     try:
-        rounds = json.loads((Path(out_dir) / "run.json").read_text())["config"]["rounds"]["rounds"]
+        earlier = json.loads((Path(out_dir) / "run.json").read_text())
+        digest, config = earlier["config_digest"], earlier["config"]
     except (OSError, ValueError, TypeError, KeyError):
         return None
+    return (digest, config) if isinstance(config, dict) else None
+
+
+def _started_rounds(out_dir: str | Path) -> int | None:
+    """The rounds the run in ``out_dir`` was started with, if its run.json says."""
+    _, config = _started_with(out_dir) or ("", {})
+    section = config.get("rounds")
+    rounds = section.get("rounds") if isinstance(section, dict) else None
     return rounds if isinstance(rounds, int) and not isinstance(rounds, bool) else None
 
 
@@ -414,13 +424,10 @@ def refuse_other_settings(cfg: JobConfig, out_dir: str | Path) -> None:
     """RunDirError naming what changed when ``out_dir`` holds a run written with other settings
     (its run.json's config digest); the checkpoint's and the journal's own digests stay the
     last word (a directory without run.json, say)."""
-    try:
-        earlier = json.loads((Path(out_dir) / "run.json").read_text())
-        digest, config = earlier["config_digest"], earlier["config"]
-    except (OSError, ValueError, TypeError, KeyError):
+    started = _started_with(out_dir)
+    if started is None or started[0] == cfg.digest():
         return
-    if digest == cfg.digest() or not isinstance(config, dict):
-        return
+    config = started[1]
     changed = cfg.digest_changes(config) or [f"the files data.data_dir holds ({cfg.data.data_dir})"]
     what = "; ".join(changed[:6]) + (f"; and {len(changed) - 6} more" if len(changed) > 6 else "")
     raise RunDirError(
