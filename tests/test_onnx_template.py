@@ -65,6 +65,58 @@ def test_a_damaged_entry_is_written_again_and_never_served(cache):
         assert entry.read_bytes() == good
 
 
+def test_a_consistent_but_wrong_span_table_is_never_served(cache):
+    """An entry whose digest matches but whose spans do not fit the model's weights (one
+    missing, renamed, overlapping, out of the file) is rebuilt: the biases of the template's
+    own random parameters are never shipped."""
+    import msgpack
+
+    model = make_model("mlp", 12, 5, hidden=8)
+    good = ot.template(model)
+    assert good is not None
+    (entry,) = (cache / "onnx").iterdir()
+    (w1, b1, w2, b2) = (good.spans[n] for n in ("W1", "b1", "W2", "b2"))
+    params = np.random.default_rng(2).standard_normal(model.n_params).astype(np.float32)
+    want = onnx_model(model, params).SerializeToString()
+    for spans in (
+        {"W1": w1, "b1": b1, "W2": w2},  # b2 missing
+        {"W1": w1, "b1": b1, "W2": w2, "Z": b2},  # renamed
+        {"W1": w1, "b1": (w1[0], b1[1]), "W2": w2, "b2": b2},  # overlapping
+        {"W1": w1, "b1": b1, "W2": w2, "b2": (len(good.model) - 4, b2[1])},  # past the end
+    ):
+        forged = {
+            "model": good.model,
+            "with_weight_inputs": good.with_weight_inputs,
+            "spans": {n: list(s) for n, s in spans.items()},
+            "sha256": ot._digest(good.model, good.with_weight_inputs, spans),
+        }
+        entry.write_bytes(msgpack.packb(forged, use_bin_type=True))
+        ot._MEMORY.clear()
+        made = ot.template(model)
+        assert made is not None and made.model_bytes(ot.onnx_weights(model, params)) == want
+        assert made.spans == good.spans
+
+
+def test_no_home_directory_costs_only_the_import(monkeypatch):
+    """HOME and XDG_CACHE_HOME unset and no passwd entry (an arbitrary-UID container): no
+    cache, the export still works."""
+    for name in (ot.CACHE_ENV, "XDG_CACHE_HOME", "HOME"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(ot, "_MEMORY", {})
+
+    def no_home() -> Path:
+        raise RuntimeError("Could not determine home directory.")
+
+    monkeypatch.setattr(Path, "home", staticmethod(no_home))
+    model = make_model("logreg", 12, 5)
+    params = np.ones(model.n_params, dtype=np.float32)
+    made = ot.template(model)
+    assert made is not None
+    assert made.model_bytes(ot.onnx_weights(model, params)) == (
+        onnx_model(model, params).SerializeToString()
+    )
+
+
 def test_an_unwritable_cache_costs_only_the_import(tmp_path, monkeypatch):
     blocker = tmp_path / "a-file"
     blocker.write_text("not a directory")

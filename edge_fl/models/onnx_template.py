@@ -20,6 +20,7 @@ import os
 import sys
 from dataclasses import dataclass
 from importlib import metadata
+from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +43,8 @@ class Template:
 
     def model_bytes(self, weights: dict[str, np.ndarray]) -> bytes:
         """The model with these weights (``onnx_weights``), as onnx would serialize it."""
+        if set(weights) != set(self.spans):
+            raise ValueError(f"weights {sorted(weights)}, the graph has {sorted(self.spans)}")
         out = bytearray(self.model)
         for name, (start, length) in self.spans.items():
             raw = np.ascontiguousarray(weights[name], dtype="<f4").tobytes()
@@ -59,7 +62,9 @@ def template(model: Model) -> Template | None:
     if key is None:
         return None
     if key not in _MEMORY:
-        _MEMORY[key] = _load(key) or _build(model, key)
+        zeros = np.zeros(model.n_params, dtype=np.float32)
+        sizes = {n: w.size * 4 for n, w in onnx_weights(model, zeros).items()}
+        _MEMORY[key] = _load(key, sizes) or _build(model, key)
     return _MEMORY[key]
 
 
@@ -112,11 +117,14 @@ def mlp_hidden(model: Model, n_params: int) -> int:
     return H
 
 
-def cache_dir() -> Path:
-    """Where templates are kept."""
+def cache_dir() -> Path | None:
+    """Where templates are kept (None: nowhere, e.g. a user without a home directory)."""
     if os.environ.get(CACHE_ENV):
         return Path(os.environ[CACHE_ENV])
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    try:
+        base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    except RuntimeError:  # no HOME and no passwd entry (an arbitrary-UID container)
+        return None
     return Path(base) / "edge-fl"
 
 
@@ -128,10 +136,12 @@ def is_torch_model(model: object) -> bool:
 
 def _key(model: Model) -> str | None:
     """What a template depends on: the model's shape, the onnx release that serialized it and
-    the source of the graphs (onnx_export.py), so an edited graph is never served stale."""
+    the source of the graphs and their weights' layout (onnx_export.py, this module), so an
+    edited graph is never served stale."""
     try:
         onnx_version = metadata.version("onnx")
-        source = (Path(__file__).parent / "onnx_export.py").read_bytes()
+        here = Path(__file__).parent
+        source = (here / "onnx_export.py").read_bytes() + (here / "onnx_template.py").read_bytes()
     except (metadata.PackageNotFoundError, OSError):
         return None
     shape = [model.name, int(model.n_features), int(model.n_classes), int(model.n_params)]
@@ -139,22 +149,39 @@ def _key(model: Model) -> str | None:
     return hashlib.sha256(text.encode()).hexdigest()[:24]
 
 
-def _path(key: str) -> Path:
-    return cache_dir() / "onnx" / f"{key}.msgpack"
+def _path(key: str) -> Path | None:
+    base = cache_dir()
+    return None if base is None else base / "onnx" / f"{key}.msgpack"
 
 
-def _load(key: str) -> Template | None:
+def _digest(model: bytes, inputs: bytes, spans: dict[str, tuple[int, int]]) -> str:
+    """What an entry's integrity is checked with: both graphs and the span table."""
+    table = json.dumps(sorted((n, list(s)) for n, s in spans.items())).encode()
+    return hashlib.sha256(b"\0".join([model, inputs, table])).hexdigest()
+
+
+def _load(key: str, sizes: dict[str, int]) -> Template | None:
+    """The cached entry, if it checks out: its digest, and one span per weight (``sizes``: each
+    weight's byte length), each inside the model and none overlapping another."""
+    path = _path(key)
+    if path is None:
+        return None
     try:
-        entry = msgpack.unpackb(_path(key).read_bytes(), raw=False)
-        model, inputs, spans = entry["model"], entry["with_weight_inputs"], entry["spans"]
-        if entry["sha256"] != hashlib.sha256(model + inputs).hexdigest():
+        entry = msgpack.unpackb(path.read_bytes(), raw=False)
+        model, inputs = bytes(entry["model"]), bytes(entry["with_weight_inputs"])
+        spans = {str(n): (int(s), int(length)) for n, (s, length) in entry["spans"].items()}
+        if entry["sha256"] != _digest(model, inputs, spans):
             return None
-        checked = {str(n): (int(s), int(length)) for n, (s, length) in spans.items()}
     except (OSError, ValueError, TypeError, KeyError, AttributeError, msgpack.UnpackException):
         return None
-    if any(s < 0 or length <= 0 or s + length > len(model) for s, length in checked.values()):
+    if {n: length for n, (_, length) in spans.items()} != sizes:
         return None
-    return Template(model, inputs, checked)
+    ordered = sorted(spans.values())
+    if ordered[0][0] < 0 or ordered[-1][0] + ordered[-1][1] > len(model):
+        return None
+    if any(a + la > b for (a, la), (b, _) in pairwise(ordered)):
+        return None
+    return Template(model, inputs, spans)
 
 
 def _build(model: Model, key: str) -> Template | None:
@@ -184,9 +211,11 @@ def _store(key: str, made: Template) -> None:
         "model": made.model,
         "with_weight_inputs": made.with_weight_inputs,
         "spans": {n: list(s) for n, s in made.spans.items()},
-        "sha256": hashlib.sha256(made.model + made.with_weight_inputs).hexdigest(),
+        "sha256": _digest(made.model, made.with_weight_inputs, made.spans),
     }
     path = _path(key)
+    if path is None:
+        return
     partial = path.with_name(f"{path.name}.{os.getpid()}.partial")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
