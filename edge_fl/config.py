@@ -698,36 +698,47 @@ class JobConfig(_Section):
 
     def _digested(self) -> dict[str, Any]:
         """The sections :meth:`digest` covers, as written."""
-        shared = self.model_dump(include={"job", "model", "data", "training", "privacy"})
-        if self.population.online is not None:  # the same data settings, drawn lazily: other data
-            shared["population"] = self.population.model_dump()
-        if self.secure_aggregation.enabled:  # only then: existing configs keep their digest
-            shared["secure_aggregation"] = self.secure_aggregation.model_dump()
-        return shared
+        whole = self.model_dump()
+        return {k: whole[k] for k in digest_sections(whole)}
 
     def digest_changes(self, earlier: dict[str, Any]) -> list[str]:
         """What differs, among the settings the digest covers, from ``earlier`` (a whole config
         as run.json keeps it), as ``key: old -> new``: what a refused resume names.
         ``data.data_dir`` is never named (the digest covers what it holds, not its path); empty
         when only what cannot be seen here differs (those files)."""
-        mine = _dotted(json.loads(json.dumps(self._digested(), default=str)))
-        theirs = _dotted({k: earlier.get(k) for k in self._digested()})
+        sections = digest_sections(self.model_dump()) | digest_sections(earlier)
+        mine = dotted(json.loads(json.dumps(self.model_dump(include=sections), default=str)))
+        theirs = dotted({k: earlier.get(k) for k in sections})
         keys = sorted((set(mine) | set(theirs)) - {"data.data_dir"})
-        return [f"{k}: {_short(theirs.get(k))} -> {_short(mine.get(k))}"
+        return [f"{k}: {short_value(theirs.get(k))} -> {short_value(mine.get(k))}"
                 for k in keys if mine.get(k) != theirs.get(k)]  # fmt: skip
 
 
-def _dotted(tree: Any, prefix: str = "") -> dict[str, Any]:
+def digest_sections(config: Mapping[str, Any]) -> set[str]:
+    """The sections of a whole config (as a mapping) that its digest covers: what devices must
+    agree on. ``population`` only when drawn lazily (other data); ``secure_aggregation`` only
+    when enabled (configs without it keep their digest)."""
+    sections = {"job", "model", "data", "training", "privacy"}
+    population, secure = config.get("population"), config.get("secure_aggregation")
+    if isinstance(population, Mapping) and population.get("online") is not None:
+        sections.add("population")
+    if isinstance(secure, Mapping) and secure.get("enabled"):
+        sections.add("secure_aggregation")
+    return sections
+
+
+def dotted(tree: Any, prefix: str = "") -> dict[str, Any]:
     """``{"a": {"b": 1}}`` as ``{"a.b": 1}`` (lists are values)."""
     if not isinstance(tree, dict) or (prefix and not tree):
         return {prefix: tree}
     out: dict[str, Any] = {}
     for key, value in tree.items():
-        out.update(_dotted(value, f"{prefix}.{key}" if prefix else str(key)))
+        out.update(dotted(value, f"{prefix}.{key}" if prefix else str(key)))
     return out
 
 
-def _short(value: Any) -> str:
+def short_value(value: Any) -> str:
+    """A value as a message quotes it: JSON, cut at 40 characters."""
     text = json.dumps(value, default=str)
     return text if len(text) <= 40 else text[:37] + "..."
 

@@ -33,7 +33,14 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from edge_fl.config import JobConfig, load_config, set_path, validate_config
+from edge_fl.config import (
+    JobConfig,
+    dotted,
+    load_config,
+    set_path,
+    short_value,
+    validate_config,
+)
 from edge_fl.fleet.counts import FleetTotals, merge_totals, round_fields
 from edge_fl.job import Job, build_job
 from edge_fl.metrics import RunRecorder
@@ -299,7 +306,7 @@ def open_run(
     if out_dir is not None and not resume and not overwrite:
         refuse_earlier_run(out_dir)
     if resume:
-        refuse_resume(job.cfg, out_dir)
+        refuse_resume(job.cfg, out_dir, job.mechanism.describe())
     lock = lock_run_dir(out_dir)
     try:
         if out_dir is not None and overwrite and not resume:
@@ -338,11 +345,14 @@ def _run_files() -> tuple[str, ...]:
     return ("metrics.jsonl", "summary.json", "model.onnx", "run.json", STATE, JOURNAL)
 
 
-def refuse_resume(cfg: JobConfig, out_dir: str | Path | None) -> None:
+def refuse_resume(
+    cfg: JobConfig, out_dir: str | Path | None, privacy: dict[str, Any] | None = None
+) -> None:
     """RunDirError, before anything is written, when ``out_dir`` cannot be resumed: under virtual
-    time, a run written with other settings, or a job that ran all the rounds asked now (a
+    time, a run written with other settings or (``privacy``: the built mechanism's
+    ``describe()``) another privacy calibration, or a job that ran all the rounds asked now (a
     summary without a stop: resuming would only rewrite it). A run stopped by a signal, or
-    given more rounds, is continued."""
+    given more rounds that leave the calibration as it was, is continued."""
     if cfg.fleet.virtual:
         raise RunDirError(
             lambda w: (
@@ -353,12 +363,14 @@ def refuse_resume(cfg: JobConfig, out_dir: str | Path | None) -> None:
         )
     if out_dir is not None:
         refuse_other_settings(cfg, out_dir)
-        started = _started_rounds(out_dir)
-        if "rounds" not in cfg.rounds.model_fields_set and started not in (None, cfg.rounds.rounds):
+        if privacy is not None:
+            refuse_other_calibration(privacy, out_dir)
+        asked = _asked_rounds(out_dir)
+        if "rounds" not in cfg.rounds.model_fields_set and asked not in (None, cfg.rounds.rounds):
             raise RunDirError(
                 lambda w: (
-                    f"{out_dir} holds a run started with {started} rounds, and this job has the "
-                    f"default {cfg.rounds.rounds}: give {w['rounds']} (= {started} continues it)"
+                    f"{out_dir} holds a run asked for {asked} rounds, and this job has the "
+                    f"default {cfg.rounds.rounds}: give {w['rounds']} (= {asked} continues it)"
                 )
             )
     closed = _rounds_closed(out_dir)
@@ -388,12 +400,12 @@ def refuse_resume(cfg: JobConfig, out_dir: str | Path | None) -> None:
 
 
 def resumed_config(cfg: JobConfig, out_dir: str | Path | None) -> JobConfig:
-    """``cfg`` for resuming the run in ``out_dir``: the rounds it was started with unless
+    """``cfg`` for resuming the run in ``out_dir``: the rounds it was last asked for unless
     ``rounds.rounds`` is given (the default 20 would end a stopped 80-round job at round 20 as
     if it had finished). Any other setting must match (:func:`refuse_resume`)."""
     if out_dir is None or "rounds" in cfg.rounds.model_fields_set:
         return cfg
-    rounds = _started_rounds(out_dir)
+    rounds = _asked_rounds(out_dir)
     if rounds is None or rounds == cfg.rounds.rounds:
         return cfg
     data = cfg.model_dump(exclude_unset=True)
@@ -412,11 +424,17 @@ def _started_with(out_dir: str | Path) -> tuple[str, dict[str, Any]] | None:
     return (digest, config) if isinstance(config, dict) else None
 
 
-def _started_rounds(out_dir: str | Path) -> int | None:
-    """The rounds the run in ``out_dir`` was started with, if its run.json says."""
-    _, config = _started_with(out_dir) or ("", {})
-    section = config.get("rounds")
-    rounds = section.get("rounds") if isinstance(section, dict) else None
+def _asked_rounds(out_dir: str | Path) -> int | None:
+    """The rounds the run in ``out_dir`` was last asked for: its checkpoint's (written by the
+    latest start or resume), else its run.json's (the first start), if either says."""
+    from edge_fl.server.checkpoint import STATE
+
+    try:
+        rounds = json.loads((Path(out_dir) / STATE).read_text())["rounds"]
+    except (OSError, ValueError, TypeError, KeyError):
+        _, config = _started_with(out_dir) or ("", {})
+        section = config.get("rounds")
+        rounds = section.get("rounds") if isinstance(section, dict) else None
     return rounds if isinstance(rounds, int) and not isinstance(rounds, bool) else None
 
 
@@ -434,6 +452,33 @@ def refuse_other_settings(cfg: JobConfig, out_dir: str | Path) -> None:
         lambda w: (
             f"{out_dir} holds a run with other settings ({what}): {w['resume']} it with the "
             f"settings it was started with, or start a new {w['out']}, or {w['overwrite']}"
+        )
+    )
+
+
+def refuse_other_calibration(privacy: dict[str, Any], out_dir: str | Path) -> None:
+    """RunDirError when the mechanism would now be calibrated otherwise than the run in
+    ``out_dir`` was (its run.json's ``privacy``): a target epsilon is split over
+    ``rounds.rounds`` uploads, outside the config digest, and the ledger accounts every release
+    of a run with its one calibration, so more rounds would report a smaller epsilon than the
+    releases made under the first calibration carry."""
+    try:
+        earlier = json.loads((Path(out_dir) / "run.json").read_text())["privacy"]
+    except (OSError, ValueError, TypeError, KeyError):
+        return
+    now = json.loads(json.dumps(privacy, default=str))
+    if not isinstance(earlier, dict) or earlier == now:
+        return
+    was, new = dotted(earlier), dotted(now)
+    changed = [f"{k}: {short_value(was.get(k))} -> {short_value(new.get(k))}"
+               for k in sorted(set(was) | set(new)) if was.get(k) != new.get(k)]  # fmt: skip
+    what = "; ".join(changed[:4]) + (f"; and {len(changed) - 4} more" if len(changed) > 4 else "")
+    raise RunDirError(
+        lambda w: (
+            f"{out_dir} holds a run whose privacy mechanism was calibrated otherwise ({what}): "
+            f"its releases are accounted with the calibration it started with, which "
+            f"{w['rounds']} feeds; {w['resume']} it with the rounds it was started with (or "
+            f"fix privacy.noise_multiplier and privacy.max_uploads), or start a new {w['out']}"
         )
     )
 
@@ -686,7 +731,7 @@ async def _run_with_fleet(
             await aggregator
         except BaseException:
             fleet_task.cancel()  # no done marker was published: the fleet would wait for one
-            shares.close()  # and the other processes' devices leave
+            shares.close()  # and the other processes exit (their devices' last wills)
             with contextlib.suppress(BaseException):
                 await fleet_task
             raise
@@ -874,14 +919,15 @@ async def run_simulation_async(
         job = job if isinstance(job, Job) else build_job(job)
         cfg = job.cfg
         if resume:
-            refuse_resume(cfg, out_dir)  # before anything is written or onnx loads on a thread
+            # before anything is written or onnx loads on a thread
+            refuse_resume(cfg, out_dir, job.mechanism.describe())
         job.check_device_keys()  # the simulated devices' own keys: before anything is written
         from edge_fl.fleet.processes import FleetProcesses
         from edge_fl.protocol.signing import Signer
 
         signer = job.signer or Signer.generate()  # the shares verify what it signs
         # forked before any thread of ours starts (a forked process holds only the forking
-        # thread); the shares close before the broker stops: their devices leave first
+        # thread); the shares close before the broker stops
         n = fleet_processes(cfg, fleet_hook=fleet_hook, given_job=given_job)
         meta = job.metadata()  # (it imports the job's generator, which the shares' devices use)
         shares = FleetProcesses.fork(job, n, signer.verifier)

@@ -398,7 +398,7 @@ def test_a_resume_without_rounds_continues_to_the_rounds_the_run_was_started_wit
             edge_fl.run_simulation(started, out, on_record=crash_after(2))
     unset = edge_fl.load_config(None, keys)
     assert unset.rounds.rounds == 20
-    with pytest.raises(RunDirError, match=r"started with 5 rounds.*default 20.*rounds\.rounds"):
+    with pytest.raises(RunDirError, match=r"asked for 5 rounds.*default 20.*rounds\.rounds"):
         edge_fl.run_simulation(edge_fl.build_job(unset), tmp_path / "api", resume=True)
     result = edge_fl.run_simulation(unset, tmp_path / "api", resume=True)
     assert result.summary["rounds_closed"] == 5 and result.summary["rounds"] == 5
@@ -412,8 +412,46 @@ def test_a_resume_without_rounds_continues_to_the_rounds_the_run_was_started_wit
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
     assert "rounds 5/5 closed" in done.stdout, done.stdout
-    more = edge_fl.load_config(None, {**keys, "rounds.rounds": 7})
-    assert edge_fl.run_simulation(more, tmp_path / "api", resume=True).summary["rounds"] == 7
+    more = edge_fl.load_config(None, {**keys, "rounds.rounds": 9})
+    with pytest.raises(Crash):  # asked for 9 now, and stopped at round 7
+        edge_fl.run_simulation(more, tmp_path / "api", resume=True, on_record=crash_after(7))
+    # the latest ask, not the first start's 5 (run.json keeps the first start's config)
+    again = edge_fl.run_simulation(unset, tmp_path / "api", resume=True)
+    assert again.summary["rounds_closed"] == 9 and again.summary["rounds"] == 9
+
+
+@pytest.mark.broker
+def test_a_resume_that_would_recalibrate_the_noise_is_refused(mosquitto, tmp_path):
+    """A target epsilon is split over rounds.rounds uploads (outside the config digest): a
+    resume with more rounds would calibrate the rest of the run with more noise and account
+    every earlier release as if it had had it, reporting less than they spent (an outside
+    review: 4.0 reported where dp_accounting gives 5.38). Refused, naming the calibration;
+    with the uploads pinned (privacy.max_uploads), the calibration stays and more rounds go on."""
+    keys = {
+        "job": f"api-{uuid.uuid4().hex[:8]}",
+        "model.name": "logreg",
+        "data.devices": 6,
+        "rounds.clients_per_round": 6,
+        "broker.url": mosquitto.url,
+        "privacy.mechanism": "gaussian",
+        "privacy.epsilon": 4.0,
+    }
+    out = tmp_path / "run"
+    edge_fl.run_simulation(edge_fl.load_config(None, {**keys, "rounds.rounds": 2}), out)
+    before = {f.name: f.read_bytes() for f in out.iterdir() if f.is_file()}
+    with pytest.raises(RunDirError, match=r"calibrated otherwise \(max_uploads: 2 -> 4; noise"):
+        edge_fl.run_simulation(
+            edge_fl.load_config(None, {**keys, "rounds.rounds": 4}), out, resume=True
+        )
+    assert {f.name: f.read_bytes() for f in out.iterdir() if f.is_file()} == before
+    pinned = {**keys, "privacy.max_uploads": 4}
+    out = tmp_path / "pinned"
+    edge_fl.run_simulation(edge_fl.load_config(None, {**pinned, "rounds.rounds": 2}), out)
+    result = edge_fl.run_simulation(
+        edge_fl.load_config(None, {**pinned, "rounds.rounds": 4}), out, resume=True
+    )
+    assert result.summary["rounds_closed"] == 4
+    assert result.summary["epsilon"] == pytest.approx(4.0, rel=1e-6)
 
 
 def test_a_mechanism_that_claims_privacy_but_charges_nothing_is_refused(tmp_path):

@@ -217,7 +217,7 @@ def test_a_killed_aggregator_process_leaves_no_fleet_process(tmp_path):
                  "the fleet process to exit")  # fmt: skip
         err = sim.stderr.read() if sim.stderr else ""
         assert "failed to receive" not in err and "Traceback" not in err, err
-        assert err.count("the aggregator's process is gone") == 1, err
+        assert err.count("the aggregator's process closed its pipe") == 1, err
     finally:
         stop_all(sim)
         for b in broker or []:

@@ -110,6 +110,10 @@ def test_digest_changes_names_every_changed_key_the_digest_covers():
         "training.lr: 0.3 -> 0.01",
     ]
     assert small(**{"job": earlier["job"], "rounds.rounds": 9}).digest_changes(earlier) == []
+    # a section only the earlier run's digest covered is named as well
+    secure = small(**{"job": earlier["job"], "secure_aggregation.enabled": True})
+    changes = small(**{"job": earlier["job"]}).digest_changes(secure.model_dump(mode="json"))
+    assert "secure_aggregation.enabled: true -> false" in changes, changes
 
 
 @pytest.mark.broker

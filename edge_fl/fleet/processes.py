@@ -200,8 +200,9 @@ class FleetProcesses:
         return [f"fleet process {s.index}/{self.n}: {s.error}" for s in self.shares if s.error]
 
     def close(self) -> None:
-        """Close every pipe (a share still running sees it closed, and its devices leave) and
-        reap every share, killing one that does not exit within a few seconds."""
+        """Close every pipe (a share still running sees it closed and exits: the broker
+        publishes its devices' last wills) and reap every share, killing one that does not exit
+        within a few seconds."""
         for share in self.shares:
             self._closed(share)
         for share in self.shares:
@@ -351,8 +352,9 @@ async def _serve(
             message = conn.recv()
         except (EOFError, OSError):  # the aggregator's process is gone: nobody to report to
             log.warning(
-                "fleet process %d/%d: the aggregator's process is gone; exiting (the broker "
-                "publishes its devices' last wills)",
+                "fleet process %d/%d: the aggregator's process closed its pipe (it stopped "
+                "without a done marker, or died); exiting (the broker publishes its devices' "
+                "last wills)",
                 index,
                 n,
             )

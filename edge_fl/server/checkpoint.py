@@ -94,6 +94,7 @@ def save_checkpoint(
         "format": FORMAT,
         "job": core.settings.job,
         "config_digest": core.settings.config_digest,
+        "rounds": core.settings.rounds,  # asked by the latest (re)start: what a resume continues
         **core.snapshot(ledger=False),
         "journal_seq": journal_seq,
         "last_record": last_record,
