@@ -365,6 +365,17 @@ def test_a_crashed_simulation_resumes_from_its_checkpoint_and_journal(mosquitto,
     assert rounds == [1, 2, 3, 4]  # rounds 1-2 from the first run, 3-4 after the resume
 
 
+def resumable(mosquitto) -> dict:
+    """A small job's keys, rounds.rounds left to its default."""
+    return {
+        "job": f"api-{uuid.uuid4().hex[:8]}",
+        "model.name": "logreg",
+        "data.devices": 6,
+        "rounds.clients_per_round": 6,
+        "broker.url": mosquitto.url,
+    }
+
+
 @pytest.mark.broker
 def test_a_resume_without_rounds_continues_to_the_rounds_the_run_was_started_with(
     mosquitto, tmp_path
@@ -374,13 +385,7 @@ def test_a_resume_without_rounds_continues_to_the_rounds_the_run_was_started_wit
     round 5, not 20; a built Job with the default is refused naming the rounds to give; a
     config that sets rounds.rounds takes it (an outside review: the default silently ended a
     stopped 80-round run at round 20)."""
-    keys = {
-        "job": f"api-{uuid.uuid4().hex[:8]}",
-        "model.name": "logreg",
-        "data.devices": 6,
-        "rounds.clients_per_round": 6,
-        "broker.url": mosquitto.url,
-    }
+    keys = resumable(mosquitto)
 
     class Crash(Exception):
         pass
@@ -427,15 +432,7 @@ def test_a_resume_that_would_recalibrate_the_noise_is_refused(mosquitto, tmp_pat
     every earlier release as if it had had it, reporting less than they spent (an outside
     review: 4.0 reported where dp_accounting gives 5.38). Refused, naming the calibration;
     with the uploads pinned (privacy.max_uploads), the calibration stays and more rounds go on."""
-    keys = {
-        "job": f"api-{uuid.uuid4().hex[:8]}",
-        "model.name": "logreg",
-        "data.devices": 6,
-        "rounds.clients_per_round": 6,
-        "broker.url": mosquitto.url,
-        "privacy.mechanism": "gaussian",
-        "privacy.epsilon": 4.0,
-    }
+    keys = {**resumable(mosquitto), "privacy.mechanism": "gaussian", "privacy.epsilon": 4.0}
     out = tmp_path / "run"
     edge_fl.run_simulation(edge_fl.load_config(None, {**keys, "rounds.rounds": 2}), out)
     before = {f.name: f.read_bytes() for f in out.iterdir() if f.is_file()}
