@@ -714,6 +714,8 @@ async def _run_with_fleet(
     )
     n = shares.n  # share 0 of n: the others run in their own processes
     fleet = share_fleet(job, spec, 0, n, signer.verifier)
+    released = device_releases(run.core) if run.resumed is not None else {}
+    fleet.resume_devices(released)
     fleet.link = link or DEFAULT_LINK
     fleet.device_downlink = device_downlink
     with bar:
@@ -723,7 +725,7 @@ async def _run_with_fleet(
             return_when=asyncio.FIRST_COMPLETED,
         )
         job.clock.reset()
-        shares.start(spec, service.request_stop)
+        shares.start(spec, service.request_stop, released)
         fleet_task = asyncio.create_task(fleet.run(), name="fleet")
         await fleet.connected.wait() if not aggregator.done() else None
         timings["fleet_connected_s"] = round(time.perf_counter() - t0, 4)
@@ -822,6 +824,16 @@ def fleet_processes(cfg: JobConfig, *, fleet_hook: Any = None, given_job: bool =
     if cfg.secure_aggregation.enabled or cfg.reproducible:
         return 1
     return max(1, min(usable_cores(), 4, cfg.data.devices))
+
+
+def device_releases(core: Any) -> dict[str, tuple[int, int]]:
+    """Each device's releases in the ledger (``device: (count, last round)``): what a resumed
+    simulation's rebuilt devices go on from (``Fleet.resume_devices``)."""
+    out: dict[str, tuple[int, int]] = {}
+    for device, number, _ in core.releases:
+        count, last = out.get(device, (0, -1))
+        out[device] = (count + 1, max(last, number))
+    return out
 
 
 def _virtual_time_summary(service: AggregatorService, fleet: Any, start_s: float) -> dict:

@@ -195,6 +195,24 @@ def test_max_exposures_stops_a_laplace_device():
     assert math.fsum(e.pure_epsilon for e in budget.events) == pytest.approx(1.5)
 
 
+def test_a_resumed_device_goes_on_from_its_releases_not_from_its_first():
+    """A resumed simulation rebuilds its devices; ``resume(releases, last_round)`` (from the
+    aggregator's ledger) makes the next release the schedule's next one, not its first, least
+    noisy one (an outside audit: 14.19 spent where 8.0 was reported), keeps max_uploads, fills
+    its own budget, and does not answer again the round it answered before the restart."""
+    mech = mechanism("laplace", epsilon=1.5, max_uploads=3)
+    assert mech.max_exposures() == 3
+    budget = DeviceBudget(mech, None, 1e-5)
+    calls = spy(mech)
+    a = agent(mech=mech, budget=budget)
+    a.resume(1, 3)
+    assert a.on_global(gm(3)) is None  # answered before the restart: no fresh noise for it
+    sent = [a.on_global(gm(r)) for r in range(4, 8)]
+    assert [s is not None for s in sent] == [True, True, False, False]
+    assert calls == [1, 2] and a.state.stopped_reason == "budget_exhausted"
+    assert budget.events == [e for j in range(3) for e in mech.release_events(12, j)]
+
+
 def test_a_generous_budget_lets_every_scheduled_release_through():
     mech = mechanism("laplace", epsilon=1.5, max_uploads=3)
     budget = DeviceBudget(mech, 1.5, 1e-5)  # exactly the schedule's total: not exceeded

@@ -304,6 +304,20 @@ class DeviceAgent:
             values = SecureInput(np.asarray(values, dtype=np.int64))
         self._secure_input = {(msg.round, msg.nonce): values}
 
+    def resume(self, releases: int, last_round: int) -> None:
+        """Go on as the device that made ``releases`` releases, the last for ``last_round``: a
+        resumed simulation rebuilds its devices, and the aggregator's ledger is their memory.
+        The schedule and ``max_uploads`` count on from there (not from its first, least noisy
+        release), its own budget holds their events, and a round it answered before the
+        restart (reopened from the journal) is not answered again with fresh noise."""
+        self.state.exposures = self.state.updates_sent = releases
+        self.state.answered_round = max(self.state.answered_round, last_round)
+        if self.budget is not None:
+            self.budget.events = [
+                event for j in range(releases)
+                for event in self.mechanism.release_events(self.n_samples, j)
+            ]  # fmt: skip
+
     def wants(self, msg: GlobalModel) -> bool:
         """Whether this global model asks this device for an update it has not yet given."""
         return self.policy.wants(msg)

@@ -132,13 +132,19 @@ class FleetProcesses:
             raise
         return cls(shares, n)
 
-    def start(self, spec: BrokerSpec, on_failure: Callable[[str], None]) -> None:
-        """Give every share the broker; from here on, a share that fails (or exits before its
-        devices left) calls ``on_failure(why)`` on the running event loop."""
+    def start(
+        self,
+        spec: BrokerSpec,
+        on_failure: Callable[[str], None],
+        released: dict[str, tuple[int, int]] | None = None,
+    ) -> None:
+        """Give every share the broker (and, resumed, each device's releases so far:
+        ``DeviceAgent.resume``); from here on, a share that fails (or exits before its devices
+        left) calls ``on_failure(why)`` on the running event loop."""
         self._on_failure = on_failure
         self._loop = asyncio.get_running_loop()
         for share in self.shares:
-            self._send(share, ("go", spec))
+            self._send(share, ("go", spec, released or {}))
             if not share.closed:
                 self._loop.add_reader(share.conn.fileno(), self._readable, share)
 
@@ -303,7 +309,7 @@ def _share_main(conn: Connection, job: Any, index: int, n: int, verifier: Any) -
             for sig in (signal.SIGINT, signal.SIGTERM):  # Ctrl-C reaches the process group:
                 signal.signal(sig, signal.SIG_IGN)  # the aggregator's process stops the job
         try:
-            _kind, spec = conn.recv()
+            _kind, spec, released = conn.recv()
         except EOFError:  # the job ended before it started (a broker that failed to start)
             os._exit(0)
         # on a thread of its own: the forked thread is inside the aggregator's event loop
@@ -311,7 +317,7 @@ def _share_main(conn: Connection, job: Any, index: int, n: int, verifier: Any) -
 
         def serve() -> None:
             try:
-                asyncio.run(_serve(conn, job, index, n, spec, verifier))
+                asyncio.run(_serve(conn, job, index, n, spec, verifier, released))
             except BaseException as exc:  # reported below
                 outcome.append(exc)
 
@@ -341,9 +347,16 @@ def _exit_now(code: int) -> NoReturn:
 
 
 async def _serve(
-    conn: Connection, job: Any, index: int, n: int, spec: BrokerSpec, verifier: Any
+    conn: Connection,
+    job: Any,
+    index: int,
+    n: int,
+    spec: BrokerSpec,
+    verifier: Any,
+    released: dict[str, tuple[int, int]],
 ) -> None:
     fleet = share_fleet(job, spec, index, n, verifier)
+    fleet.resume_devices(released)
     loop = asyncio.get_running_loop()
     task = asyncio.create_task(fleet.run(), name=f"fleet-{index}of{n}")
 

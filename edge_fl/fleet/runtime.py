@@ -367,6 +367,15 @@ class Fleet:
         if device not in self.crashed and device not in self.unavailable:
             self._hand(agent, InboxArrived(payload), 0)
 
+    def resume_devices(self, released: dict[str, tuple[int, int]]) -> None:
+        """A resumed job: each device of this fleet goes on from its releases so far
+        (``device: (releases, last round)``, from the aggregator's ledger;
+        :meth:`DeviceAgent.resume`)."""
+        for device, (count, last_round) in released.items():
+            agent = self.agents.get(device)
+            if agent is not None:
+                agent.resume(count, last_round)
+
     def take_round(self) -> RoundCounts:
         """This fleet's counts since the previous take (a round's record; merged with other
         processes' shares by :func:`~edge_fl.fleet.counts.round_fields`): every device's wire
