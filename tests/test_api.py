@@ -365,6 +365,21 @@ def test_a_crashed_simulation_resumes_from_its_checkpoint_and_journal(mosquitto,
     assert rounds == [1, 2, 3, 4]  # rounds 1-2 from the first run, 3-4 after the resume
 
 
+class Crash(Exception):
+    """What ``crash_after`` raises: the job's process dies there (its files as a crash leaves
+    them)."""
+
+
+def crash_after(n: int):
+    """An ``on_record`` that raises :class:`Crash` after round ``n``'s record."""
+
+    def hook(record):
+        if record["round"] == n:
+            raise Crash
+
+    return hook
+
+
 def resumable(mosquitto) -> dict:
     """A small job's keys, rounds.rounds left to its default."""
     return {
@@ -386,17 +401,6 @@ def test_a_resume_without_rounds_continues_to_the_rounds_the_run_was_started_wit
     config that sets rounds.rounds takes it (an outside review: the default silently ended a
     stopped 80-round run at round 20)."""
     keys = resumable(mosquitto)
-
-    class Crash(Exception):
-        pass
-
-    def crash_after(n):
-        def hook(record):
-            if record["round"] == n:
-                raise Crash
-
-        return hook
-
     started = edge_fl.load_config(None, {**keys, "rounds.rounds": 5})
     for out in (tmp_path / "cli", tmp_path / "api"):
         with pytest.raises(Crash):
@@ -458,17 +462,9 @@ def test_resumed_devices_keep_their_upload_count(mosquitto, tmp_path):
     all and the job ends at the target epsilon (before: 3 each, 5.06 against a target of 4)."""
     keys = {**resumable(mosquitto), "privacy.mechanism": "gaussian", "privacy.epsilon": 4.0,
             "privacy.max_uploads": 2}  # fmt: skip
-
-    class Crash(Exception):
-        pass
-
-    def crash(record):
-        if record["round"] == 1:
-            raise Crash
-
     with pytest.raises(Crash):
         edge_fl.run_simulation(edge_fl.load_config(None, {**keys, "rounds.rounds": 2}),
-                               tmp_path, on_record=crash)  # fmt: skip
+                               tmp_path, on_record=crash_after(1))  # fmt: skip
     result = edge_fl.run_simulation(
         edge_fl.load_config(None, {**keys, "rounds.rounds": 4}), tmp_path, resume=True
     )
