@@ -477,8 +477,9 @@ def refuse_other_calibration(privacy: dict[str, Any], out_dir: str | Path) -> No
         lambda w: (
             f"{out_dir} holds a run whose privacy mechanism was calibrated otherwise ({what}): "
             f"its releases are accounted with the calibration it started with, which "
-            f"{w['rounds']} feeds; {w['resume']} it with the rounds it was started with (or "
-            f"fix privacy.noise_multiplier and privacy.max_uploads), or start a new {w['out']}"
+            f"{w['rounds']} feeds; {w['resume']} it with the rounds it was started with, or "
+            f"start a new {w['out']} (a run started with privacy.max_uploads set keeps its "
+            "calibration when it is given more rounds)"
         )
     )
 
