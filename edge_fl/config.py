@@ -707,11 +707,9 @@ class JobConfig(_Section):
         ``data.data_dir`` is never named (the digest covers what it holds, not its path); empty
         when only what cannot be seen here differs (those files)."""
         sections = digest_sections(self.model_dump()) | digest_sections(earlier)
-        mine = dotted(json.loads(json.dumps(self.model_dump(include=sections), default=str)))
-        theirs = dotted({k: earlier.get(k) for k in sections})
-        keys = sorted((set(mine) | set(theirs)) - {"data.data_dir"})
-        return [f"{k}: {short_value(theirs.get(k))} -> {short_value(mine.get(k))}"
-                for k in keys if mine.get(k) != theirs.get(k)]  # fmt: skip
+        mine = json.loads(json.dumps(self.model_dump(include=sections), default=str))
+        theirs = {k: earlier.get(k) for k in sections}
+        return changed_keys(theirs, mine, skip={"data.data_dir"})
 
 
 def digest_sections(config: Mapping[str, Any]) -> set[str]:
@@ -727,18 +725,26 @@ def digest_sections(config: Mapping[str, Any]) -> set[str]:
     return sections
 
 
-def dotted(tree: Any, prefix: str = "") -> dict[str, Any]:
+def _dotted(tree: Any, prefix: str = "") -> dict[str, Any]:
     """``{"a": {"b": 1}}`` as ``{"a.b": 1}`` (lists are values)."""
     if not isinstance(tree, dict) or (prefix and not tree):
         return {prefix: tree}
     out: dict[str, Any] = {}
     for key, value in tree.items():
-        out.update(dotted(value, f"{prefix}.{key}" if prefix else str(key)))
+        out.update(_dotted(value, f"{prefix}.{key}" if prefix else str(key)))
     return out
 
 
-def short_value(value: Any) -> str:
-    """A value as a message quotes it: JSON, cut at 40 characters."""
+def changed_keys(old: Any, new: Any, skip: set[str] | frozenset[str] = frozenset()) -> list[str]:
+    """Every dotted key whose value differs between two nested mappings, as ``key: old ->
+    new`` (values as JSON, cut at 40 characters): what a refusal names."""
+    was, now = _dotted(old), _dotted(new)
+    keys = sorted((set(was) | set(now)) - set(skip))
+    return [f"{k}: {_short(was.get(k))} -> {_short(now.get(k))}"
+            for k in keys if was.get(k) != now.get(k)]  # fmt: skip
+
+
+def _short(value: Any) -> str:
     text = json.dumps(value, default=str)
     return text if len(text) <= 40 else text[:37] + "..."
 

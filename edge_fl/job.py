@@ -369,8 +369,8 @@ class Job:
         model = self.model
 
         def with_onnxruntime(w: np.ndarray) -> tuple[float, float]:
+            from edge_fl.models.onnx_layout import onnx_weights
             from edge_fl.models.onnx_runtime import OnnxClassifier
-            from edge_fl.models.onnx_template import onnx_weights
 
             session = self.evaluation_session()
             if session is None:

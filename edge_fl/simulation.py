@@ -33,14 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from edge_fl.config import (
-    JobConfig,
-    dotted,
-    load_config,
-    set_path,
-    short_value,
-    validate_config,
-)
+from edge_fl.config import JobConfig, changed_keys, load_config, set_path, validate_config
 from edge_fl.fleet.counts import FleetTotals, merge_totals, round_fields
 from edge_fl.job import Job, build_job
 from edge_fl.metrics import RunRecorder
@@ -413,15 +406,20 @@ def resumed_config(cfg: JobConfig, out_dir: str | Path | None) -> JobConfig:
     return validate_config(data, source=f"the run in {out_dir}")
 
 
-def _started_with(out_dir: str | Path) -> tuple[str, dict[str, Any]] | None:
-    """The config digest and config the run in ``out_dir`` was started with (its run.json);
-    None when there is none this code wrote (the checkpoint's own checks then decide)."""
+def _run_json(out_dir: str | Path) -> dict[str, Any]:
+    """The run.json of the run in ``out_dir`` (what it was started with), or {} when there is
+    none this code wrote (the checkpoint's own checks then decide)."""
     try:
         earlier = json.loads((Path(out_dir) / "run.json").read_text())
-        digest, config = earlier["config_digest"], earlier["config"]
-    except (OSError, ValueError, TypeError, KeyError):
-        return None
-    return (digest, config) if isinstance(config, dict) else None
+    except (OSError, ValueError):
+        return {}
+    return earlier if isinstance(earlier, dict) else {}
+
+
+def _listed(changed: list[str], limit: int) -> str:
+    return "; ".join(changed[:limit]) + (
+        f"; and {len(changed) - limit} more" if len(changed) > limit else ""
+    )
 
 
 def _asked_rounds(out_dir: str | Path) -> int | None:
@@ -432,8 +430,8 @@ def _asked_rounds(out_dir: str | Path) -> int | None:
     try:
         rounds = json.loads((Path(out_dir) / STATE).read_text())["rounds"]
     except (OSError, ValueError, TypeError, KeyError):
-        _, config = _started_with(out_dir) or ("", {})
-        section = config.get("rounds")
+        config = _run_json(out_dir).get("config")
+        section = config.get("rounds") if isinstance(config, dict) else None
         rounds = section.get("rounds") if isinstance(section, dict) else None
     return rounds if isinstance(rounds, int) and not isinstance(rounds, bool) else None
 
@@ -442,12 +440,12 @@ def refuse_other_settings(cfg: JobConfig, out_dir: str | Path) -> None:
     """RunDirError naming what changed when ``out_dir`` holds a run written with other settings
     (its run.json's config digest); the checkpoint's and the journal's own digests stay the
     last word (a directory without run.json, say)."""
-    started = _started_with(out_dir)
-    if started is None or started[0] == cfg.digest():
+    earlier = _run_json(out_dir)
+    config = earlier.get("config")
+    if not isinstance(config, dict) or earlier.get("config_digest") in (None, cfg.digest()):
         return
-    config = started[1]
     changed = cfg.digest_changes(config) or [f"the files data.data_dir holds ({cfg.data.data_dir})"]
-    what = "; ".join(changed[:6]) + (f"; and {len(changed) - 6} more" if len(changed) > 6 else "")
+    what = _listed(changed, 6)
     raise RunDirError(
         lambda w: (
             f"{out_dir} holds a run with other settings ({what}): {w['resume']} it with the "
@@ -462,17 +460,11 @@ def refuse_other_calibration(privacy: dict[str, Any], out_dir: str | Path) -> No
     ``rounds.rounds`` uploads, outside the config digest, and the ledger accounts every release
     of a run with its one calibration, so more rounds would report a smaller epsilon than the
     releases made under the first calibration carry."""
-    try:
-        earlier = json.loads((Path(out_dir) / "run.json").read_text())["privacy"]
-    except (OSError, ValueError, TypeError, KeyError):
-        return
+    earlier = _run_json(out_dir).get("privacy")
     now = json.loads(json.dumps(privacy, default=str))
     if not isinstance(earlier, dict) or earlier == now:
         return
-    was, new = dotted(earlier), dotted(now)
-    changed = [f"{k}: {short_value(was.get(k))} -> {short_value(new.get(k))}"
-               for k in sorted(set(was) | set(new)) if was.get(k) != new.get(k)]  # fmt: skip
-    what = "; ".join(changed[:4]) + (f"; and {len(changed) - 4} more" if len(changed) > 4 else "")
+    what = _listed(changed_keys(earlier, now), 4)
     raise RunDirError(
         lambda w: (
             f"{out_dir} holds a run whose privacy mechanism was calibrated otherwise ({what}): "

@@ -18,6 +18,7 @@ from edge_fl.job import build_job
 from edge_fl.models import make_model, onnx_exporter
 from edge_fl.models import onnx_template as ot
 from edge_fl.models.onnx_export import onnx_model, onnx_with_weight_inputs
+from edge_fl.models.onnx_layout import onnx_weights
 
 MODELS = [("logreg", {}), ("mlp", {"hidden": 16}), ("mlp", {"hidden": 3})]
 
@@ -44,7 +45,7 @@ def test_a_filled_in_template_is_byte_for_byte_what_onnx_writes(cache, name, opt
     for params in (rng.standard_normal(model.n_params), np.zeros(model.n_params)):
         params = params.astype(np.float32)
         want = onnx_model(model, params).SerializeToString()
-        assert loaded.model_bytes(ot.onnx_weights(model, params)) == want
+        assert loaded.model_bytes(onnx_weights(model, params)) == want
         assert export(params) == want
 
 
@@ -61,7 +62,7 @@ def test_a_damaged_entry_is_written_again_and_never_served(cache):
         entry.write_bytes(damaged)
         ot._MEMORY.clear()
         made = ot.template(model)
-        assert made is not None and made.model_bytes(ot.onnx_weights(model, params)) == want
+        assert made is not None and made.model_bytes(onnx_weights(model, params)) == want
         assert entry.read_bytes() == good
 
 
@@ -93,7 +94,7 @@ def test_a_consistent_but_wrong_span_table_is_never_served(cache):
         entry.write_bytes(msgpack.packb(forged, use_bin_type=True))
         ot._MEMORY.clear()
         made = ot.template(model)
-        assert made is not None and made.model_bytes(ot.onnx_weights(model, params)) == want
+        assert made is not None and made.model_bytes(onnx_weights(model, params)) == want
         assert made.spans == good.spans
 
 
@@ -123,7 +124,7 @@ def exports_what_onnx_writes(model) -> None:
     params = np.ones(model.n_params, dtype=np.float32)
     made = ot.template(model)
     assert made is not None
-    assert made.model_bytes(ot.onnx_weights(model, params)) == (
+    assert made.model_bytes(onnx_weights(model, params)) == (
         onnx_model(model, params).SerializeToString()
     )
 
@@ -132,7 +133,7 @@ def test_weights_of_another_shape_are_refused(cache):
     made = ot.template(make_model("logreg", 12, 5))
     assert made is not None
     with pytest.raises(ValueError, match="bytes"):
-        made.model_bytes(ot.onnx_weights(make_model("logreg", 12, 4), np.zeros(52)))
+        made.model_bytes(onnx_weights(make_model("logreg", 12, 4), np.zeros(52)))
 
 
 def test_a_simulation_of_a_shape_seen_before_never_imports_onnx(tmp_path):

@@ -109,7 +109,8 @@ def onnx_exporter(model: Model) -> Callable[[np.ndarray], bytes] | None:
         return None
 
     def export(params: np.ndarray) -> bytes:
-        from edge_fl.models.onnx_template import onnx_weights, template
+        from edge_fl.models.onnx_layout import onnx_weights
+        from edge_fl.models.onnx_template import template
 
         made = template(model)  # the numpy models: without importing onnx (onnx_template)
         if made is not None:

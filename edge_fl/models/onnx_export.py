@@ -21,9 +21,9 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from .base import Model
-from .onnx_template import flat_params as _flat
-from .onnx_template import is_torch_model as _is_torch_model
-from .onnx_template import onnx_weights
+from .onnx_layout import flat_params as _flat
+from .onnx_layout import is_torch_model as _is_torch_model
+from .onnx_layout import onnx_weights
 
 __all__ = [
     "ONNX_IR_VERSION",
